@@ -1,0 +1,42 @@
+# llmserve — the two commands a new user needs: `make serve` and `make test`.
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+PROTO_SRC := $(wildcard protos/llmserve/v1/*.proto)
+PROTO_OUT := llmserve/v1
+# Where the launcher keeps the converted default model (see llmserve/model_store.py).
+export LLMSERVE_CACHE_DIR ?= $(HOME)/.cache/llmserve
+
+.PHONY: setup protos serve test test-fast bench clean help
+
+help:  ## List the targets
+	@grep -E '^[a-z-]+:.*##' $(MAKEFILE_LIST) | sed 's/:.*##/\t/'
+
+$(VENV)/.installed: pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	# The CPU build of torch, pinned: an unpinned torch pulls several GB of CUDA.
+	$(PY) -m pip install -q torch==2.13.0
+	$(PY) -m pip install -q --no-build-isolation -e '.[dev,redis]'
+	touch $@
+
+setup: $(VENV)/.installed protos  ## Create .venv with everything installed and protos built
+
+# Generated code is never committed: this target rebuilds it into llmserve/v1/.
+protos: $(PROTO_OUT)/.built  ## Generate Python code from protos/
+$(PROTO_OUT)/.built: $(PROTO_SRC) $(VENV)/.installed
+	mkdir -p $(PROTO_OUT)
+	$(PY) -m grpc_tools.protoc -Iprotos --python_out=. --pyi_out=. --grpc_python_out=. $(PROTO_SRC)
+	touch $(PROTO_OUT)/__init__.py $@
+
+serve: setup  ## Serve the default model (SmolLM2-135M-Instruct) on localhost:50051
+	$(VENV)/bin/llmserve serve $(SERVE_ARGS)
+
+test: setup  ## Run the whole test suite (starts real servers on loopback)
+	$(PY) -m pytest -q $(PYTEST_ARGS)
+
+test-fast: setup  ## Tests that do not need the real default model
+	$(PY) -m pytest -q -m "not slow" $(PYTEST_ARGS)
+
+clean:  ## Remove generated code and the virtualenv
+	rm -rf $(PROTO_OUT) $(VENV) *.egg-info

@@ -1,0 +1,47 @@
+"""Length buckets: one shared config that groups prompts by length.
+
+Preprocess reports each prompt's bucket; admission, per-bucket metrics and engine sizing (CUDA
+graph batch sizes, TensorRT-LLM profiles) read the same list so they agree.
+"""
+
+from __future__ import annotations
+
+import bisect
+from dataclasses import dataclass
+
+DEFAULT_BUCKET_BOUNDS = (128, 512, 2048, 8192, 32768, 131072)
+
+
+@dataclass(frozen=True, slots=True)
+class LengthBucket:
+    index: int
+    max_prompt_tokens: int
+
+
+@dataclass(frozen=True, slots=True)
+class BucketConfig:
+    """Upper bounds (inclusive, in tokens), strictly increasing."""
+
+    bounds: tuple[int, ...] = DEFAULT_BUCKET_BOUNDS
+
+    def __post_init__(self) -> None:
+        if not self.bounds or any(b <= a for a, b in zip(self.bounds, self.bounds[1:])):
+            raise ValueError(f"bucket bounds must be non-empty and strictly increasing: {self.bounds}")
+
+    @classmethod
+    def parse(cls, text: str) -> "BucketConfig":
+        """From a comma-separated list, e.g. "128,512,2048"."""
+        return cls(tuple(int(part) for part in text.split(",") if part.strip()))
+
+    def limited_to(self, max_context_tokens: int) -> "BucketConfig":
+        """Buckets up to the model's context, the last one ending exactly there."""
+        kept = tuple(b for b in self.bounds if b < max_context_tokens)
+        return BucketConfig((*kept, max_context_tokens))
+
+    def buckets(self) -> list[LengthBucket]:
+        return [LengthBucket(i, b) for i, b in enumerate(self.bounds)]
+
+    def bucket_for(self, num_tokens: int) -> LengthBucket:
+        """The shortest bucket that holds `num_tokens` (the last one if none does)."""
+        i = min(bisect.bisect_left(self.bounds, num_tokens), len(self.bounds) - 1)
+        return LengthBucket(i, self.bounds[i])

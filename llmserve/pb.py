@@ -1,0 +1,150 @@
+"""Conversions between protobuf messages and internal types, with edge validation.
+
+Protobuf objects stop at the servicers: they call these functions and hand internal dataclasses
+to the rest of the code. Validation errors name the field and the limit.
+"""
+
+from __future__ import annotations
+
+import math
+
+from llmserve.errors import InvalidArgument
+from llmserve.sampling import ChatMessage, FinishReason, SamplingParams, TokenLogprob, TopLogprob
+from llmserve.v1 import common_pb2
+
+MAX_LOGPROBS = 20
+MAX_N = 16
+MAX_STOP_STRINGS = 16
+MAX_STOP_STRING_CHARS = 256
+MAX_STOP_TOKEN_IDS = 64
+
+_FINISH_TO_PB = {
+    None: common_pb2.FINISH_REASON_UNSPECIFIED,
+    FinishReason.STOP: common_pb2.FINISH_REASON_STOP,
+    FinishReason.LENGTH: common_pb2.FINISH_REASON_LENGTH,
+    FinishReason.CANCELLED: common_pb2.FINISH_REASON_CANCELLED,
+    FinishReason.ERROR: common_pb2.FINISH_REASON_ERROR,
+}
+_FINISH_FROM_PB = {v: k for k, v in _FINISH_TO_PB.items()}
+
+
+def finish_reason_to_pb(reason: FinishReason | None) -> int:
+    return _FINISH_TO_PB[reason]
+
+
+def finish_reason_from_pb(value: int) -> FinishReason | None:
+    return _FINISH_FROM_PB.get(value)
+
+
+def _check_range(name: str, value: float, low: float, high: float) -> None:
+    if not math.isfinite(value) or not (low <= value <= high):
+        raise InvalidArgument(f"sampling.{name}", f"must be in [{low:g}, {high:g}], got {value:g}")
+
+
+def sampling_from_pb(pb: common_pb2.SamplingParams, *, default_max_tokens: int) -> SamplingParams:
+    """Validate and resolve defaults. `default_max_tokens` applies when max_tokens is unset."""
+    if pb.HasField("max_tokens") and pb.max_tokens < 1:
+        raise InvalidArgument("sampling.max_tokens", f"must be at least 1, got {pb.max_tokens}")
+    max_tokens = pb.max_tokens if pb.HasField("max_tokens") else default_max_tokens
+    temperature = pb.temperature if pb.HasField("temperature") else 1.0
+    _check_range("temperature", temperature, 0.0, 100.0)
+    top_p = pb.top_p if pb.HasField("top_p") else 1.0
+    if not math.isfinite(top_p) or not (0.0 < top_p <= 1.0):
+        raise InvalidArgument("sampling.top_p", f"must be in (0, 1], got {top_p:g}")
+    min_p = pb.min_p if pb.HasField("min_p") else 0.0
+    _check_range("min_p", min_p, 0.0, 1.0)
+    repetition_penalty = pb.repetition_penalty if pb.HasField("repetition_penalty") else 1.0
+    if not math.isfinite(repetition_penalty) or not (0.0 < repetition_penalty <= 10.0):
+        raise InvalidArgument(
+            "sampling.repetition_penalty", f"must be in (0, 10], got {repetition_penalty:g}"
+        )
+    presence_penalty = pb.presence_penalty if pb.HasField("presence_penalty") else 0.0
+    _check_range("presence_penalty", presence_penalty, -2.0, 2.0)
+    frequency_penalty = pb.frequency_penalty if pb.HasField("frequency_penalty") else 0.0
+    _check_range("frequency_penalty", frequency_penalty, -2.0, 2.0)
+    if pb.HasField("logprobs") and pb.logprobs > MAX_LOGPROBS:
+        raise InvalidArgument("sampling.logprobs", f"at most {MAX_LOGPROBS}, got {pb.logprobs}")
+    n = pb.n if pb.HasField("n") else 1
+    if not (1 <= n <= MAX_N):
+        raise InvalidArgument("sampling.n", f"must be in [1, {MAX_N}], got {n}")
+    if len(pb.stop) > MAX_STOP_STRINGS:
+        raise InvalidArgument("sampling.stop", f"at most {MAX_STOP_STRINGS} strings, got {len(pb.stop)}")
+    for i, s in enumerate(pb.stop):
+        if not s or len(s) > MAX_STOP_STRING_CHARS:
+            raise InvalidArgument(
+                f"sampling.stop[{i}]", f"must be 1 to {MAX_STOP_STRING_CHARS} characters, got {len(s)}"
+            )
+    if len(pb.stop_token_ids) > MAX_STOP_TOKEN_IDS:
+        raise InvalidArgument(
+            "sampling.stop_token_ids", f"at most {MAX_STOP_TOKEN_IDS}, got {len(pb.stop_token_ids)}"
+        )
+    return SamplingParams(
+        max_tokens=max_tokens,
+        temperature=temperature,
+        top_p=top_p,
+        top_k=pb.top_k if pb.HasField("top_k") else 0,
+        min_p=min_p,
+        seed=pb.seed if pb.HasField("seed") else None,
+        stop=tuple(pb.stop),
+        stop_token_ids=tuple(pb.stop_token_ids),
+        ignore_eos=pb.ignore_eos,
+        min_tokens=pb.min_tokens if pb.HasField("min_tokens") else 0,
+        repetition_penalty=repetition_penalty,
+        presence_penalty=presence_penalty,
+        frequency_penalty=frequency_penalty,
+        logprobs=pb.logprobs if pb.HasField("logprobs") else None,
+        n=n,
+    )
+
+
+def sampling_to_pb(params: SamplingParams) -> common_pb2.SamplingParams:
+    pb = common_pb2.SamplingParams(
+        max_tokens=params.max_tokens,
+        temperature=params.temperature,
+        top_p=params.top_p,
+        top_k=params.top_k,
+        min_p=params.min_p,
+        stop=list(params.stop),
+        stop_token_ids=list(params.stop_token_ids),
+        ignore_eos=params.ignore_eos,
+        min_tokens=params.min_tokens,
+        repetition_penalty=params.repetition_penalty,
+        presence_penalty=params.presence_penalty,
+        frequency_penalty=params.frequency_penalty,
+        n=params.n,
+    )
+    if params.seed is not None:
+        pb.seed = params.seed
+    if params.logprobs is not None:
+        pb.logprobs = params.logprobs
+    return pb
+
+
+def chat_from_pb(messages) -> list[ChatMessage]:
+    return [ChatMessage(role=m.role, content=m.content) for m in messages]
+
+
+def chat_to_pb(messages: list[ChatMessage]) -> list[common_pb2.ChatMessage]:
+    return [common_pb2.ChatMessage(role=m.role, content=m.content) for m in messages]
+
+
+def logprobs_to_pb(items: list[TokenLogprob]) -> list[common_pb2.TokenLogprob]:
+    return [
+        common_pb2.TokenLogprob(
+            token_id=lp.token_id,
+            logprob=lp.logprob,
+            top_logprobs=[common_pb2.TopLogprob(token_id=t.token_id, logprob=t.logprob) for t in lp.top_logprobs],
+        )
+        for lp in items
+    ]
+
+
+def logprobs_from_pb(items) -> list[TokenLogprob]:
+    return [
+        TokenLogprob(
+            token_id=lp.token_id,
+            logprob=lp.logprob,
+            top_logprobs=tuple(TopLogprob(t.token_id, t.logprob) for t in lp.top_logprobs),
+        )
+        for lp in items
+    ]

@@ -1,0 +1,61 @@
+"""Internal request types shared by the services (never generated protobuf classes).
+
+Servicers convert protobuf messages to these at the boundary (llmserve.pb); engine code sees
+only these.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+
+class FinishReason(enum.Enum):
+    STOP = "stop"  # EOS, a stop token id or a stop string
+    LENGTH = "length"  # max_tokens or the context was reached
+    CANCELLED = "cancelled"  # client cancel, deadline or Abort
+    ERROR = "error"  # the engine failed on this request
+
+
+@dataclass(frozen=True, slots=True)
+class SamplingParams:
+    """Sampling settings with every default resolved. temperature == 0 means greedy."""
+
+    max_tokens: int
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0  # 0 = no limit
+    min_p: float = 0.0
+    seed: int | None = None  # None = random
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+    min_tokens: int = 0
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logprobs: int | None = None  # None = none; k = chosen token plus k alternatives
+    n: int = 1
+
+    @property
+    def is_greedy(self) -> bool:
+        return self.temperature == 0.0
+
+
+@dataclass(frozen=True, slots=True)
+class ChatMessage:
+    role: str
+    content: str
+
+
+@dataclass(frozen=True, slots=True)
+class TopLogprob:
+    token_id: int
+    logprob: float
+
+
+@dataclass(frozen=True, slots=True)
+class TokenLogprob:
+    token_id: int
+    logprob: float
+    top_logprobs: tuple[TopLogprob, ...] = field(default=())

@@ -1,0 +1,119 @@
+"""Server bootstrap shared by the three services.
+
+`create_server` registers health and reflection on every server and binds the address (port 0
+picks a free port, which it returns). `serve_until_signal` runs the server until SIGTERM/SIGINT
+and then drains: health NOT_SERVING → stop accepting → wait for in-flight RPCs → exit.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import signal
+from dataclasses import dataclass
+from typing import Awaitable, Callable, Iterable
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from llmserve.errors import ErrorMappingInterceptor
+
+log = logging.getLogger(__name__)
+
+# Message size limit for every server and channel: long prompts as packed token ids fit easily.
+MAX_MESSAGE_BYTES = 64 * 1024 * 1024
+CHANNEL_OPTIONS = (
+    ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+    ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+)
+
+
+@dataclass
+class RunningServer:
+    """A started gRPC server, the port it bound and its health servicer."""
+
+    server: grpc.aio.Server
+    port: int
+    health: health.aio.HealthServicer
+    service_names: tuple[str, ...]
+
+    async def set_serving(self, serving: bool) -> None:
+        status = (
+            health_pb2.HealthCheckResponse.SERVING
+            if serving
+            else health_pb2.HealthCheckResponse.NOT_SERVING
+        )
+        for name in ("", *self.service_names):
+            await self.health.set(name, status)
+
+
+async def create_server(
+    address: str,
+    register: Callable[[grpc.aio.Server], None],
+    service_names: Iterable[str],
+    *,
+    interceptors: Iterable[grpc.aio.ServerInterceptor] = (),
+) -> RunningServer:
+    """Build, register and start a server on `address` ("host:port"; port 0 = any free port).
+
+    `register` adds the service's servicers; `service_names` are their full names (for health
+    and reflection). The server starts NOT_SERVING; call `set_serving(True)` once ready.
+    """
+    server = grpc.aio.server(
+        interceptors=(ErrorMappingInterceptor(), *interceptors), options=CHANNEL_OPTIONS
+    )
+    register(server)
+    health_servicer = health.aio.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    names = tuple(service_names)
+    reflection.enable_server_reflection(
+        (*names, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME),
+        server,
+    )
+    port = server.add_insecure_port(address)
+    if port == 0:
+        raise RuntimeError(f"could not bind {address}")
+    await server.start()
+    running = RunningServer(server=server, port=port, health=health_servicer, service_names=names)
+    await running.set_serving(False)
+    return running
+
+
+def write_port_file(path: str | None, port: int) -> None:
+    """Tell a launcher which port was bound (written atomically)."""
+    if not path:
+        return
+    tmp = f"{path}.tmp"
+    with open(tmp, "w") as f:
+        f.write(str(port))
+    os.replace(tmp, path)
+
+
+async def serve_until_signal(
+    running: RunningServer,
+    *,
+    grace_s: float,
+    on_drain: Callable[[], Awaitable[None]] | None = None,
+) -> None:
+    """Serve until SIGTERM or SIGINT, then drain in-flight RPCs for up to `grace_s` seconds."""
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    await stop.wait()
+    log.info("signal received: draining (grace %.1fs)", grace_s)
+    await running.set_serving(False)
+    stop_task = asyncio.create_task(running.server.stop(grace_s))
+    if on_drain is not None:
+        await on_drain()
+    await stop_task
+    log.info("stopped")
+
+
+def configure_logging(service: str, level: str = "INFO") -> None:
+    logging.basicConfig(
+        level=level.upper(),
+        format=f"%(asctime)s %(levelname)s {service} %(name)s: %(message)s",
+    )

@@ -1,0 +1,104 @@
+"""Messages between the inference servicer and an engine core. No protobuf here.
+
+Request lifecycle inside a replica:
+  servicer → AsyncEngine.generate(EngineRequest) → engine thread → EngineCore.add_request
+  EngineCore.step() → [EngineOutput] → per-request asyncio queue → servicer stream
+  cancel/deadline → AsyncEngine.abort → EngineCore.abort_request (frees KV blocks at once)
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from llmserve.sampling import FinishReason, SamplingParams, TokenLogprob
+
+
+@dataclass(slots=True)
+class EngineRequest:
+    """One request as the engine sees it. `block_hashes` may be empty (the engine computes them)."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling: SamplingParams
+    arrival_ns: int
+    block_hashes: list[int] = field(default_factory=list)
+    block_size_tokens: int = 0
+    block_hash_version: int = 0
+    priority: int = 0
+
+
+@dataclass(slots=True)
+class EngineOutput:
+    """Tokens produced for one sequence of a request since its previous output.
+
+    The last output of a sequence has `finish_reason` set, and carries the usage and timing
+    fields; earlier ones leave them at zero.
+    """
+
+    request_id: str
+    sequence_index: int
+    new_token_ids: list[int]
+    logprobs: list[TokenLogprob] | None = None
+    finish_reason: FinishReason | None = None
+    stop_token_id: int | None = None
+    error_message: str = ""
+    num_prompt_tokens: int = 0
+    num_output_tokens: int = 0
+    num_cached_tokens: int = 0
+    queue_time_ns: int = 0
+    time_to_first_token_ns: int = 0
+    total_time_ns: int = 0
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass(frozen=True, slots=True)
+class ModelInfo:
+    model_name: str
+    architecture: str
+    max_context_tokens: int
+    vocab_size: int
+    eos_token_ids: tuple[int, ...]
+    block_size_tokens: int
+    dtype: str
+    backend: str
+    device: str
+
+
+@dataclass(frozen=True, slots=True)
+class EngineLoad:
+    num_running: int
+    num_waiting: int
+    kv_blocks_total: int
+    kv_blocks_used: int
+    num_aborted_total: int = 0
+    num_finished_total: int = 0
+    prefix_cache_queried_tokens_total: int = 0
+    prefix_cache_hit_tokens_total: int = 0
+    num_preemptions_total: int = 0
+
+
+class EngineCore(Protocol):
+    """A synchronous engine: everything runs on the engine thread, one step at a time.
+
+    AsyncEngine owns the thread and calls these methods only from it, so implementations need
+    no locks. `step()` runs one schedule → execute → update iteration and returns the outputs it
+    produced (at most one per running sequence, plus final outputs of finished ones).
+    """
+
+    model_info: ModelInfo
+
+    def add_request(self, request: EngineRequest) -> None: ...
+
+    def abort_request(self, request_id: str) -> bool:
+        """Stop the request and free its KV blocks now; True if it was in flight."""
+        ...
+
+    def has_unfinished_requests(self) -> bool: ...
+
+    def step(self) -> list[EngineOutput]: ...
+
+    def load(self) -> EngineLoad: ...
