@@ -1,0 +1,21 @@
+"""Shared fixtures: tiny real models (built once per session) and the real default model."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from tests.factories import ARCHITECTURES, build_tiny_model
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory) -> Path:
+    """A tiny random Llama checkpoint with a trained BPE tokenizer and a ChatML template."""
+    return build_tiny_model(tmp_path_factory.mktemp("tiny-llama"), "llama")
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dirs(tmp_path_factory) -> dict[str, Path]:
+    """One tiny random checkpoint per supported architecture."""
+    return {arch: build_tiny_model(tmp_path_factory.mktemp(f"tiny-{arch}"), arch) for arch in ARCHITECTURES}
