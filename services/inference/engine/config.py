@@ -1,0 +1,38 @@
+"""Engine configuration: built once by the inference service's __main__ and passed down."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from llmserve.block_hash import DEFAULT_BLOCK_SIZE
+
+BACKENDS = ("torch", "hf", "trtllm")
+
+
+@dataclass(frozen=True, slots=True)
+class EngineConfig:
+    model_path: Path  # local HF checkpoint directory (config.json, *.safetensors, tokenizer.json)
+    model_name: str
+    backend: str = "torch"
+    device: str = "cpu"  # "cpu", "cuda", "cuda:1"
+    dtype: str = "float32"  # "float32", "bfloat16", "float16"
+    block_size_tokens: int = DEFAULT_BLOCK_SIZE
+    # KV pool size: an explicit block count wins; otherwise a fraction of free device memory
+    # (CUDA) or a byte budget (CPU).
+    num_kv_blocks: int | None = None
+    kv_memory_fraction: float = 0.9
+    kv_cpu_memory_bytes: int = 2 * 1024**3
+    max_num_seqs: int = 256  # sequences running at once
+    max_batched_tokens: int = 2048  # per-step token budget (prefill chunks + decodes)
+    max_model_len: int | None = None  # None: the model's context length
+    enable_prefix_caching: bool = True
+    enable_chunked_prefill: bool = True
+    enforce_eager: bool = False  # CUDA: skip CUDA-graph capture
+    seed: int = 0  # engine-level seed for requests that bring none
+
+    def __post_init__(self) -> None:
+        if self.backend not in BACKENDS:
+            raise ValueError(f"backend must be one of {BACKENDS}, got {self.backend!r}")
+        if self.block_size_tokens <= 0:
+            raise ValueError(f"block_size_tokens must be positive, got {self.block_size_tokens}")
