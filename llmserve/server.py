@@ -117,3 +117,5 @@ def configure_logging(service: str, level: str = "INFO") -> None:
         level=level.upper(),
         format=f"%(asctime)s %(levelname)s {service} %(name)s: %(message)s",
     )
+    # grpc's own loggers print a line per RPC at DEBUG; keep them quiet unless asked directly.
+    logging.getLogger("grpc").setLevel(max(logging.INFO, logging.getLogger().level))

@@ -1,0 +1,137 @@
+"""`python -m llmserve.preprocess`: serve the Preprocess service for one model.
+
+Flags → one frozen PreprocessConfig → load tokenizer and template → bind → health SERVING →
+port file → serve until SIGTERM/SIGINT → NOT_SERVING → drain → exit 0.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import sys
+from pathlib import Path
+
+from llmserve.block_hash import DEFAULT_BLOCK_SIZE
+from llmserve.buckets import DEFAULT_BUCKET_BOUNDS, BucketConfig
+from llmserve.preprocess.config import DEFAULT_MAX_OUTPUT_TOKENS, DEFAULT_NUM_WORKERS, PreprocessConfig
+from llmserve.preprocess.server import start_server
+from llmserve.server import configure_logging, serve_until_signal
+
+log = logging.getLogger("llmserve.preprocess")
+
+DEFAULT_PORT = 50052
+
+
+def _buckets(text: str) -> BucketConfig:
+    try:
+        return BucketConfig.parse(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(f"expected increasing token counts like 128,512,2048: {exc}") from exc
+
+
+def _positive_int(text: str) -> int:
+    value = int(text)
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {value}")
+    return value
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="python -m llmserve.preprocess",
+        description="Preprocess service: renders chat templates, tokenizes and validates requests "
+        "for one model, and reports each prompt's length bucket and prefix block hashes.",
+    )
+    parser.add_argument(
+        "--model", required=True, metavar="DIR",
+        help="HF checkpoint directory; tokenizer.json, tokenizer_config.json (chat template, special "
+        "tokens) and config.json (context length, EOS) are read from it once at start",
+    )
+    parser.add_argument("--model-name", metavar="NAME", help="name reported by GetInfo (default: the checkpoint's own name)")
+    parser.add_argument("--host", default="127.0.0.1", help="address to listen on (default: %(default)s)")
+    parser.add_argument(
+        "--port", type=int, default=DEFAULT_PORT, help="port to listen on; 0 picks a free one (default: %(default)s)"
+    )
+    parser.add_argument(
+        "--port-file", metavar="PATH",
+        help="write the bound port here once the tokenizer is loaded and health is SERVING",
+    )
+    parser.add_argument(
+        "--log-level", default="INFO", type=str.upper, choices=("DEBUG", "INFO", "WARNING", "ERROR"),
+        help="DEBUG logs one line per request (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--grace-period-s", type=float, default=10.0, metavar="SECONDS",
+        help="on SIGTERM/SIGINT, seconds to let in-flight RPCs finish (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--block-size", type=_positive_int, default=DEFAULT_BLOCK_SIZE, metavar="TOKENS",
+        help="tokens per block for prefix block hashes; must equal the inference engine's block size "
+        "(default: %(default)s)",
+    )
+    parser.add_argument(
+        "--buckets", type=_buckets, default=BucketConfig(DEFAULT_BUCKET_BOUNDS), metavar="N,N,...",
+        help="length-bucket upper bounds in prompt tokens, increasing; cut at the context, whose length "
+        f"becomes the last bucket (default: {','.join(map(str, DEFAULT_BUCKET_BOUNDS))})",
+    )
+    parser.add_argument(
+        "--max-output-tokens", type=_positive_int, default=DEFAULT_MAX_OUTPUT_TOKENS, metavar="TOKENS",
+        help="largest max_tokens accepted, and the cap when a request leaves it unset "
+        "(capped at the context minus one; default: %(default)s)",
+    )
+    parser.add_argument(
+        "--max-context-tokens", type=_positive_int, metavar="TOKENS",
+        help="prompt + output limit; may only lower the model's own context, e.g. to match an engine "
+        "started with a shorter max model length (default: the model's context)",
+    )
+    parser.add_argument(
+        "--workers", type=_positive_int, default=DEFAULT_NUM_WORKERS, metavar="N",
+        help="threads that tokenize concurrently off the event loop (default: %(default)s)",
+    )
+    return parser
+
+
+def config_from_args(args: argparse.Namespace) -> PreprocessConfig:
+    return PreprocessConfig(
+        model_path=Path(args.model),
+        model_name=args.model_name,
+        host=args.host,
+        port=args.port,
+        port_file=args.port_file,
+        grace_period_s=args.grace_period_s,
+        block_size_tokens=args.block_size,
+        buckets=args.buckets,
+        max_output_tokens=args.max_output_tokens,
+        max_context_tokens=args.max_context_tokens,
+        num_workers=args.workers,
+    )
+
+
+async def _serve(config: PreprocessConfig) -> int:
+    try:
+        server = await start_server(config)
+    except (FileNotFoundError, ValueError) as exc:
+        # A bad model directory or flag combination: one line, no traceback.
+        log.error("cannot start: %s", exc)
+        return 1
+    try:
+        await serve_until_signal(server.running, grace_s=config.grace_period_s)
+    finally:
+        server.close()
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    configure_logging("preprocess", args.log_level)
+    try:
+        config = config_from_args(args)
+    except ValueError as exc:
+        parser.error(str(exc))
+    return asyncio.run(_serve(config))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

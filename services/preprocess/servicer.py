@@ -1,0 +1,133 @@
+"""The Preprocess gRPC servicer: protobuf in and out, the pipeline on worker threads.
+
+Protobuf stops here: requests become internal types (`Chat`, str), the `Preprocessor` runs on a
+thread pool (the Rust tokenizer releases the GIL there, so concurrent requests tokenize in
+parallel and the event loop stays free), and results become responses. Errors propagate as
+`ServiceError`s to the interceptor installed by `create_server`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import logging
+import time
+from concurrent.futures import Executor
+
+import grpc
+
+from llmserve.buckets import LengthBucket
+from llmserve.errors import InvalidArgument
+from llmserve.pb import chat_from_pb
+from llmserve.preprocess.preprocessor import Chat, Preprocessor, TextOrChat
+from llmserve.v1 import common_pb2, preprocess_pb2, preprocess_pb2_grpc
+
+log = logging.getLogger(__name__)
+
+SERVICE_NAME = preprocess_pb2.DESCRIPTOR.services_by_name["Preprocess"].full_name
+
+
+def _chat_from_pb(pb: common_pb2.ChatInput) -> Chat:
+    add_generation_prompt = pb.add_generation_prompt if pb.HasField("add_generation_prompt") else True
+    return Chat(tuple(chat_from_pb(pb.messages)), add_generation_prompt)
+
+
+def _input_from_pb(request, text_field: str) -> TextOrChat | None:
+    """The request's `oneof input` as internal types: its text field, a Chat, or None."""
+    which = request.WhichOneof("input")
+    if which == text_field:
+        return getattr(request, text_field)
+    if which == "chat":
+        return _chat_from_pb(request.chat)
+    return None
+
+
+def _bucket_to_pb(bucket: LengthBucket) -> common_pb2.LengthBucket:
+    return common_pb2.LengthBucket(index=bucket.index, max_prompt_tokens=bucket.max_prompt_tokens)
+
+
+class PreprocessServicer(preprocess_pb2_grpc.PreprocessServicer):
+    def __init__(self, preprocessor: Preprocessor, executor: Executor):
+        self._preprocessor = preprocessor
+        self._executor = executor
+
+    async def _run(self, fn, *args, **kwargs):
+        """Run a blocking pipeline call on the worker threads."""
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self._executor, functools.partial(fn, *args, **kwargs))
+
+    async def Preprocess(
+        self, request: preprocess_pb2.PreprocessRequest, context: grpc.aio.ServicerContext
+    ) -> preprocess_pb2.PreprocessResponse:
+        start_ns = time.perf_counter_ns()
+        request_id = request.request_id or "-"
+        max_tokens = request.max_tokens if request.HasField("max_tokens") else None
+        try:
+            result = await self._run(
+                self._preprocessor.preprocess, _input_from_pb(request, "prompt"), max_tokens
+            )
+        except InvalidArgument as exc:
+            log.info("request_id=%s rejected: %s", request_id, exc.message)
+            raise
+        elapsed_ns = time.perf_counter_ns() - start_ns
+        log.debug(
+            "request_id=%s prompt_tokens=%d bucket=%d max_tokens=%d preprocess_us=%d",
+            request_id,
+            len(result.token_ids),
+            result.bucket.index,
+            result.max_tokens,
+            elapsed_ns // 1000,
+        )
+        return preprocess_pb2.PreprocessResponse(
+            token_ids=result.token_ids,
+            bucket=_bucket_to_pb(result.bucket),
+            block_hashes=result.block_hashes,
+            block_size_tokens=self._preprocessor.block_size_tokens,
+            block_hash_version=self._preprocessor.info.block_hash_version,
+            max_tokens=result.max_tokens,
+            preprocess_time_ns=elapsed_ns,
+        )
+
+    async def Tokenize(
+        self, request: preprocess_pb2.TokenizeRequest, context: grpc.aio.ServicerContext
+    ) -> preprocess_pb2.TokenizeResponse:
+        add_special_tokens = request.add_special_tokens if request.HasField("add_special_tokens") else None
+        try:
+            result = await self._run(
+                self._preprocessor.tokenize, _input_from_pb(request, "text"), add_special_tokens
+            )
+        except InvalidArgument as exc:
+            log.info("tokenize rejected: %s", exc.message)
+            raise
+        return preprocess_pb2.TokenizeResponse(
+            token_ids=result.token_ids, tokens=result.tokens, rendered_prompt=result.rendered_prompt
+        )
+
+    async def Detokenize(
+        self, request: preprocess_pb2.DetokenizeRequest, context: grpc.aio.ServicerContext
+    ) -> preprocess_pb2.DetokenizeResponse:
+        skip_special_tokens = request.skip_special_tokens if request.HasField("skip_special_tokens") else True
+        try:
+            text = await self._run(
+                self._preprocessor.detokenize, list(request.token_ids), skip_special_tokens=skip_special_tokens
+            )
+        except InvalidArgument as exc:
+            log.info("detokenize rejected: %s", exc.message)
+            raise
+        return preprocess_pb2.DetokenizeResponse(text=text)
+
+    async def GetInfo(
+        self, request: preprocess_pb2.GetPreprocessInfoRequest, context: grpc.aio.ServicerContext
+    ) -> preprocess_pb2.GetPreprocessInfoResponse:
+        info = self._preprocessor.info
+        return preprocess_pb2.GetPreprocessInfoResponse(
+            model_name=info.model_name,
+            vocab_size=info.vocab_size,
+            max_context_tokens=info.max_context_tokens,
+            max_output_tokens=info.max_output_tokens,
+            eos_token_ids=info.eos_token_ids,
+            block_size_tokens=info.block_size_tokens,
+            block_hash_version=info.block_hash_version,
+            buckets=[_bucket_to_pb(b) for b in info.buckets],
+            has_chat_template=info.has_chat_template,
+        )

@@ -1,0 +1,93 @@
+"""Edge validation for preprocess requests: every error names the field and the limit.
+
+Pure functions over internal types; the pipeline calls them in order (cheap checks before
+tokenization, length checks after), and they raise `InvalidArgument`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+from llmserve.errors import InvalidArgument
+from llmserve.sampling import ChatMessage
+
+ALLOWED_ROLES = ("system", "user", "assistant", "tool")
+_EXPECTED_ROLES = f"expected one of {', '.join(ALLOWED_ROLES)}"
+
+
+@dataclass(frozen=True, slots=True)
+class Limits:
+    """Token limits found at start-up from the model and the flags."""
+
+    max_context_tokens: int  # prompt + output, in tokens
+    max_output_tokens: int  # largest max_tokens accepted (< max_context_tokens)
+
+    @classmethod
+    def resolve(cls, model_context_tokens: int, context_flag: int | None, output_flag: int) -> "Limits":
+        """Apply --max-context-tokens (may only lower the model's context) and cap the output
+        limit so that at least one prompt token fits."""
+        if context_flag is not None and context_flag > model_context_tokens:
+            raise ValueError(
+                f"--max-context-tokens {context_flag} exceeds the model's context of {model_context_tokens} tokens"
+            )
+        context = context_flag or model_context_tokens
+        return cls(max_context_tokens=context, max_output_tokens=min(output_flag, context - 1))
+
+
+def check_requested_max_tokens(max_tokens: int | None, limits: Limits) -> None:
+    if max_tokens is None:
+        return
+    if max_tokens < 1:
+        raise InvalidArgument("max_tokens", f"must be at least 1, got {max_tokens}")
+    if max_tokens > limits.max_output_tokens:
+        raise InvalidArgument(
+            "max_tokens", f"{max_tokens} exceeds the server limit of {limits.max_output_tokens} output tokens"
+        )
+
+
+def check_prompt(prompt: str) -> None:
+    if not prompt:
+        raise InvalidArgument("prompt", "must not be empty")
+
+
+def check_chat(messages: Sequence[ChatMessage], *, has_chat_template: bool) -> None:
+    if not has_chat_template:
+        raise InvalidArgument("chat", "the model has no chat template; send a prompt instead")
+    if not messages:
+        raise InvalidArgument("chat.messages", "must not be empty")
+    for i, message in enumerate(messages):
+        if not message.role:
+            raise InvalidArgument(f"chat.messages[{i}].role", f"must not be empty; {_EXPECTED_ROLES}")
+        if message.role not in ALLOWED_ROLES:
+            raise InvalidArgument(f"chat.messages[{i}].role", f"unknown role {message.role!r}; {_EXPECTED_ROLES}")
+
+
+def resolve_max_tokens(field: str, num_prompt_tokens: int, requested: int | None, limits: Limits) -> int:
+    """Check the prompt against the context and return max_tokens with the default applied:
+    unset → whatever fits, up to the output limit. `field` names the input ("prompt"/"chat")."""
+    context = limits.max_context_tokens
+    if num_prompt_tokens == 0:
+        raise InvalidArgument(field, "encodes to no tokens")
+    if num_prompt_tokens > context:
+        raise InvalidArgument(field, f"{num_prompt_tokens} tokens exceeds the model context of {context} tokens")
+    if num_prompt_tokens == context:
+        raise InvalidArgument(
+            field, f"{num_prompt_tokens} tokens leaves no room for output in the model context of {context} tokens"
+        )
+    if requested is None:
+        return min(context - num_prompt_tokens, limits.max_output_tokens)
+    if num_prompt_tokens + requested > context:
+        raise InvalidArgument(
+            "max_tokens",
+            f"prompt ({num_prompt_tokens} tokens) + max_tokens ({requested}) exceeds the model context of {context} tokens",
+        )
+    return requested
+
+
+def check_token_ids(token_ids: Sequence[int], vocab_size: int) -> None:
+    if not token_ids or max(token_ids) < vocab_size:
+        return
+    for i, token_id in enumerate(token_ids):
+        if token_id >= vocab_size:
+            raise InvalidArgument(f"token_ids[{i}]", f"{token_id} is outside the vocabulary of {vocab_size} tokens")

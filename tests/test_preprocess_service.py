@@ -1,0 +1,436 @@
+"""The Preprocess service through real gRPC channels: in-process servers on port 0 for the RPCs
+and every INVALID_ARGUMENT path, and once as a subprocess for the launcher contract (port file
+after SERVING, reflection, SIGTERM → exit 0)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import shutil
+import signal
+import sys
+from pathlib import Path
+
+import grpc
+import pytest
+import pytest_asyncio
+import tokenizers
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+from transformers import AutoTokenizer
+
+from llmserve.block_hash import chain_block_hashes
+from llmserve.buckets import BucketConfig
+from llmserve.preprocess.__main__ import build_parser
+from llmserve.preprocess.config import PreprocessConfig
+from llmserve.preprocess.server import start_server
+from llmserve.server import CHANNEL_OPTIONS
+from llmserve.v1 import common_pb2, preprocess_pb2, preprocess_pb2_grpc
+
+pytestmark = pytest.mark.asyncio(loop_scope="session")
+
+CONTEXT = 256  # the tiny models' max_position_embeddings
+MAX_OUTPUT = 100
+BLOCK_SIZE = 4
+ROLES = "expected one of system, user, assistant, tool"
+STRICT_TEMPLATE = (
+    "{% for message in messages %}"
+    "{% if (message['role'] == 'user') != (loop.index0 % 2 == 0) %}"
+    "{{ raise_exception('Conversation roles must alternate user/assistant/user/assistant/...') }}"
+    "{% endif %}"
+    "{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>\\n' }}"
+    "{% endfor %}"
+)
+
+
+def _config(model_dir: Path, **overrides) -> PreprocessConfig:
+    settings = dict(
+        model_path=model_dir,
+        model_name="tiny-llama",
+        port=0,
+        max_output_tokens=MAX_OUTPUT,
+        block_size_tokens=BLOCK_SIZE,
+        buckets=BucketConfig((16, 64)),
+        num_workers=4,
+    )
+    return PreprocessConfig(**{**settings, **overrides})
+
+
+def _variant(model_dir: Path, path: Path, chat_template: str | None) -> Path:
+    """The tiny model's tokenizer files with another chat template (None: none at all)."""
+    path.mkdir()
+    for name in ("config.json", "tokenizer.json"):
+        shutil.copy(model_dir / name, path / name)
+    tokenizer_config = json.loads((model_dir / "tokenizer_config.json").read_text())
+    tokenizer_config.pop("chat_template")
+    if chat_template is not None:
+        tokenizer_config["chat_template"] = chat_template
+    (path / "tokenizer_config.json").write_text(json.dumps(tokenizer_config))
+    return path
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="session")
+async def stubs(tiny_model_dir, tmp_path_factory):
+    """Stubs of three servers on the tiny model: its ChatML template, no template, and a
+    template that raises on roles that do not alternate."""
+    root = tmp_path_factory.mktemp("preprocess-variants")
+    model_dirs = {
+        "main": tiny_model_dir,
+        "no_template": _variant(tiny_model_dir, root / "no-template", None),
+        "strict": _variant(tiny_model_dir, root / "strict", STRICT_TEMPLATE),
+    }
+    servers, channels, result = [], [], {}
+    for name, model_dir in model_dirs.items():
+        server = await start_server(_config(model_dir))
+        channel = grpc.aio.insecure_channel(f"127.0.0.1:{server.port}", options=CHANNEL_OPTIONS)
+        servers.append(server)
+        channels.append(channel)
+        result[name] = preprocess_pb2_grpc.PreprocessStub(channel)
+    result["health"] = health_pb2_grpc.HealthStub(channels[0])
+    yield result
+    for channel in channels:
+        await channel.close()
+    for server in servers:
+        await server.stop(grace_s=1.0)
+
+
+@pytest.fixture(scope="module")
+def stub(stubs):
+    return stubs["main"]
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_model_dir) -> tokenizers.Tokenizer:
+    return tokenizers.Tokenizer.from_file(str(tiny_model_dir / "tokenizer.json"))
+
+
+def _chat(*turns: tuple[str, str], add_generation_prompt: bool | None = None) -> common_pb2.ChatInput:
+    chat = common_pb2.ChatInput(messages=[common_pb2.ChatMessage(role=r, content=c) for r, c in turns])
+    if add_generation_prompt is not None:
+        chat.add_generation_prompt = add_generation_prompt
+    return chat
+
+
+def _x_prompt(num_tokens: int, reference: tokenizers.Tokenizer) -> str:
+    """A prompt of exactly `num_tokens` tokens ("x" is one token and never merges)."""
+    prompt = "x" * num_tokens
+    assert len(reference.encode(prompt).ids) == num_tokens
+    return prompt
+
+
+async def _invalid_argument(call, request) -> str:
+    with pytest.raises(grpc.aio.AioRpcError) as caught:
+        await call(request)
+    assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    return caught.value.details()
+
+
+# --- GetInfo ------------------------------------------------------------------------------
+
+
+async def test_get_info_fills_every_field(stub, reference):
+    info = await stub.GetInfo(preprocess_pb2.GetPreprocessInfoRequest())
+
+    assert info == preprocess_pb2.GetPreprocessInfoResponse(
+        model_name="tiny-llama",
+        vocab_size=reference.get_vocab_size(with_added_tokens=True),
+        max_context_tokens=CONTEXT,
+        max_output_tokens=MAX_OUTPUT,
+        eos_token_ids=[reference.token_to_id("<|im_end|>")],
+        block_size_tokens=BLOCK_SIZE,
+        block_hash_version=1,
+        buckets=[
+            common_pb2.LengthBucket(index=0, max_prompt_tokens=16),
+            common_pb2.LengthBucket(index=1, max_prompt_tokens=64),
+            common_pb2.LengthBucket(index=2, max_prompt_tokens=CONTEXT),
+        ],
+        has_chat_template=True,
+    )
+    # No field left at its proto3 default.
+    assert {field.name for field, _ in info.ListFields()} == {f.name for f in info.DESCRIPTOR.fields}
+
+
+async def test_get_info_reports_a_missing_chat_template(stubs):
+    info = await stubs["no_template"].GetInfo(preprocess_pb2.GetPreprocessInfoRequest())
+    assert info.has_chat_template is False
+
+
+# --- Preprocess ---------------------------------------------------------------------------
+
+
+async def test_preprocess_prompt(stub, reference):
+    prompt = "The capital of France is Paris. Continuous batching lets new requests join the batch."
+    expected_ids = reference.encode(prompt).ids
+    assert 16 < len(expected_ids) <= 64
+
+    response = await stub.Preprocess(preprocess_pb2.PreprocessRequest(request_id="r-1", prompt=prompt))
+
+    assert list(response.token_ids) == expected_ids
+    assert response.bucket == common_pb2.LengthBucket(index=1, max_prompt_tokens=64)
+    assert list(response.block_hashes) == chain_block_hashes(expected_ids, BLOCK_SIZE)
+    assert len(response.block_hashes) == len(expected_ids) // BLOCK_SIZE
+    assert response.block_size_tokens == BLOCK_SIZE
+    assert response.block_hash_version == 1
+    assert response.max_tokens == MAX_OUTPUT
+    assert response.preprocess_time_ns > 0
+
+
+async def test_preprocess_chat_matches_transformers(stub, tiny_model_dir):
+    hf = AutoTokenizer.from_pretrained(tiny_model_dir)
+    turns = [("system", "Be brief."), ("user", "Héllo 東京 🙂"), ("assistant", "Hi."), ("user", "Capital of Italy?")]
+    conversation = [{"role": r, "content": c} for r, c in turns]
+
+    # add_generation_prompt unset means true.
+    with_prompt = await stub.Preprocess(preprocess_pb2.PreprocessRequest(chat=_chat(*turns)))
+    without_prompt = await stub.Preprocess(
+        preprocess_pb2.PreprocessRequest(chat=_chat(*turns, add_generation_prompt=False))
+    )
+
+    for response, add_generation_prompt in ((with_prompt, True), (without_prompt, False)):
+        expected = hf.apply_chat_template(conversation, add_generation_prompt=add_generation_prompt)["input_ids"]
+        assert list(response.token_ids) == expected
+        assert list(response.block_hashes) == chain_block_hashes(expected, BLOCK_SIZE)
+    assert len(with_prompt.token_ids) > len(without_prompt.token_ids)
+
+
+async def test_max_tokens_is_kept_when_it_fits(stub, reference):
+    prompt = _x_prompt(200, reference)
+    response = await stub.Preprocess(preprocess_pb2.PreprocessRequest(prompt=prompt, max_tokens=CONTEXT - 200))
+    assert response.max_tokens == CONTEXT - 200
+    assert response.bucket == common_pb2.LengthBucket(index=2, max_prompt_tokens=CONTEXT)
+
+
+async def test_unset_max_tokens_fills_the_context_up_to_the_output_limit(stub, reference):
+    short = await stub.Preprocess(preprocess_pb2.PreprocessRequest(prompt=_x_prompt(10, reference)))
+    long = await stub.Preprocess(preprocess_pb2.PreprocessRequest(prompt=_x_prompt(200, reference)))
+    assert short.max_tokens == MAX_OUTPUT
+    assert long.max_tokens == CONTEXT - 200
+
+
+async def test_32_concurrent_requests_equal_sequential_ones(stub):
+    requests = []
+    for i in range(32):
+        if i % 2:
+            request = preprocess_pb2.PreprocessRequest(
+                request_id=f"c-{i}", chat=_chat(("user", f"Question {i}: " + "why? " * i))
+            )
+        else:
+            request = preprocess_pb2.PreprocessRequest(
+                request_id=f"p-{i}", prompt=f"Prompt {i}. " + "The capital of Italy is Rome. " * (i // 2)
+            )
+        if i % 3 == 0:
+            request.max_tokens = 1 + i
+        requests.append(request)
+
+    sequential = [await stub.Preprocess(r) for r in requests]
+    concurrent = await asyncio.gather(*(stub.Preprocess(r) for r in requests))
+
+    for response in (*sequential, *concurrent):
+        response.preprocess_time_ns = 0
+    assert list(concurrent) == sequential
+    assert len({tuple(r.token_ids) for r in sequential}) == 32
+
+
+# --- Tokenize and Detokenize --------------------------------------------------------------
+
+
+async def test_tokenize_text(stub, reference):
+    text = "Héllo wörld — 東京 🙂"
+    encoding = reference.encode(text)
+
+    response = await stub.Tokenize(preprocess_pb2.TokenizeRequest(text=text))
+    plain = await stub.Tokenize(preprocess_pb2.TokenizeRequest(text=text, add_special_tokens=False))
+
+    assert list(response.token_ids) == encoding.ids
+    assert list(response.tokens) == encoding.tokens
+    assert response.rendered_prompt == ""
+    assert list(plain.token_ids) == reference.encode(text, add_special_tokens=False).ids
+
+
+async def test_tokenize_chat_returns_the_rendered_prompt(stub, reference):
+    response = await stub.Tokenize(preprocess_pb2.TokenizeRequest(chat=_chat(("user", "Hi"))))
+
+    rendered = (
+        "<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n"
+        "<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n"
+    )
+    assert response.rendered_prompt == rendered
+    assert list(response.token_ids) == reference.encode(rendered, add_special_tokens=False).ids
+    assert list(response.tokens) == reference.encode(rendered, add_special_tokens=False).tokens
+    assert response.tokens[0] == "<|im_start|>"
+
+
+async def test_detokenize_round_trips_and_skips_special_tokens_by_default(stub, reference):
+    text = "Héllo wörld — 東京 🙂"
+    token_ids = reference.encode("<|im_start|>" + text + "<|im_end|>").ids
+
+    skipped = await stub.Detokenize(preprocess_pb2.DetokenizeRequest(token_ids=token_ids))
+    kept = await stub.Detokenize(preprocess_pb2.DetokenizeRequest(token_ids=token_ids, skip_special_tokens=False))
+
+    assert skipped.text == text
+    assert kept.text == "<|im_start|>" + text + "<|im_end|>"
+
+
+# --- Every INVALID_ARGUMENT path ----------------------------------------------------------
+
+
+async def test_preprocess_invalid_arguments(stub, reference):
+    request = preprocess_pb2.PreprocessRequest
+    long_chat = _chat(("user", _x_prompt(300, reference)))
+    num_long_chat_tokens = len((await stub.Tokenize(preprocess_pb2.TokenizeRequest(chat=long_chat))).token_ids)
+    cases = [
+        (request(), "input: set one of prompt or chat"),
+        (request(prompt=""), "prompt: must not be empty"),
+        (request(chat=common_pb2.ChatInput()), "chat.messages: must not be empty"),
+        (request(chat=_chat(("", "hi"))), f"chat.messages[0].role: must not be empty; {ROLES}"),
+        (
+            request(chat=_chat(("user", "a"), ("assistant", "b"), ("robot", "c"))),
+            f"chat.messages[2].role: unknown role 'robot'; {ROLES}",
+        ),
+        (request(chat=_chat(("User", "a"))), f"chat.messages[0].role: unknown role 'User'; {ROLES}"),
+        (
+            request(prompt=_x_prompt(300, reference)),
+            "prompt: 300 tokens exceeds the model context of 256 tokens",
+        ),
+        (
+            request(prompt=_x_prompt(256, reference)),
+            "prompt: 256 tokens leaves no room for output in the model context of 256 tokens",
+        ),
+        (
+            request(chat=long_chat),
+            f"chat: {num_long_chat_tokens} tokens exceeds the model context of 256 tokens",
+        ),
+        (
+            request(prompt=_x_prompt(200, reference), max_tokens=57),
+            "max_tokens: prompt (200 tokens) + max_tokens (57) exceeds the model context of 256 tokens",
+        ),
+        (request(prompt="hi", max_tokens=101), "max_tokens: 101 exceeds the server limit of 100 output tokens"),
+        (request(prompt="hi", max_tokens=0), "max_tokens: must be at least 1, got 0"),
+    ]
+    for case, message in cases:
+        assert await _invalid_argument(stub.Preprocess, case) == message
+
+
+async def test_tokenize_and_detokenize_invalid_arguments(stub, reference):
+    vocab_size = reference.get_vocab_size(with_added_tokens=True)
+    cases = [
+        (stub.Tokenize, preprocess_pb2.TokenizeRequest(), "input: set one of text or chat"),
+        (
+            stub.Tokenize,
+            preprocess_pb2.TokenizeRequest(chat=_chat(("user", "a"), ("robot", "b"))),
+            f"chat.messages[1].role: unknown role 'robot'; {ROLES}",
+        ),
+        (
+            stub.Tokenize,
+            preprocess_pb2.TokenizeRequest(chat=common_pb2.ChatInput()),
+            "chat.messages: must not be empty",
+        ),
+        (
+            stub.Detokenize,
+            preprocess_pb2.DetokenizeRequest(token_ids=[5, vocab_size, vocab_size + 7]),
+            f"token_ids[1]: {vocab_size} is outside the vocabulary of {vocab_size} tokens",
+        ),
+    ]
+    for call, request, message in cases:
+        assert await _invalid_argument(call, request) == message
+
+
+async def test_chat_without_a_chat_template_is_rejected(stubs):
+    message = "chat: the model has no chat template; send a prompt instead"
+    no_template = stubs["no_template"]
+    chat = _chat(("user", "hi"))
+    assert await _invalid_argument(no_template.Preprocess, preprocess_pb2.PreprocessRequest(chat=chat)) == message
+    assert await _invalid_argument(no_template.Tokenize, preprocess_pb2.TokenizeRequest(chat=chat)) == message
+    response = await no_template.Preprocess(preprocess_pb2.PreprocessRequest(prompt="hi"))
+    assert len(response.token_ids) > 0
+
+
+async def test_template_errors_carry_the_template_message(stubs):
+    strict = stubs["strict"]
+    chat = _chat(("user", "a"), ("user", "b"))
+    message = (
+        "chat: the model's chat template rejected the conversation: "
+        "Conversation roles must alternate user/assistant/user/assistant/..."
+    )
+    assert await _invalid_argument(strict.Preprocess, preprocess_pb2.PreprocessRequest(chat=chat)) == message
+    assert await _invalid_argument(strict.Tokenize, preprocess_pb2.TokenizeRequest(chat=chat)) == message
+    ok = await strict.Preprocess(preprocess_pb2.PreprocessRequest(chat=_chat(("user", "a"), ("assistant", "b"))))
+    assert len(ok.token_ids) > 0
+
+
+async def test_server_stays_serving_after_bad_requests(stubs):
+    for _ in range(3):
+        await _invalid_argument(stubs["main"].Preprocess, preprocess_pb2.PreprocessRequest(prompt=""))
+    response = await stubs["health"].Check(health_pb2.HealthCheckRequest(service="llmserve.v1.Preprocess"))
+    assert response.status == health_pb2.HealthCheckResponse.SERVING
+
+
+# --- As a subprocess: the launcher contract -----------------------------------------------
+
+
+async def _wait_for_port_file(path: Path, process: asyncio.subprocess.Process) -> int:
+    for _ in range(600):  # up to a minute: imports on a busy machine
+        if path.exists():
+            return int(path.read_text())
+        if process.returncode is not None:
+            break
+        await asyncio.sleep(0.1)
+    raise AssertionError(f"no port file; server exited with {process.returncode}")
+
+
+async def _list_services(channel: grpc.aio.Channel) -> list[str]:
+    stub = reflection_pb2_grpc.ServerReflectionStub(channel)
+    call = stub.ServerReflectionInfo(iter([reflection_pb2.ServerReflectionRequest(list_services="")]))
+    async for response in call:
+        return [service.name for service in response.list_services_response.service]
+    return []
+
+
+async def test_subprocess_serves_reflects_and_exits_0_on_sigterm(tiny_model_dir, tmp_path):
+    port_file, log_file = tmp_path / "port", tmp_path / "stderr.log"
+    with log_file.open("w") as stderr:
+        process = await asyncio.create_subprocess_exec(
+            sys.executable, "-m", "llmserve.preprocess", "--model", str(tiny_model_dir),
+            "--host", "127.0.0.1", "--port", "0", "--port-file", str(port_file), "--log-level", "DEBUG",
+            "--grace-period-s", "5", "--block-size", "4", "--buckets", "16,64", "--workers", "2",
+            stderr=stderr,
+        )  # fmt: skip
+    try:
+        port = await _wait_for_port_file(port_file, process)
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+            health = await health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest())
+            assert health.status == health_pb2.HealthCheckResponse.SERVING
+            assert "llmserve.v1.Preprocess" in await _list_services(channel)
+            response = await preprocess_pb2_grpc.PreprocessStub(channel).Preprocess(
+                preprocess_pb2.PreprocessRequest(request_id="sub-1", prompt="Hello there")
+            )
+            assert response.block_size_tokens == 4
+        process.send_signal(signal.SIGTERM)
+        assert await asyncio.wait_for(process.wait(), timeout=60) == 0
+    finally:
+        if process.returncode is None:
+            process.kill()
+            await process.wait()
+    log = log_file.read_text()
+    assert f"request_id=sub-1 prompt_tokens={len(response.token_ids)} bucket=0" in log
+    assert "draining" in log
+
+
+async def test_subprocess_with_a_bad_model_dir_exits_1_with_the_reason(tmp_path):
+    process = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "llmserve.preprocess", "--model", str(tmp_path / "missing"), "--port", "0",
+        stderr=asyncio.subprocess.PIPE,
+    )  # fmt: skip
+    _, stderr = await asyncio.wait_for(process.communicate(), timeout=60)
+    assert process.returncode == 1
+    assert f"cannot start: {tmp_path / 'missing'} is not a model directory: config.json is missing" in stderr.decode()
+
+
+async def test_help_explains_every_flag():
+    text = build_parser().format_help()
+    for flag in (
+        "--model", "--model-name", "--host", "--port", "--port-file", "--log-level", "--grace-period-s",
+        "--block-size", "--buckets", "--max-output-tokens", "--max-context-tokens", "--workers",
+    ):  # fmt: skip
+        assert flag in text
+    assert text.count("default:") >= 9
