@@ -19,3 +19,11 @@ def tiny_model_dir(tmp_path_factory) -> Path:
 def tiny_model_dirs(tmp_path_factory) -> dict[str, Path]:
     """One tiny random checkpoint per supported architecture."""
     return {arch: build_tiny_model(tmp_path_factory.mktemp(f"tiny-{arch}"), arch) for arch in ARCHITECTURES}
+
+
+@pytest.fixture(scope="session")
+def default_model_dir() -> Path:
+    """The real SmolLM2-135M-Instruct, fetched and converted once into the llmserve cache."""
+    from tests.default_model import default_model_dir_path
+
+    return default_model_dir_path()
