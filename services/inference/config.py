@@ -1,0 +1,33 @@
+"""Inference service configuration: built once by `__main__` from flags and passed down."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from llmserve.inference.engine.config import EngineConfig
+
+DEFAULT_GRACE_PERIOD_S = 10.0
+
+
+@dataclass(frozen=True, slots=True)
+class InferenceConfig:
+    engine: EngineConfig
+    host: str = "127.0.0.1"
+    port: int = 0  # 0: any free port
+    port_file: str | None = None  # written with the bound port once the engine is loaded
+    # SIGTERM: how long running streams may take to finish before they are aborted.
+    grace_period_s: float = DEFAULT_GRACE_PERIOD_S
+    # Stable routing key of this replica. None: "<hostname>-<bound port>", resolved at start-up
+    # (the bound port is only known then), so it is passed to the servicer, not stored here.
+    replica_id: str | None = None
+    log_level: str = "INFO"
+
+    def __post_init__(self) -> None:
+        if self.grace_period_s < 0:
+            raise ValueError(f"grace_period_s must not be negative, got {self.grace_period_s}")
+        if not 0 <= self.port <= 65535:
+            raise ValueError(f"port must be in [0, 65535], got {self.port}")
+
+    @property
+    def address(self) -> str:
+        return f"{self.host}:{self.port}"

@@ -1,0 +1,200 @@
+"""The `trtllm` backend: TensorRT-LLM's LLM API behind llmserve's async engine interface.
+
+UNTESTED: TensorRT-LLM cannot be installed on our development machines or the GPU host (its
+registry packages are stubs that download from a vendor index), so this module has never run.
+It is written against the documented LLM API (tensorrt_llm.LLM, SamplingParams, KvCacheConfig,
+RequestOutput / CompletionOutput) and imported only when `--backend trtllm` is chosen.
+
+TensorRT-LLM brings its own scheduler (in-flight batching), paged KV cache with block reuse and
+CUDA graphs, so this class replaces AsyncEngine + EngineCore as a whole rather than plugging in
+as a core: it offers the same public methods (start, shutdown, generate, abort, load,
+model_info) that the servicer uses.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from typing import AsyncIterator
+
+from llmserve.errors import InvalidArgument, Unavailable
+from llmserve.inference.engine.config import EngineConfig
+from llmserve.inference.engine.types import EngineLoad, EngineOutput, EngineRequest, ModelInfo
+from llmserve.model_files import ModelFiles
+from llmserve.sampling import FinishReason, SamplingParams, TokenLogprob, TopLogprob
+
+log = logging.getLogger(__name__)
+
+# CompletionOutput.finish_reason → ours. "timeout" is TensorRT-LLM's own per-request timeout.
+_FINISH_REASONS = {
+    "stop": FinishReason.STOP,
+    "length": FinishReason.LENGTH,
+    "cancelled": FinishReason.CANCELLED,
+    "timeout": FinishReason.CANCELLED,
+}
+
+
+def _import_trtllm():
+    try:
+        import tensorrt_llm  # noqa: F401
+        from tensorrt_llm import LLM, SamplingParams as TrtSamplingParams
+        from tensorrt_llm.llmapi import KvCacheConfig
+    except ImportError as exc:  # ModuleNotFoundError or a broken CUDA/TensorRT install
+        raise ImportError(
+            f"the trtllm backend needs TensorRT-LLM (`import tensorrt_llm` failed: {exc}); "
+            "install it from NVIDIA's index on a CUDA host, or use --backend torch"
+        ) from exc
+    return LLM, TrtSamplingParams, KvCacheConfig
+
+
+def _trt_sampling(trt_sampling_cls, params: SamplingParams, eos_token_ids: tuple[int, ...]):
+    """Our resolved SamplingParams → tensorrt_llm.SamplingParams (token ids in and out)."""
+    greedy = params.is_greedy
+    return trt_sampling_cls(
+        max_tokens=params.max_tokens,
+        end_id=eos_token_ids[0] if eos_token_ids and not params.ignore_eos else -1,
+        stop_token_ids=list(params.stop_token_ids) + list(eos_token_ids[1:]) if not params.ignore_eos else list(params.stop_token_ids),
+        # Greedy is top-k 1: the one definition every TensorRT-LLM sampler agrees on.
+        temperature=None if greedy else params.temperature,
+        top_k=1 if greedy else (params.top_k or None),
+        top_p=None if greedy else params.top_p,
+        min_p=params.min_p or None,
+        seed=params.seed,
+        min_tokens=params.min_tokens or None,
+        repetition_penalty=params.repetition_penalty if params.repetition_penalty != 1.0 else None,
+        presence_penalty=params.presence_penalty or None,
+        frequency_penalty=params.frequency_penalty or None,
+        logprobs=params.logprobs,
+        n=params.n,
+        # Stop strings are applied by the gateway; the engine works on token ids only.
+        detokenize=False,
+    )
+
+
+def _logprobs(raw, start: int) -> list[TokenLogprob] | None:
+    """CompletionOutput.logprobs (list of {token_id: Logprob}) from index `start` → ours."""
+    if not raw:
+        return None
+    items = []
+    for position in raw[start:]:
+        ranked = sorted(position.items(), key=lambda kv: -kv[1].logprob)
+        chosen = next((tid for tid, lp in position.items() if getattr(lp, "rank", None) is None), ranked[0][0])
+        items.append(
+            TokenLogprob(
+                token_id=chosen,
+                logprob=position[chosen].logprob,
+                top_logprobs=tuple(TopLogprob(tid, lp.logprob) for tid, lp in ranked),
+            )
+        )
+    return items
+
+
+class TrtllmEngine:
+    """Async engine over tensorrt_llm.LLM. Every public method runs on the event loop."""
+
+    def __init__(self, config: EngineConfig):
+        llm_cls, self._trt_sampling_cls, kv_cache_config_cls = _import_trtllm()
+        files = ModelFiles.load(config.model_path, config.model_name)
+        self._eos_token_ids = files.eos_token_ids
+        # TensorRT-LLM builds (or loads) its engine from the HF checkpoint directory itself.
+        self._llm = llm_cls(
+            model=str(config.model_path),
+            skip_tokenizer_init=True,
+            dtype={"float32": "float32", "bfloat16": "bfloat16", "float16": "float16"}[config.dtype],
+            max_batch_size=config.max_num_seqs,
+            max_num_tokens=config.max_batched_tokens,
+            max_seq_len=config.max_model_len or files.max_context_tokens,
+            enable_chunked_prefill=config.enable_chunked_prefill,
+            kv_cache_config=kv_cache_config_cls(
+                free_gpu_memory_fraction=config.kv_memory_fraction,
+                enable_block_reuse=config.enable_prefix_caching,
+                tokens_per_block=config.block_size_tokens,
+            ),
+        )
+        self.model_info = ModelInfo(
+            model_name=files.model_name,
+            architecture=files.architecture,
+            max_context_tokens=config.max_model_len or files.max_context_tokens,
+            vocab_size=files.vocab_size,
+            eos_token_ids=files.eos_token_ids,
+            block_size_tokens=config.block_size_tokens,
+            dtype=config.dtype,
+            backend="trtllm",
+            device=config.device,
+        )
+        self._results: dict[str, object] = {}  # request_id → RequestOutput in flight
+        self._is_accepting = False
+        self._num_aborted_total = 0
+        self._num_finished_total = 0
+
+    async def start(self) -> None:
+        self._is_accepting = True
+
+    async def shutdown(self, drain_timeout_s: float) -> None:
+        self._is_accepting = False
+        deadline = time.monotonic() + drain_timeout_s
+        while self._results and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        for request_id in list(self._results):
+            self.abort(request_id)
+        self._llm.shutdown()
+
+    async def generate(self, request: EngineRequest) -> AsyncIterator[EngineOutput]:
+        if not self._is_accepting:
+            raise Unavailable("the inference engine is shutting down")
+        if request.request_id in self._results:
+            raise InvalidArgument("request_id", f"{request.request_id!r} is already in flight")
+        sampling = _trt_sampling(self._trt_sampling_cls, request.sampling, self._eos_token_ids)
+        result = self._llm.generate_async(request.prompt_token_ids, sampling, streaming=True)
+        self._results[request.request_id] = result
+        num_sent = [0] * request.sampling.n
+        first_token_ns = 0
+        try:
+            async for output in result:
+                for completion in output.outputs:
+                    new_ids = completion.token_ids[num_sent[completion.index] :]
+                    if new_ids and not first_token_ns:
+                        first_token_ns = time.monotonic_ns()
+                    start = num_sent[completion.index]
+                    num_sent[completion.index] = len(completion.token_ids)
+                    finish = _FINISH_REASONS.get(completion.finish_reason) if completion.finish_reason else None
+                    if not new_ids and finish is None:
+                        continue
+                    now_ns = time.monotonic_ns()
+                    yield EngineOutput(
+                        request_id=request.request_id,
+                        sequence_index=completion.index,
+                        new_token_ids=list(new_ids),
+                        logprobs=_logprobs(completion.logprobs, start),
+                        finish_reason=finish,
+                        stop_token_id=completion.stop_reason if isinstance(completion.stop_reason, int) else None,
+                        num_prompt_tokens=len(request.prompt_token_ids) if finish else 0,
+                        num_output_tokens=len(completion.token_ids) if finish else 0,
+                        time_to_first_token_ns=(first_token_ns - request.arrival_ns) if finish and first_token_ns else 0,
+                        total_time_ns=(now_ns - request.arrival_ns) if finish else 0,
+                    )
+            self._num_finished_total += 1
+        finally:
+            self._results.pop(request.request_id, None)
+            if not result.finished:
+                result.abort()
+                self._num_aborted_total += 1
+
+    def abort(self, request_id: str) -> bool:
+        result = self._results.get(request_id)
+        if result is None:
+            return False
+        result.abort()
+        return True
+
+    def load(self) -> EngineLoad:
+        # The LLM API exposes no cheap per-call KV statistics; running = in flight here.
+        return EngineLoad(
+            num_running=len(self._results),
+            num_waiting=0,
+            kv_blocks_total=0,
+            kv_blocks_used=0,
+            num_aborted_total=self._num_aborted_total,
+            num_finished_total=self._num_finished_total,
+        )

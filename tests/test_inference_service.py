@@ -1,0 +1,404 @@
+"""The Inference service over real gRPC: an in-process server on port 0 and a subprocess."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+
+from llmserve.inference.backends import BackendUnavailable, create_engine, create_engine_core
+from llmserve.inference.engine.async_engine import AsyncEngine
+from llmserve.inference.engine.config import EngineConfig
+from llmserve.inference.engine.hf_engine import HFEngineCore
+from llmserve.inference.engine.types import EngineRequest
+from llmserve.inference.servicer import SERVICE_NAME, InferenceServicer
+from llmserve.sampling import SamplingParams
+from llmserve.server import CHANNEL_OPTIONS, RunningServer, create_server
+from llmserve.v1 import common_pb2, inference_pb2, inference_pb2_grpc
+
+pytestmark = pytest.mark.asyncio(loop_scope="session")
+
+PROMPT = [5, 17, 42, 99, 100, 7, 250, 31]
+CONTEXT_TOKENS = 256  # the tiny checkpoint's max_position_embeddings
+HANG_GUARD_S = 30.0
+# A request that runs for seconds on the tiny model: 16 sequences (run one after another by the
+# hf backend) of up to the whole context each.
+LONG_SAMPLING = common_pb2.SamplingParams(max_tokens=CONTEXT_TOKENS - len(PROMPT), ignore_eos=True, n=16)
+
+
+def hf_config(model_dir) -> EngineConfig:
+    return EngineConfig(model_path=model_dir, model_name="tiny", backend="hf")
+
+
+@dataclass
+class Service:
+    running: RunningServer
+    engine: AsyncEngine
+    channel: grpc.aio.Channel
+    stub: inference_pb2_grpc.InferenceStub
+
+
+async def start_service(model_dir) -> Service:
+    engine = AsyncEngine(HFEngineCore(hf_config(model_dir)))
+    await engine.start()
+    servicer = InferenceServicer(engine, replica_id="replica-under-test")
+    running = await create_server(
+        "127.0.0.1:0",
+        lambda server: inference_pb2_grpc.add_InferenceServicer_to_server(servicer, server),
+        [SERVICE_NAME],
+    )
+    await running.set_serving(True)
+    channel = grpc.aio.insecure_channel(f"127.0.0.1:{running.port}", options=CHANNEL_OPTIONS)
+    return Service(running, engine, channel, inference_pb2_grpc.InferenceStub(channel))
+
+
+async def stop_service(service: Service) -> None:
+    await service.channel.close()
+    await service.engine.shutdown(drain_timeout_s=0.0)
+    await service.running.server.stop(0)
+
+
+@pytest.fixture(scope="module")
+async def service(tiny_model_dir):
+    service = await start_service(tiny_model_dir)
+    yield service
+    await stop_service(service)
+
+
+@pytest.fixture(scope="module")
+def vocab_size(service) -> int:
+    return service.engine.model_info.vocab_size
+
+
+def generate_request(request_id: str, prompt=PROMPT, **sampling) -> inference_pb2.GenerateTokensRequest:
+    return inference_pb2.GenerateTokensRequest(
+        request_id=request_id, prompt_token_ids=prompt, sampling=common_pb2.SamplingParams(**sampling)
+    )
+
+
+async def read_all(call) -> list[inference_pb2.GenerateTokensResponse]:
+    """The rest of a stream (read API: tests also call call.read() before this)."""
+
+    async def consume():
+        responses = []
+        while (response := await call.read()) is not grpc.aio.EOF:
+            responses.append(response)
+        return responses
+
+    return await asyncio.wait_for(consume(), HANG_GUARD_S)
+
+
+async def wait_for_load(stub, predicate) -> inference_pb2.GetLoadResponse:
+    deadline = time.monotonic() + HANG_GUARD_S
+    while True:
+        load = await stub.GetLoad(inference_pb2.GetLoadRequest())
+        if predicate(load):
+            return load
+        assert time.monotonic() < deadline, f"load never reached the condition: {load}"
+        await asyncio.sleep(0.01)
+
+
+def direct_outputs(model_dir, request: EngineRequest):
+    core = HFEngineCore(hf_config(model_dir))
+    core.add_request(request)
+    outputs = []
+    while core.has_unfinished_requests():
+        outputs += core.step()
+    return outputs
+
+
+@pytest.mark.parametrize(
+    "sampling",
+    [
+        dict(max_tokens=12, temperature=0.0, ignore_eos=True, logprobs=2),
+        dict(max_tokens=10, temperature=0.8, top_p=0.9, seed=99, n=2, ignore_eos=True),
+    ],
+    ids=["greedy-logprobs", "seeded-n2"],
+)
+async def test_streaming_generate_matches_the_engine_core(service, tiny_model_dir, sampling):
+    responses = await read_all(service.stub.Generate(generate_request("match", **sampling)))
+    expected = direct_outputs(
+        tiny_model_dir, EngineRequest("match", PROMPT, SamplingParams(**sampling), time.monotonic_ns())
+    )
+    assert len(responses) == len(expected)  # one message per output, nothing coalesced
+    for response, output in zip(responses, expected):
+        assert response.sequence_index == output.sequence_index
+        assert list(response.token_ids) == output.new_token_ids
+        assert [lp.token_id for lp in response.logprobs] == [lp.token_id for lp in output.logprobs or []]
+        for got, want in zip(response.logprobs, output.logprobs or []):
+            assert got.logprob == pytest.approx(want.logprob, abs=1e-5)
+            assert [t.token_id for t in got.top_logprobs] == [t.token_id for t in want.top_logprobs]
+        assert response.HasField("usage") == output.finished
+    finals = [r for r in responses if r.finish_reason != common_pb2.FINISH_REASON_UNSPECIFIED]
+    assert [(r.sequence_index, r.finish_reason) for r in finals] == [
+        (i, common_pb2.FINISH_REASON_LENGTH) for i in range(sampling.get("n", 1))
+    ]
+    for r in finals:
+        assert (r.usage.prompt_tokens, r.usage.completion_tokens, r.usage.cached_tokens) == (
+            8, sampling["max_tokens"], 0,
+        )
+        assert not r.HasField("stop_token_id")
+        assert r.timings.total_time_ns >= r.timings.time_to_first_token_ns > 0
+
+
+async def test_stop_token_id_is_reported(service):
+    [first] = await read_all(service.stub.Generate(generate_request("probe", max_tokens=1, temperature=0.0)))
+    stop_id = first.token_ids[0]
+    responses = await read_all(
+        service.stub.Generate(generate_request("stop", max_tokens=9, temperature=0.0, stop_token_ids=[stop_id]))
+    )
+    [last] = responses
+    assert (list(last.token_ids), last.finish_reason, last.stop_token_id) == (
+        [stop_id], common_pb2.FINISH_REASON_STOP, stop_id,
+    )
+
+
+def _invalid_cases(vocab_size: int):
+    too_long_prompt = [1] * CONTEXT_TOKENS
+    return [
+        (generate_request("", max_tokens=4), "request_id: must not be empty"),
+        (generate_request("x", prompt=[], max_tokens=4), "prompt_token_ids: must not be empty"),
+        (
+            generate_request("x", prompt=[1, 2, vocab_size, 3], max_tokens=4),
+            f"prompt_token_ids[2]: token id {vocab_size} is not below the vocab size {vocab_size}",
+        ),
+        (
+            generate_request("x", prompt=too_long_prompt, max_tokens=4),
+            "prompt_token_ids: 256 tokens leave no room to generate: the context is 256 tokens, so at most 255",
+        ),
+        (
+            generate_request("x", max_tokens=249),
+            "sampling.max_tokens: 249 tokens do not fit: the prompt has 8 tokens and the context is 256, "
+            "so at most 248",
+        ),
+        (generate_request("x", max_tokens=0), "sampling.max_tokens: must be at least 1, got 0"),
+        (generate_request("x", temperature=-1.0), "sampling.temperature: must be in [0, 100], got -1"),
+        (generate_request("x", top_p=0.0), "sampling.top_p: must be in (0, 1], got 0"),
+        (generate_request("x", n=17), "sampling.n: must be in [1, 16], got 17"),
+        (generate_request("x", logprobs=21), "sampling.logprobs: at most 20, got 21"),
+        (
+            generate_request("x", max_tokens=4, stop_token_ids=[2, vocab_size + 7]),
+            f"sampling.stop_token_ids[1]: token id {vocab_size + 7} is not below the vocab size {vocab_size}",
+        ),
+        (
+            inference_pb2.GenerateTokensRequest(request_id="x", prompt_token_ids=PROMPT, block_hashes=[1]),
+            "block_size_tokens: must be positive when block_hashes are given",
+        ),
+        (
+            inference_pb2.GenerateTokensRequest(
+                request_id="x", prompt_token_ids=PROMPT, block_hashes=[1], block_size_tokens=16
+            ),
+            "block_hashes: 1 hashes but the prompt has only 0 full blocks of 16 tokens",
+        ),
+    ]
+
+
+async def test_invalid_requests_get_precise_invalid_argument(service, vocab_size):
+    for request, message in _invalid_cases(vocab_size):
+        with pytest.raises(grpc.aio.AioRpcError) as error:
+            await read_all(service.stub.Generate(request))
+        assert (error.value.code(), error.value.details()) == (grpc.StatusCode.INVALID_ARGUMENT, message)
+    load = await service.stub.GetLoad(inference_pb2.GetLoadRequest())  # still healthy
+    assert (load.num_running, load.num_waiting) == (0, 0)
+
+
+async def test_duplicate_in_flight_request_id(service):
+    call = service.stub.Generate(
+        inference_pb2.GenerateTokensRequest(request_id="dup", prompt_token_ids=PROMPT, sampling=LONG_SAMPLING)
+    )
+    await asyncio.wait_for(call.read(), HANG_GUARD_S)
+    with pytest.raises(grpc.aio.AioRpcError) as error:
+        await read_all(service.stub.Generate(generate_request("dup", max_tokens=2)))
+    assert (error.value.code(), error.value.details()) == (
+        grpc.StatusCode.INVALID_ARGUMENT, "request_id: 'dup' is already in flight",
+    )
+    call.cancel()
+    await wait_for_load(service.stub, lambda load: load.num_running == 0 and load.num_waiting == 0)
+
+
+async def test_client_cancel_aborts_the_request(service):
+    before = await service.stub.GetLoad(inference_pb2.GetLoadRequest())
+    call = service.stub.Generate(
+        inference_pb2.GenerateTokensRequest(request_id="cancel-me", prompt_token_ids=PROMPT, sampling=LONG_SAMPLING)
+    )
+    for _ in range(3):
+        await asyncio.wait_for(call.read(), HANG_GUARD_S)
+    call.cancel()
+    load = await wait_for_load(
+        service.stub, lambda load: load.num_aborted_total == before.num_aborted_total + 1
+    )
+    assert (load.num_running, load.num_waiting) == (0, 0)
+
+
+async def test_deadline_exceeded_aborts_the_request(service):
+    before = await service.stub.GetLoad(inference_pb2.GetLoadRequest())
+    call = service.stub.Generate(
+        inference_pb2.GenerateTokensRequest(request_id="too-slow", prompt_token_ids=PROMPT, sampling=LONG_SAMPLING),
+        timeout=0.3,
+    )
+    with pytest.raises(grpc.aio.AioRpcError) as error:
+        await read_all(call)
+    assert error.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+    load = await wait_for_load(
+        service.stub, lambda load: load.num_aborted_total == before.num_aborted_total + 1
+    )
+    assert (load.num_running, load.num_waiting) == (0, 0)
+
+
+async def test_abort_rpc(service):
+    unknown = await service.stub.Abort(inference_pb2.AbortRequest(request_id="nobody"))
+    assert unknown.was_running is False
+    call = service.stub.Generate(
+        inference_pb2.GenerateTokensRequest(request_id="abort-me", prompt_token_ids=PROMPT, sampling=LONG_SAMPLING)
+    )
+    await asyncio.wait_for(call.read(), HANG_GUARD_S)
+    aborted = await service.stub.Abort(inference_pb2.AbortRequest(request_id="abort-me"))
+    again = await service.stub.Abort(inference_pb2.AbortRequest(request_id="abort-me"))
+    assert (aborted.was_running, again.was_running) == (True, False)
+    rest = await read_all(call)  # the stream ends normally, each unfinished sequence CANCELLED
+    assert await call.code() == grpc.StatusCode.OK
+    cancelled = [r.sequence_index for r in rest if r.finish_reason == common_pb2.FINISH_REASON_CANCELLED]
+    assert cancelled == list(range(16))
+    await wait_for_load(service.stub, lambda load: load.num_running == 0)
+
+
+async def test_get_model_info(service, vocab_size):
+    info = await service.stub.GetModelInfo(inference_pb2.GetModelInfoRequest())
+    assert info == inference_pb2.GetModelInfoResponse(
+        model_name="tiny",
+        architecture="LlamaForCausalLM",
+        max_context_tokens=CONTEXT_TOKENS,
+        vocab_size=vocab_size,
+        eos_token_ids=[2],
+        block_size_tokens=16,
+        dtype="float32",
+        backend="hf",
+        replica_id="replica-under-test",
+        device="cpu",
+    )
+
+
+async def test_get_load_names_the_replica(service):
+    load = await service.stub.GetLoad(inference_pb2.GetLoadRequest())
+    assert (load.replica_id, load.kv_blocks_total, load.kv_blocks_used) == ("replica-under-test", 0, 0)
+
+
+async def test_draining_refuses_new_requests_and_finishes_running_ones(tiny_model_dir):
+    service = await start_service(tiny_model_dir)
+    try:
+        call = service.stub.Generate(generate_request("running", max_tokens=40, temperature=0.0, ignore_eos=True))
+        first = await asyncio.wait_for(call.read(), HANG_GUARD_S)
+        shutdown = asyncio.create_task(service.engine.shutdown(drain_timeout_s=HANG_GUARD_S))
+        with pytest.raises(grpc.aio.AioRpcError) as error:
+            await read_all(service.stub.Generate(generate_request("late", max_tokens=2)))
+        assert (error.value.code(), error.value.details()) == (
+            grpc.StatusCode.UNAVAILABLE, "the inference engine is shutting down",
+        )
+        rest = await read_all(call)
+        assert len([first, *rest]) == 40 and rest[-1].finish_reason == common_pb2.FINISH_REASON_LENGTH
+        await asyncio.wait_for(shutdown, HANG_GUARD_S)
+    finally:
+        await stop_service(service)
+
+
+async def test_create_engine_picks_the_backend(tiny_model_dir):
+    assert isinstance(create_engine_core(hf_config(tiny_model_dir)), HFEngineCore)
+    assert isinstance(create_engine(hf_config(tiny_model_dir)), AsyncEngine)
+
+
+async def test_a_backend_that_cannot_be_loaded_is_named(tiny_model_dir):
+    # TensorRT-LLM is not installed on CPU hosts.
+    config = EngineConfig(model_path=tiny_model_dir, model_name="tiny", backend="trtllm")
+    with pytest.raises(BackendUnavailable, match="^backend 'trtllm' is not available: "):
+        create_engine(config)
+    with pytest.raises(ValueError, match="^backend 'trtllm' is a whole engine, not an EngineCore"):
+        create_engine_core(config)
+
+
+# --- the real process -----------------------------------------------------------------------
+
+
+async def _wait_for_port_file(process: subprocess.Popen, path) -> int:
+    deadline = time.monotonic() + 120.0
+    while not path.exists():
+        assert process.poll() is None, f"server exited early with {process.returncode}"
+        assert time.monotonic() < deadline, "server did not write its port file"
+        await asyncio.sleep(0.05)
+    return int(path.read_text())
+
+
+async def test_subprocess_serves_and_drains_on_sigterm(tiny_model_dir, tmp_path):
+    port_file = tmp_path / "port"
+    log_path = tmp_path / "server.log"
+    process = subprocess.Popen(
+        [
+            sys.executable, "-m", "llmserve.inference", "--backend", "hf", "--model", str(tiny_model_dir),
+            "--model-name", "tiny", "--host", "127.0.0.1", "--port", "0", "--port-file", str(port_file),
+            "--grace-period-s", "20", "--log-level", "INFO",
+        ],
+        stdout=log_path.open("w"),
+        stderr=subprocess.STDOUT,
+    )
+    try:
+        port = await _wait_for_port_file(process, port_file)
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+            health = await health_pb2_grpc.HealthStub(channel).Check(
+                health_pb2.HealthCheckRequest(service=SERVICE_NAME)
+            )
+            assert health.status == health_pb2.HealthCheckResponse.SERVING
+            services = await _reflected_services(channel)
+            assert "llmserve.v1.Inference" in services
+            stub = inference_pb2_grpc.InferenceStub(channel)
+            info = await stub.GetModelInfo(inference_pb2.GetModelInfoRequest())
+            assert (info.backend, info.replica_id) == ("hf", f"{socket.gethostname()}-{port}")
+
+            sampling = common_pb2.SamplingParams(max_tokens=200, temperature=0.0, ignore_eos=True, n=4)
+            call = stub.Generate(
+                inference_pb2.GenerateTokensRequest(request_id="drain", prompt_token_ids=PROMPT, sampling=sampling)
+            )
+            first = await asyncio.wait_for(call.read(), HANG_GUARD_S)
+            os.kill(process.pid, signal.SIGTERM)
+            rest = await read_all(call)
+        responses = [first, *rest]
+        assert len(responses) == 4 * 200
+        finals = [r.finish_reason for r in responses if r.finish_reason != common_pb2.FINISH_REASON_UNSPECIFIED]
+        assert finals == [common_pb2.FINISH_REASON_LENGTH] * 4
+        assert await asyncio.to_thread(process.wait, 60) == 0
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait()
+    log_text = log_path.read_text()
+    assert "backend=hf device=cpu dtype=float32" in log_text
+    assert "signal received: draining" in log_text
+
+
+async def test_subprocess_with_an_unavailable_backend_exits_with_the_reason(tiny_model_dir, tmp_path):
+    result = await asyncio.to_thread(
+        subprocess.run,
+        [sys.executable, "-m", "llmserve.inference", "--backend", "trtllm", "--model", str(tiny_model_dir),
+         "--port", "0", "--port-file", str(tmp_path / "port")],
+        capture_output=True, text=True, timeout=120,
+    )
+    assert result.returncode == 1
+    assert "backend 'trtllm' is not available: " in result.stderr
+    assert "Traceback" not in result.stderr
+    assert not (tmp_path / "port").exists()
+
+
+async def _reflected_services(channel) -> list[str]:
+    stub = reflection_pb2_grpc.ServerReflectionStub(channel)
+    responses = stub.ServerReflectionInfo(iter([reflection_pb2.ServerReflectionRequest(list_services="")]))
+    async for response in responses:
+        return [s.name for s in response.list_services_response.service]
+    return []
