@@ -1,0 +1,106 @@
+"""`python -m llmserve.gateway`: the public API in front of preprocess and inference.
+
+Start-up: wait (bounded) for both hops to report SERVING → read the model card → bind → SERVING
+→ write the port file. SIGTERM/SIGINT: NOT_SERVING → drain in-flight requests → exit 0.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import sys
+from pathlib import Path
+
+from llmserve.errors import ServiceError
+from llmserve.gateway.app import start_gateway
+from llmserve.gateway.config import GatewayConfig
+from llmserve.server import configure_logging, serve_until_signal, write_port_file
+
+log = logging.getLogger("llmserve.gateway")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="python -m llmserve.gateway",
+        description="llmserve gateway: the public gRPC API (llmserve.v1.Gateway). It mints request "
+        "ids, sends each request through preprocess and inference, and streams text back.",
+    )
+    parser.add_argument("--host", default="127.0.0.1", help="address to bind (default: %(default)s)")
+    parser.add_argument(
+        "--port", type=int, default=50051, help="port to bind; 0 picks a free port (default: %(default)s)"
+    )
+    parser.add_argument(
+        "--port-file", default=None, help="write the bound port here once SERVING (for launchers and tests)"
+    )
+    parser.add_argument(
+        "--log-level", default="INFO", type=str.upper, choices=("DEBUG", "INFO", "WARNING", "ERROR"),
+        help="DEBUG logs one line per request (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--grace-period-s", type=float, default=10.0, metavar="SECONDS",
+        help="on SIGTERM, seconds to let in-flight requests finish (default: %(default)s)",
+    )
+    parser.add_argument("--preprocess", required=True, metavar="HOST:PORT", help="preprocess service address")
+    parser.add_argument(
+        "--inference",
+        required=True,
+        action="append",
+        metavar="HOST:PORT",
+        help="inference replica address (repeatable; the first one is used for now)",
+    )
+    parser.add_argument(
+        "--model", required=True, metavar="DIR", help="model checkpoint dir (its tokenizer.json detokenizes output)"
+    )
+    parser.add_argument(
+        "--model-name", default=None, help="name clients pass as GenerateRequest.model (default: inference's)"
+    )
+    parser.add_argument(
+        "--downstream-ready-timeout-s",
+        type=float,
+        default=600.0,
+        metavar="SECONDS",
+        help="at start, how long to wait for preprocess and inference to report SERVING (default: %(default)s)",
+    )
+    return parser
+
+
+def config_from_args(args: argparse.Namespace) -> GatewayConfig:
+    return GatewayConfig(
+        preprocess_address=args.preprocess,
+        inference_addresses=tuple(args.inference),
+        model_path=Path(args.model).expanduser().resolve(),
+        model_name=args.model_name,
+        host=args.host,
+        port=args.port,
+        port_file=args.port_file,
+        log_level=args.log_level,
+        grace_period_s=args.grace_period_s,
+        downstream_ready_timeout_s=args.downstream_ready_timeout_s,
+    )
+
+
+async def serve(config: GatewayConfig) -> None:
+    gateway = await start_gateway(config)
+    write_port_file(config.port_file, gateway.port)
+    try:
+        await serve_until_signal(gateway.server, grace_s=config.grace_period_s)
+    finally:
+        await gateway.close_clients()
+
+
+def main(argv: list[str] | None = None) -> int:
+    config = config_from_args(build_parser().parse_args(argv))
+    configure_logging("gateway", config.log_level)
+    try:
+        asyncio.run(serve(config))
+    except ServiceError as error:  # a hop never became ready
+        log.error("%s", error.message)
+        return 1
+    except KeyboardInterrupt:  # interrupted during start-up, before the signal handlers exist
+        return 130
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

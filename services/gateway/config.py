@@ -1,0 +1,34 @@
+"""Gateway configuration: built once by __main__ from flags and passed down."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+
+@dataclass(frozen=True, slots=True)
+class GatewayConfig:
+    preprocess_address: str  # "host:port" of the preprocess service
+    inference_addresses: tuple[str, ...]  # inference replicas; the first one is used for now
+    model_path: Path  # checkpoint dir whose tokenizer.json detokenizes the output
+    model_name: str | None = None  # None: the name the inference replica reports
+    host: str = "127.0.0.1"
+    port: int = 50051  # 0 = any free port
+    port_file: str | None = None
+    log_level: str = "INFO"
+    grace_period_s: float = 10.0  # drain time for in-flight requests on SIGTERM
+    # How long to wait at start for preprocess and inference to report SERVING (they may still
+    # be loading weights).
+    downstream_ready_timeout_s: float = 600.0
+    # Timeout of the Abort RPC sent when a request ends early (cancel, deadline, stop string).
+    abort_timeout_s: float = 5.0
+
+    def __post_init__(self) -> None:
+        if not self.inference_addresses:
+            raise ValueError("at least one inference address is required")
+        if self.grace_period_s < 0:
+            raise ValueError(f"grace_period_s must be >= 0, got {self.grace_period_s}")
+
+    @property
+    def address(self) -> str:
+        return f"{self.host}:{self.port}"

@@ -1,0 +1,187 @@
+"""One generation request through the gateway, as a stream of text deltas.
+
+Lifecycle (the servicer turns each step's output into protobuf):
+  1. preprocess.Preprocess: template, tokenize, validate; it resolves max_tokens.
+  2. inference.Generate: a stream of token chunks (max_tokens resolved, stop strings kept here).
+  3. each chunk → incremental detokenizer (whole characters only) → stop-string matcher
+     (holds back text that may start a stop string) → a GenerationDelta.
+  4. the last delta carries finish reason, usage and timings.
+  5. if the request ends before inference finished it (client cancel, deadline, stop string,
+     error), the inference call is cancelled and Abort(request_id) sent, so its KV blocks are
+     freed at once.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, replace
+from typing import AsyncIterator, Callable
+
+from llmserve.errors import ServiceError
+from llmserve.gateway.clients import InferenceClient, PreparedPrompt, PreprocessClient, PromptInput, TokenChunk
+from llmserve.gateway.detokenizer import Detokenizer, DetokenizerStream
+from llmserve.gateway.stop_strings import StopStringMatcher
+from llmserve.sampling import FinishReason, SamplingParams, TokenLogprob
+
+log = logging.getLogger(__name__)
+
+# Seconds left on the client's deadline, None when it set none (grpc's context.time_remaining).
+TimeRemaining = Callable[[], float | None]
+
+
+@dataclass(frozen=True, slots=True)
+class GenerationRequest:
+    """A validated client request. `sampling.max_tokens` is a placeholder until preprocess
+    resolves it; `requested_max_tokens` is what the client asked for (None: unset)."""
+
+    request_id: str
+    prompt_input: PromptInput
+    sampling: SamplingParams
+    requested_max_tokens: int | None
+    arrival_ns: int
+
+
+@dataclass(frozen=True, slots=True)
+class GenerationResult:
+    """How a request ended: on the last delta only."""
+
+    finish_reason: FinishReason
+    matched_stop: str | None
+    num_prompt_tokens: int
+    num_completion_tokens: int
+    num_cached_tokens: int
+    queue_time_ns: int
+    preprocess_time_ns: int
+    time_to_first_token_ns: int
+    total_time_ns: int
+
+
+@dataclass(slots=True)
+class GenerationDelta:
+    """Output of one inference message: the text it completed and the tokens behind it."""
+
+    text: str
+    token_ids: list[int]
+    logprobs: list[TokenLogprob] | None
+    result: GenerationResult | None = None  # set on the last delta
+
+
+def sampling_for_inference(sampling: SamplingParams, max_tokens: int) -> SamplingParams:
+    """The inference request's sampling: max_tokens resolved, stop strings left out.
+
+    Stop strings are matched on text, which only the gateway has; inference stops on token ids.
+    """
+    return replace(sampling, max_tokens=max_tokens, stop=())
+
+
+@dataclass(slots=True)
+class _RequestState:
+    """Per-request progress while the inference stream is read."""
+
+    prompt: PreparedPrompt
+    detokenizer: DetokenizerStream
+    stop_matcher: StopStringMatcher
+    num_completion_tokens: int = 0
+    first_token_ns: int | None = None
+
+
+class GenerationPipeline:
+    """Runs requests through preprocess and inference; shared by all requests."""
+
+    def __init__(self, preprocess: PreprocessClient, inference: InferenceClient, detokenizer: Detokenizer):
+        self._preprocess = preprocess
+        self._inference = inference
+        self._detokenizer = detokenizer
+
+    async def generate(
+        self, request: GenerationRequest, time_remaining: TimeRemaining
+    ) -> AsyncIterator[GenerationDelta]:
+        """Yield a delta per inference message; the last one has `result` set."""
+        prompt = await self._preprocess.preprocess(
+            request.request_id,
+            request.prompt_input,
+            max_tokens=request.requested_max_tokens,
+            timeout_s=time_remaining(),
+        )
+        stream = self._inference.generate(
+            request.request_id,
+            prompt,
+            sampling_for_inference(request.sampling, prompt.max_tokens),
+            timeout_s=time_remaining(),
+        )
+        state = _RequestState(
+            prompt=prompt,
+            detokenizer=self._detokenizer.new_stream(prompt.token_ids),
+            stop_matcher=StopStringMatcher(request.sampling.stop),
+        )
+        is_finished_by_inference = False
+        try:
+            async for chunk in stream:
+                is_finished_by_inference = chunk.is_finished
+                delta = self._on_chunk(request, state, chunk)
+                yield delta
+                if delta.result is not None:
+                    _log_finished(request.request_id, delta.result)
+                    return
+            raise ServiceError(f"inference ended request {request.request_id} without a finish reason")
+        finally:
+            # Cancel, deadline, stop string or error: inference must not keep generating.
+            if not is_finished_by_inference:
+                stream.cancel()
+                self._inference.abort_soon(request.request_id)
+
+    def _on_chunk(self, request: GenerationRequest, state: _RequestState, chunk: TokenChunk) -> GenerationDelta:
+        now_ns = time.monotonic_ns()
+        if chunk.token_ids and state.first_token_ns is None:
+            state.first_token_ns = now_ns
+        state.num_completion_tokens += len(chunk.token_ids)
+        text = state.detokenizer.push(chunk.token_ids)
+        if chunk.is_finished:
+            text += state.detokenizer.flush()
+        check = state.stop_matcher.push(text)
+        delta = GenerationDelta(text=check.text, token_ids=chunk.token_ids, logprobs=chunk.logprobs)
+        if check.matched_stop is not None:
+            delta.result = self._result(request, state, chunk, FinishReason.STOP, check.matched_stop, now_ns)
+        elif chunk.is_finished:
+            if chunk.finish_reason == FinishReason.ERROR:
+                raise ServiceError(f"inference failed on request {request.request_id}: {chunk.error_message}")
+            delta.text += state.stop_matcher.flush()
+            delta.result = self._result(request, state, chunk, chunk.finish_reason, None, now_ns)
+        return delta
+
+    @staticmethod
+    def _result(
+        request: GenerationRequest,
+        state: _RequestState,
+        chunk: TokenChunk,
+        finish_reason: FinishReason,
+        matched_stop: str | None,
+        now_ns: int,
+    ) -> GenerationResult:
+        # queue time and cached tokens come with inference's last message; a stop string ends
+        # the request before that message, so they are 0 then.
+        first_token_ns = state.first_token_ns if state.first_token_ns is not None else now_ns
+        return GenerationResult(
+            finish_reason=finish_reason,
+            matched_stop=matched_stop,
+            num_prompt_tokens=len(state.prompt.token_ids),
+            num_completion_tokens=state.num_completion_tokens,
+            num_cached_tokens=chunk.num_cached_tokens,
+            queue_time_ns=chunk.queue_time_ns,
+            preprocess_time_ns=state.prompt.preprocess_time_ns,
+            time_to_first_token_ns=first_token_ns - request.arrival_ns,
+            total_time_ns=now_ns - request.arrival_ns,
+        )
+
+
+def _log_finished(request_id: str, result: GenerationResult) -> None:
+    log.debug(
+        "request %s finished (%s%s): %d prompt + %d completion tokens (%d cached); "
+        "preprocess %.1f ms, queue %.1f ms, ttft %.1f ms, total %.1f ms",
+        request_id, result.finish_reason.value,
+        f" on {result.matched_stop!r}" if result.matched_stop is not None else "",
+        result.num_prompt_tokens, result.num_completion_tokens, result.num_cached_tokens,
+        result.preprocess_time_ns / 1e6, result.queue_time_ns / 1e6,
+        result.time_to_first_token_ns / 1e6, result.total_time_ns / 1e6,
+    )

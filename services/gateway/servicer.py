@@ -1,0 +1,154 @@
+"""The Gateway gRPC service: protobuf in and out; the work happens in GenerationPipeline.
+
+Every request gets a request id (uuid4 hex) sent back in the `x-request-id` initial metadata
+and in the response. Sampling parameters are validated here, at the edge; errors from the hops
+come through as the statuses `clients.error_from_rpc` chose.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from contextlib import aclosing
+
+import grpc
+
+from llmserve.errors import InvalidArgument, NotFound
+from llmserve.gateway.clients import REQUEST_ID_METADATA_KEY, ModelCard, PromptInput
+from llmserve.gateway.generation import GenerationDelta, GenerationPipeline, GenerationRequest, GenerationResult
+from llmserve.pb import chat_from_pb, finish_reason_to_pb, logprobs_to_pb, sampling_from_pb
+from llmserve.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc
+
+SERVICE_NAME = gateway_pb2.DESCRIPTOR.services_by_name["Gateway"].full_name
+
+# sampling_from_pb needs a default for an unset max_tokens; the gateway does not resolve it
+# (preprocess does, knowing the prompt length), so this value is never sent anywhere.
+_UNRESOLVED_MAX_TOKENS = 1
+
+
+def new_request_id() -> str:
+    return uuid.uuid4().hex
+
+
+class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
+    def __init__(self, pipeline: GenerationPipeline, model: ModelCard, model_name: str):
+        self._pipeline = pipeline
+        self._model = model
+        self._model_name = model_name
+
+    async def GenerateStream(self, request: gateway_pb2.GenerateRequest, context: grpc.aio.ServicerContext):
+        generation = await self._start(request, context)
+        async with aclosing(self._pipeline.generate(generation, context.time_remaining)) as deltas:
+            async for delta in deltas:
+                if delta.result is not None or _has_content(delta, request.return_token_ids):
+                    yield _stream_response_to_pb(generation.request_id, delta, request.return_token_ids)
+
+    async def Generate(self, request: gateway_pb2.GenerateRequest, context: grpc.aio.ServicerContext):
+        generation = await self._start(request, context)
+        response = gateway_pb2.GenerateResponse(request_id=generation.request_id)
+        text_parts: list[str] = []
+        async with aclosing(self._pipeline.generate(generation, context.time_remaining)) as deltas:
+            async for delta in deltas:
+                text_parts.append(delta.text)
+                if request.return_token_ids:
+                    response.token_ids.extend(delta.token_ids)
+                if delta.logprobs:
+                    response.logprobs.extend(logprobs_to_pb(delta.logprobs))
+                if delta.result is not None:
+                    _set_result(response, delta.result)
+        response.text = "".join(text_parts)
+        return response
+
+    async def ListModels(self, request: gateway_pb2.ListModelsRequest, context: grpc.aio.ServicerContext):
+        card = gateway_pb2.ModelCard(
+            id=self._model_name,
+            architecture=self._model.architecture,
+            max_context_tokens=self._model.max_context_tokens,
+            backend=self._model.backend,
+        )
+        return gateway_pb2.ListModelsResponse(models=[card])
+
+    async def _start(
+        self, request: gateway_pb2.GenerateRequest, context: grpc.aio.ServicerContext
+    ) -> GenerationRequest:
+        """Mint the request id, send it as metadata, validate the request."""
+        arrival_ns = time.monotonic_ns()
+        request_id = new_request_id()
+        await context.send_initial_metadata(((REQUEST_ID_METADATA_KEY, request_id),))
+        return self._request_from_pb(request, request_id, arrival_ns)
+
+    def _request_from_pb(
+        self, request: gateway_pb2.GenerateRequest, request_id: str, arrival_ns: int
+    ) -> GenerationRequest:
+        if request.model and request.model != self._model_name:
+            raise NotFound(f"model: unknown model {request.model!r}; this gateway serves {self._model_name!r}")
+        sampling = sampling_from_pb(request.sampling, default_max_tokens=_UNRESOLVED_MAX_TOKENS)
+        if sampling.n != 1:
+            raise InvalidArgument(
+                "sampling.n", f"the gateway returns one sequence per request: must be 1, got {sampling.n}"
+            )
+        return GenerationRequest(
+            request_id=request_id,
+            prompt_input=_prompt_input_from_pb(request),
+            sampling=sampling,
+            requested_max_tokens=(
+                request.sampling.max_tokens if request.sampling.HasField("max_tokens") else None
+            ),
+            arrival_ns=arrival_ns,
+        )
+
+
+def _prompt_input_from_pb(request: gateway_pb2.GenerateRequest) -> PromptInput:
+    which = request.WhichOneof("input")
+    if which == "prompt":
+        return PromptInput(prompt=request.prompt)
+    if which == "chat":
+        chat = request.chat
+        return PromptInput(
+            chat=tuple(chat_from_pb(chat.messages)),
+            add_generation_prompt=chat.add_generation_prompt if chat.HasField("add_generation_prompt") else None,
+        )
+    raise InvalidArgument("input", "set either prompt or chat")
+
+
+def _has_content(delta: GenerationDelta, return_token_ids: bool) -> bool:
+    return bool(delta.text) or bool(delta.logprobs) or (return_token_ids and bool(delta.token_ids))
+
+
+def _usage_to_pb(result: GenerationResult) -> common_pb2.Usage:
+    return common_pb2.Usage(
+        prompt_tokens=result.num_prompt_tokens,
+        completion_tokens=result.num_completion_tokens,
+        cached_tokens=result.num_cached_tokens,
+    )
+
+
+def _timings_to_pb(result: GenerationResult) -> common_pb2.Timings:
+    return common_pb2.Timings(
+        queue_time_ns=result.queue_time_ns,
+        preprocess_time_ns=result.preprocess_time_ns,
+        time_to_first_token_ns=result.time_to_first_token_ns,
+        total_time_ns=result.total_time_ns,
+    )
+
+
+def _set_result(response, result: GenerationResult) -> None:
+    """Fill the finish fields shared by GenerateResponse and GenerateStreamResponse."""
+    response.finish_reason = finish_reason_to_pb(result.finish_reason)
+    if result.matched_stop is not None:
+        response.matched_stop = result.matched_stop
+    response.usage.CopyFrom(_usage_to_pb(result))
+    response.timings.CopyFrom(_timings_to_pb(result))
+
+
+def _stream_response_to_pb(
+    request_id: str, delta: GenerationDelta, return_token_ids: bool
+) -> gateway_pb2.GenerateStreamResponse:
+    response = gateway_pb2.GenerateStreamResponse(request_id=request_id, text=delta.text)
+    if return_token_ids:
+        response.token_ids.extend(delta.token_ids)
+    if delta.logprobs:
+        response.logprobs.extend(logprobs_to_pb(delta.logprobs))
+    if delta.result is not None:
+        _set_result(response, delta.result)
+    return response

@@ -1,0 +1,226 @@
+"""The `llmserve` command: serve a tiny model, talk to it as a user would, stop it cleanly."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import queue
+import shutil
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import grpc
+import pytest
+
+from llmserve.cli import main
+from llmserve.launcher import choose_backend
+from llmserve.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc
+
+SERVE_START_TIMEOUT_S = 180.0
+SERVE_STOP_TIMEOUT_S = 60.0
+CLIENT_TIMEOUT_S = 60.0
+LISTENING_PREFIX = "gateway listening on "
+
+
+def llmserve_command() -> list[str]:
+    """The installed console script if there is one, else the module."""
+    script = Path(sys.executable).parent / "llmserve"
+    return [str(script)] if script.exists() else [sys.executable, "-m", "llmserve.cli"]
+
+
+def pids_with_argument(argument: str) -> set[int]:
+    """Live processes whose command line contains `argument` (a unique temp path)."""
+    pids = set()
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit() or int(entry.name) == os.getpid():
+            continue
+        try:
+            cmdline = (entry / "cmdline").read_bytes().split(b"\0")
+            status = (entry / "status").read_text()
+        except OSError:
+            continue
+        if "State:\tZ" in status:  # a zombie has exited already
+            continue
+        if any(argument.encode() in part for part in cmdline):
+            pids.add(int(entry.name))
+    return pids
+
+
+class ServeProcess:
+    """`llmserve serve` as a subprocess: stdout lines in a queue, stderr in a file."""
+
+    def __init__(self, args: list[str], log_path: Path):
+        self.log_path = log_path
+        self._log = open(log_path, "w")
+        self.process = subprocess.Popen(
+            [*llmserve_command(), "serve", *args],
+            stdout=subprocess.PIPE,
+            stderr=self._log,
+            text=True,
+        )
+        self.lines: queue.Queue[str | None] = queue.Queue()
+        threading.Thread(target=self._read_stdout, daemon=True).start()
+
+    def _read_stdout(self) -> None:
+        for line in self.process.stdout:
+            self.lines.put(line)
+        self.lines.put(None)
+
+    def wait_for_address(self) -> str:
+        """The address from the 'gateway listening on HOST:PORT' line."""
+        while True:
+            try:
+                line = self.lines.get(timeout=SERVE_START_TIMEOUT_S)
+            except queue.Empty:
+                pytest.fail(f"serve printed no address in {SERVE_START_TIMEOUT_S}s; log:\n{self.log()}")
+            if line is None:
+                pytest.fail(f"serve exited with {self.process.wait()} before listening; log:\n{self.log()}")
+            if line.startswith(LISTENING_PREFIX):
+                return line.removeprefix(LISTENING_PREFIX).strip()
+
+    def stop(self) -> int:
+        self.process.send_signal(signal.SIGTERM)
+        try:
+            return self.process.wait(timeout=SERVE_STOP_TIMEOUT_S)
+        finally:
+            self.process.kill()
+            self.process.wait()
+            self._log.close()
+
+    def log(self) -> str:
+        if not self._log.closed:
+            self._log.flush()
+        return self.log_path.read_text()
+
+
+def run_client(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [*llmserve_command(), *args], capture_output=True, text=True, timeout=CLIENT_TIMEOUT_S
+    )
+
+
+@pytest.fixture
+def private_model_dir(tiny_model_dir, tmp_path) -> Path:
+    """A copy of the tiny model at a unique path, so the test can find its own processes."""
+    model_dir = tmp_path / "model-under-test"
+    shutil.copytree(tiny_model_dir, model_dir)
+    return model_dir
+
+
+def test_serve_generate_chat_models_then_sigterm_stops_everything(private_model_dir, tmp_path):
+    serve = ServeProcess(["--model", str(private_model_dir), "--backend", "hf", "--port", "0"], tmp_path / "serve.log")
+    try:
+        address = serve.wait_for_address()
+        child_pids = pids_with_argument(str(private_model_dir)) - {serve.process.pid}
+        assert len(child_pids) == 3, serve.log()  # preprocess, inference, gateway
+        stub = gateway_pb2_grpc.GatewayStub(grpc.insecure_channel(address))
+        sampling = common_pb2.SamplingParams(temperature=0.0, max_tokens=16)
+
+        expected = stub.Generate(gateway_pb2.GenerateRequest(prompt="The capital of France is", sampling=sampling))
+        result = run_client(
+            "generate", "The capital of France is", "--address", address, "--temperature", "0", "--max-tokens", "16"
+        )
+        assert result.returncode == 0, result.stderr
+        assert result.stdout == expected.text + "\n"
+        assert "finish: length | tokens: prompt " in result.stderr
+        assert f"completion {expected.usage.completion_tokens}," in result.stderr
+
+        chat = common_pb2.ChatInput(
+            messages=[
+                common_pb2.ChatMessage(role="system", content="Be brief."),
+                common_pb2.ChatMessage(role="user", content="Hi there"),
+            ]
+        )
+        expected_chat = stub.Generate(gateway_pb2.GenerateRequest(chat=chat, sampling=sampling))
+        result = run_client(
+            "chat", "Hi there", "--system", "Be brief.",
+            "--address", address, "--temperature", "0", "--max-tokens", "16",
+        )
+        assert result.returncode == 0, result.stderr
+        assert result.stdout == expected_chat.text + "\n"
+
+        result = run_client("models", "--address", address)
+        assert result.returncode == 0, result.stderr
+        assert result.stdout.split("\t")[:2] == ["model-under-test", "LlamaForCausalLM"]
+
+        result = run_client("generate", "", "--address", address)
+        assert result.returncode == 1
+        assert result.stdout == ""
+        assert "error: INVALID_ARGUMENT: prompt: must not be empty" in result.stderr
+    finally:
+        exit_code = serve.stop()
+    assert exit_code == 0, serve.log()
+    assert pids_with_argument(str(private_model_dir)) == set()
+    log = serve.log()
+    gateway_stop = log.index("gateway llmserve.server: signal received")
+    assert gateway_stop < log.index("inference llmserve.server: signal received")
+    assert gateway_stop < log.index("preprocess llmserve.server: signal received")
+
+
+def test_serve_fails_fast_with_the_log_of_a_child_that_dies(private_model_dir, tmp_path):
+    # Weights that cannot be read: preprocess starts, inference exits during start-up.
+    (private_model_dir / "model.safetensors").write_bytes(b"not a safetensors file")
+    serve = ServeProcess(["--model", str(private_model_dir), "--backend", "hf", "--port", "0"], tmp_path / "serve.log")
+    exit_code = serve.process.wait(timeout=SERVE_START_TIMEOUT_S)
+    serve.stop()
+    log = serve.log()
+    assert exit_code == 1, log
+    assert "inference exited with code 1 during start-up; last log lines:" in log
+    assert serve.lines.get(timeout=5) is None  # it never printed an address
+    assert pids_with_argument(str(private_model_dir)) == set()
+
+
+def test_children_exit_when_serve_is_killed(private_model_dir, tmp_path):
+    """SIGKILL leaves the launcher no chance to stop its children: they get SIGTERM from the
+    kernel (PR_SET_PDEATHSIG) and drain and exit on their own."""
+    serve = ServeProcess(["--model", str(private_model_dir), "--backend", "hf", "--port", "0"], tmp_path / "serve.log")
+    try:
+        serve.wait_for_address()
+        assert len(pids_with_argument(str(private_model_dir)) - {serve.process.pid}) == 3
+    finally:
+        serve.process.send_signal(signal.SIGKILL)
+        serve.stop()
+    deadline = time.monotonic() + SERVE_STOP_TIMEOUT_S
+    while pids_with_argument(str(private_model_dir)) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert pids_with_argument(str(private_model_dir)) == set(), serve.log()
+
+
+def test_torch_backend_falls_back_to_hf_when_missing(monkeypatch, caplog):
+    real_find_spec = importlib.util.find_spec
+    monkeypatch.setattr(
+        importlib.util, "find_spec",
+        lambda name, *a: None if name == "llmserve.inference.engine.torch_engine" else real_find_spec(name, *a),
+    )
+    assert choose_backend("torch") == "hf"
+    assert "using --backend hf" in caplog.text
+    assert choose_backend("trtllm") == "trtllm"
+
+
+def test_fetch_model_resolves_a_local_checkpoint(tiny_model_dir, capsys):
+    assert main(["fetch-model", "--model", str(tiny_model_dir)]) == 0
+    assert capsys.readouterr().out == f"{tiny_model_dir.resolve()}\n"
+
+
+def test_fetch_model_reports_an_unknown_model(tmp_path, capsys):
+    assert main(["fetch-model", "--model", str(tmp_path / "missing")]) == 2
+    assert "is neither a local path nor a known model name" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("command", [[], ["serve"], ["chat"], ["generate"], ["models"], ["fetch-model"]])
+def test_help(command, capsys):
+    with pytest.raises(SystemExit) as info:
+        main([*command, "--help"])
+    assert info.value.code == 0
+    assert "usage: llmserve" in capsys.readouterr().out
+
+
+def test_unreachable_gateway_is_an_error_with_a_hint():
+    result = run_client("generate", "hello", "--address", "127.0.0.1:1", "--timeout-s", "10")
+    assert result.returncode == 1
+    assert "error: UNAVAILABLE: " in result.stderr
+    assert "hint: is `llmserve serve` running" in result.stderr

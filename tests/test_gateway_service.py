@@ -1,0 +1,342 @@
+"""The gateway against real preprocess and inference (hf backend) processes on a tiny model.
+
+The model is a copy of the tiny Llama with a 4096-token context, so that a request with
+ignore_eos and a large max_tokens is still generating when the test cancels it, lets its
+deadline pass or matches a stop string: those tests then see inference abort it.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import grpc
+import pytest
+
+from llmserve.v1 import (
+    common_pb2,
+    gateway_pb2,
+    gateway_pb2_grpc,
+    inference_pb2,
+    inference_pb2_grpc,
+    preprocess_pb2,
+    preprocess_pb2_grpc,
+)
+from tests.procs import start_service, stop_service
+
+LONG_CONTEXT_TOKENS = 4096
+LONG_MAX_TOKENS = 4000  # with ignore_eos: seconds of generation, so it is still running when stopped
+POLL_TIMEOUT_S = 30.0
+
+GREEDY = dict(temperature=0.0)
+
+
+@pytest.fixture(scope="module")
+def model_dir(tiny_model_dir, tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("tiny-llama-4k") / "model"
+    shutil.copytree(tiny_model_dir, out)
+    config = json.loads((out / "config.json").read_text())
+    config["max_position_embeddings"] = LONG_CONTEXT_TOKENS
+    (out / "config.json").write_text(json.dumps(config))
+    return out
+
+
+@pytest.fixture(scope="module")
+def services(model_dir, tmp_path_factory):
+    """Running preprocess, inference and gateway (all subprocesses)."""
+    log_dir = tmp_path_factory.mktemp("gateway-service-logs")
+    preprocess = start_service("preprocess", ["--model", str(model_dir)], log_dir)
+    inference = None
+    gateway = None
+    try:
+        inference = start_service("inference", ["--model", str(model_dir), "--backend", "hf"], log_dir)
+        gateway = start_service(
+            "gateway",
+            ["--model", str(model_dir), "--preprocess", preprocess.address, "--inference", inference.address],
+            log_dir,
+        )
+        yield {"preprocess": preprocess, "inference": inference, "gateway": gateway}
+    finally:
+        if gateway is not None:
+            assert stop_service(gateway) == 0, gateway.log_tail()
+        for service in (inference, preprocess):
+            if service is not None:
+                stop_service(service)
+
+
+@pytest.fixture(scope="module")
+def gateway(services) -> gateway_pb2_grpc.GatewayStub:
+    return gateway_pb2_grpc.GatewayStub(grpc.insecure_channel(services["gateway"].address))
+
+
+@pytest.fixture(scope="module")
+def inference(services) -> inference_pb2_grpc.InferenceStub:
+    return inference_pb2_grpc.InferenceStub(grpc.insecure_channel(services["inference"].address))
+
+
+@pytest.fixture(scope="module")
+def preprocess(services) -> preprocess_pb2_grpc.PreprocessStub:
+    return preprocess_pb2_grpc.PreprocessStub(grpc.insecure_channel(services["preprocess"].address))
+
+
+def prompt_request(prompt: str, *, return_token_ids: bool = False, **sampling) -> gateway_pb2.GenerateRequest:
+    return gateway_pb2.GenerateRequest(
+        prompt=prompt, sampling=common_pb2.SamplingParams(**sampling), return_token_ids=return_token_ids
+    )
+
+
+def chat_request(content: str, *, return_token_ids: bool = False, **sampling) -> gateway_pb2.GenerateRequest:
+    chat = common_pb2.ChatInput(messages=[common_pb2.ChatMessage(role="user", content=content)])
+    return gateway_pb2.GenerateRequest(
+        chat=chat, sampling=common_pb2.SamplingParams(**sampling), return_token_ids=return_token_ids
+    )
+
+
+def collect_stream(gateway, request, **kwargs) -> list[gateway_pb2.GenerateStreamResponse]:
+    return list(gateway.GenerateStream(request, **kwargs))
+
+
+def wait_for_load(inference, predicate) -> inference_pb2.GetLoadResponse:
+    """Poll GetLoad until `predicate(load)`; fail with the last load after POLL_TIMEOUT_S."""
+    deadline = time.monotonic() + POLL_TIMEOUT_S
+    while True:
+        load = inference.GetLoad(inference_pb2.GetLoadRequest())
+        if predicate(load):
+            return load
+        if time.monotonic() > deadline:
+            pytest.fail(f"inference load never satisfied the condition; last: {load}")
+        time.sleep(0.05)
+
+
+def test_stream_and_unary_agree_greedy(gateway):
+    for request in (
+        prompt_request("The capital of France is", max_tokens=24, return_token_ids=True, **GREEDY),
+        chat_request("Hi there", max_tokens=24, return_token_ids=True, **GREEDY),
+    ):
+        unary = gateway.Generate(request)
+        messages = collect_stream(gateway, request)
+        assert "".join(m.text for m in messages) == unary.text
+        assert [t for m in messages for t in m.token_ids] == list(unary.token_ids)
+        final = messages[-1]
+        assert final.finish_reason == unary.finish_reason == common_pb2.FINISH_REASON_LENGTH
+        assert final.usage.completion_tokens == unary.usage.completion_tokens == 24
+        assert final.usage.prompt_tokens == unary.usage.prompt_tokens
+        assert all(m.finish_reason == common_pb2.FINISH_REASON_UNSPECIFIED for m in messages[:-1])
+        assert all(not m.HasField("usage") for m in messages[:-1])
+        assert len({m.request_id for m in messages}) == 1
+        assert messages[0].request_id != unary.request_id
+
+
+def test_concurrent_requests_keep_their_own_state(gateway):
+    prompts = ["Hello", "The capital of France is", "def add(a, b):", "Continuous batching lets", "emoji 🙂", "0123"]
+    requests = [prompt_request(p, max_tokens=12, return_token_ids=True, **GREEDY) for p in prompts]
+    sequential = [gateway.Generate(r) for r in requests]
+    with ThreadPoolExecutor(max_workers=len(requests)) as pool:
+        concurrent = list(pool.map(lambda r: collect_stream(gateway, r), requests))
+    for expected, messages in zip(sequential, concurrent, strict=True):
+        assert "".join(m.text for m in messages) == expected.text
+        assert [t for m in messages for t in m.token_ids] == list(expected.token_ids)
+    assert len({r.request_id for r in sequential} | {m[0].request_id for m in concurrent}) == 2 * len(requests)
+
+
+def test_request_id_is_minted_and_sent_as_metadata(gateway):
+    response, call = gateway.Generate.with_call(prompt_request("Hello", max_tokens=2))
+    assert len(response.request_id) == 32 and int(response.request_id, 16) >= 0
+    assert dict(call.initial_metadata())["x-request-id"] == response.request_id
+
+    stream = gateway.GenerateStream(prompt_request("Hello", max_tokens=2))
+    messages = list(stream)
+    assert dict(stream.initial_metadata())["x-request-id"] == messages[0].request_id
+
+
+def test_return_token_ids_off_sends_text_only(gateway, preprocess):
+    with_ids = gateway.Generate(prompt_request("Hello", max_tokens=8, return_token_ids=True, **GREEDY))
+    without = gateway.Generate(prompt_request("Hello", max_tokens=8, **GREEDY))
+    assert len(with_ids.token_ids) == 8
+    assert list(without.token_ids) == []
+    assert without.text == with_ids.text
+    detokenized = preprocess.Detokenize(preprocess_pb2.DetokenizeRequest(token_ids=with_ids.token_ids))
+    assert with_ids.text == detokenized.text
+    for message in collect_stream(gateway, prompt_request("Hello", max_tokens=8, **GREEDY)):
+        assert list(message.token_ids) == []
+
+
+def test_usage_and_timings_are_consistent(gateway, preprocess):
+    response = gateway.Generate(prompt_request("The capital of France is", max_tokens=10, return_token_ids=True))
+    prompt = preprocess.Tokenize(preprocess_pb2.TokenizeRequest(text="The capital of France is"))
+    assert response.usage.prompt_tokens == len(prompt.token_ids)
+    assert response.usage.completion_tokens == len(response.token_ids) == 10
+    assert response.usage.cached_tokens <= response.usage.prompt_tokens
+    timings = response.timings
+    assert timings.preprocess_time_ns > 0
+    assert 0 < timings.time_to_first_token_ns <= timings.total_time_ns
+    assert timings.queue_time_ns < timings.total_time_ns
+
+
+def test_logprobs_are_passed_through(gateway):
+    response = gateway.Generate(prompt_request("Hello", max_tokens=5, return_token_ids=True, logprobs=2, **GREEDY))
+    assert [lp.token_id for lp in response.logprobs] == list(response.token_ids)
+    assert all(len(lp.top_logprobs) == 2 for lp in response.logprobs)
+    # Greedy: the chosen token is the most likely one.
+    assert all(lp.top_logprobs[0].token_id == lp.token_id for lp in response.logprobs)
+
+
+def test_stop_string_truncates_and_aborts_inference(gateway, inference):
+    reference = gateway.Generate(
+        chat_request("Hi there", max_tokens=24, return_token_ids=True, ignore_eos=True, **GREEDY)
+    )
+    middle = len(reference.text) // 2
+    stop = reference.text[middle : middle + 3]
+    expected_text = reference.text[: reference.text.index(stop)]
+    before = inference.GetLoad(inference_pb2.GetLoadRequest())
+
+    request = chat_request(
+        "Hi there", max_tokens=LONG_MAX_TOKENS, ignore_eos=True, stop=["never appears", stop],
+        return_token_ids=True, **GREEDY,
+    )
+    messages = collect_stream(gateway, request)
+    final = messages[-1]
+    assert "".join(m.text for m in messages) == expected_text
+    assert final.finish_reason == common_pb2.FINISH_REASON_STOP
+    assert final.matched_stop == stop
+    token_ids = [t for m in messages for t in m.token_ids]
+    assert token_ids == list(reference.token_ids[: len(token_ids)])
+    assert final.usage.completion_tokens == len(token_ids) < 24
+
+    load = wait_for_load(
+        inference, lambda load: load.num_running == 0 and load.num_aborted_total == before.num_aborted_total + 1
+    )
+    assert load.num_waiting == 0
+
+    unary = gateway.Generate(request)
+    assert unary.text == expected_text
+    assert unary.matched_stop == stop
+    assert unary.finish_reason == common_pb2.FINISH_REASON_STOP
+
+
+def test_stop_string_absent_keeps_full_text(gateway):
+    reference = gateway.Generate(prompt_request("Hello", max_tokens=12, **GREEDY))
+    response = gateway.Generate(prompt_request("Hello", max_tokens=12, stop=["\x00never"], **GREEDY))
+    assert response.text == reference.text
+    assert response.finish_reason == common_pb2.FINISH_REASON_LENGTH
+    assert not response.HasField("matched_stop")
+
+
+def assert_rpc_error(call, code: grpc.StatusCode, details_start: str) -> None:
+    with pytest.raises(grpc.RpcError) as info:
+        call()
+    assert info.value.code() == code, info.value.details()
+    assert info.value.details().startswith(details_start), info.value.details()
+
+
+INVALID = grpc.StatusCode.INVALID_ARGUMENT
+BAD_REQUESTS = [
+    # From preprocess, passed through.
+    (prompt_request(""), INVALID, "prompt: must not be empty"),
+    (prompt_request("Hello", max_tokens=LONG_CONTEXT_TOKENS + 10), INVALID, "max_tokens: "),
+    (
+        gateway_pb2.GenerateRequest(chat=common_pb2.ChatInput(messages=[common_pb2.ChatMessage(role="robot")])),
+        INVALID,
+        "chat.messages[0].role: unknown role 'robot'",
+    ),
+    # From the gateway's own validation.
+    (prompt_request("Hello", temperature=-1.0), INVALID, "sampling.temperature: must be in [0, 100], got -1"),
+    (prompt_request("Hello", top_p=0.0), INVALID, "sampling.top_p: must be in (0, 1], got 0"),
+    (prompt_request("Hello", max_tokens=0), INVALID, "sampling.max_tokens: must be at least 1, got 0"),
+    (prompt_request("Hello", n=2), INVALID, "sampling.n: "),
+    (gateway_pb2.GenerateRequest(), INVALID, "input: set either prompt or chat"),
+    (
+        gateway_pb2.GenerateRequest(model="other", prompt="Hello"),
+        grpc.StatusCode.NOT_FOUND,
+        "model: unknown model 'other'",
+    ),
+]
+
+
+@pytest.mark.parametrize(("request_pb", "code", "details_start"), BAD_REQUESTS)
+def test_bad_requests_get_precise_statuses(gateway, request_pb, code, details_start):
+    assert_rpc_error(lambda: gateway.Generate(request_pb), code, details_start)
+    assert_rpc_error(lambda: collect_stream(gateway, request_pb), code, details_start)
+    # The gateway still serves.
+    assert gateway.Generate(prompt_request("Hello", max_tokens=2)).usage.completion_tokens == 2
+
+
+def test_client_cancel_aborts_inference(gateway, inference):
+    before = inference.GetLoad(inference_pb2.GetLoadRequest())
+    request = prompt_request("Hello", max_tokens=LONG_MAX_TOKENS, ignore_eos=True, return_token_ids=True)
+    stream = gateway.GenerateStream(request)
+    first = next(stream)
+    assert len(first.token_ids) >= 1
+    assert stream.cancel()
+    load = wait_for_load(
+        inference, lambda load: load.num_running == 0 and load.num_aborted_total == before.num_aborted_total + 1
+    )
+    assert load.num_finished_total >= before.num_finished_total
+    # Nothing leaked: the next request runs normally.
+    assert gateway.Generate(prompt_request("Hello", max_tokens=3)).usage.completion_tokens == 3
+
+
+def test_client_deadline_is_exceeded_and_inference_aborts(gateway, inference):
+    before = inference.GetLoad(inference_pb2.GetLoadRequest())
+    request = prompt_request("Hello", max_tokens=LONG_MAX_TOKENS, ignore_eos=True, return_token_ids=True)
+    stream = gateway.GenerateStream(request, timeout=2.0)
+    assert len(next(stream).token_ids) >= 1  # inference is generating when the deadline passes
+    with pytest.raises(grpc.RpcError) as info:
+        for _ in stream:
+            pass
+    assert info.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+    wait_for_load(
+        inference, lambda load: load.num_running == 0 and load.num_aborted_total == before.num_aborted_total + 1
+    )
+
+
+def test_unary_deadline(gateway, inference):
+    before = inference.GetLoad(inference_pb2.GetLoadRequest())
+    request = prompt_request("Hello", max_tokens=LONG_MAX_TOKENS, ignore_eos=True)
+    with pytest.raises(grpc.RpcError) as info:
+        gateway.Generate(request, timeout=2.0)
+    assert info.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+    wait_for_load(
+        inference, lambda load: load.num_running == 0 and load.num_aborted_total == before.num_aborted_total + 1
+    )
+
+
+def test_list_models(gateway, inference):
+    info = inference.GetModelInfo(inference_pb2.GetModelInfoRequest())
+    response = gateway.ListModels(gateway_pb2.ListModelsRequest())
+    assert [(m.id, m.architecture, m.max_context_tokens, m.backend) for m in response.models] == [
+        (info.model_name, "LlamaForCausalLM", LONG_CONTEXT_TOKENS, "hf")
+    ]
+    # The listed id is accepted as GenerateRequest.model.
+    request = prompt_request("Hello", max_tokens=2)
+    request.model = response.models[0].id
+    assert gateway.Generate(request).usage.completion_tokens == 2
+
+
+def test_inference_down_is_unavailable(services, model_dir, tmp_path):
+    """A second gateway whose inference replica dies: UNAVAILABLE naming inference."""
+    inference = start_service("inference", ["--model", str(model_dir), "--backend", "hf"], tmp_path)
+    gateway = None
+    try:
+        gateway = start_service(
+            "gateway",
+            [
+                "--model", str(model_dir),
+                "--preprocess", services["preprocess"].address,
+                "--inference", inference.address,
+            ],
+            tmp_path,
+        )
+        inference.kill()
+        stub = gateway_pb2_grpc.GatewayStub(grpc.insecure_channel(gateway.address))
+        request = prompt_request("Hello", max_tokens=2)
+        unavailable = grpc.StatusCode.UNAVAILABLE
+        assert_rpc_error(lambda: stub.Generate(request), unavailable, "inference unavailable: ")
+        assert_rpc_error(lambda: collect_stream(stub, request), unavailable, "inference unavailable: ")
+    finally:
+        if gateway is not None:
+            assert stop_service(gateway) == 0, gateway.log_tail()
+        stop_service(inference)
