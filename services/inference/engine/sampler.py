@@ -1,0 +1,171 @@
+"""Turn a batch of logits into one token per sequence, on the logits' device.
+
+Per row, in order (the same as the hf backend, so both backends agree):
+  1. repetition penalty over prompt + output tokens (divide positive logits, multiply negative);
+  2. frequency and presence penalties over output tokens;
+  3. while fewer than min_tokens were generated: EOS (unless ignore_eos) and stop ids -> -inf;
+  4. temperature (greedy rows keep temperature 1);
+  5. logprobs, when asked: log_softmax of these processed logits - the sampling distribution
+     before truncation. Greedy without penalties gives the model's raw log-probabilities;
+  6. greedy rows: argmax. Other rows: top-k, top-p and min-p keep masks over the probabilities
+     (the top token always survives), then one draw by the exponential race
+     argmax(p / E), E ~ Exp(1) drawn from the sequence's own torch.Generator.
+     Each sequence draws exactly one vocabulary-sized sample per token from its own stream,
+     so a seeded sequence gets the same tokens whatever else is in the batch.
+
+The only host syncs are the transfers of the results (`_to_host`): the sampled ids, plus the
+logprobs when a row asks for them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from llmserve.inference.engine.kv_cache import device_tensor
+from llmserve.inference.engine.sequence import Sequence
+from llmserve.sampling import SamplingParams, TokenLogprob, TopLogprob
+
+
+@dataclass(slots=True)
+class SamplerOutput:
+    token_ids: list[int]
+    logprobs: list[TokenLogprob | None]
+
+
+class Sampler:
+    def __init__(self, eos_token_ids: tuple[int, ...]):
+        self.eos_token_ids = frozenset(eos_token_ids)
+
+    def stop_token_ids(self, sampling: SamplingParams) -> frozenset[int]:
+        stop_ids = frozenset(sampling.stop_token_ids)
+        return stop_ids if sampling.ignore_eos else stop_ids | self.eos_token_ids
+
+    @torch.inference_mode()
+    def sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> SamplerOutput:
+        """logits [num_seqs, vocab] float32, row i for seqs[i] (whose last token was just computed)."""
+        logits = _apply_penalties(logits, seqs)
+        logits = self._mask_stop_tokens(logits, seqs)
+        logits = _apply_temperature(logits, seqs)
+        token_ids = logits.argmax(dim=-1)  # [num_seqs]
+        random_rows = [i for i, seq in enumerate(seqs) if not seq.sampling.is_greedy]
+        if random_rows:
+            rows = device_tensor(random_rows, logits.device)
+            samplings = [seqs[i].sampling for i in random_rows]
+            token_ids[rows] = _draw(logits[rows], samplings, [seqs[i].rng for i in random_rows])
+        host_token_ids = _to_host(token_ids)
+        return SamplerOutput(host_token_ids, _logprobs(logits, token_ids, host_token_ids, seqs))
+
+    def _mask_stop_tokens(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
+        vocab_size = logits.shape[1]
+        masked = [
+            (row, token_id)
+            for row, seq in enumerate(seqs)
+            if seq.num_output_tokens < seq.sampling.min_tokens
+            for token_id in self.stop_token_ids(seq.sampling)
+            if token_id < vocab_size
+        ]
+        if not masked:
+            return logits
+        rows, token_ids = zip(*masked)
+        logits = logits.clone()
+        logits[device_tensor(rows, logits.device), device_tensor(token_ids, logits.device)] = float("-inf")
+        return logits
+
+
+def _to_host(tensor: torch.Tensor) -> list:
+    """Deliberate host sync: the step's results must reach Python to be streamed."""
+    return tensor.tolist()
+
+
+def _needs_penalty(sampling: SamplingParams) -> bool:
+    return sampling.repetition_penalty != 1.0 or sampling.frequency_penalty != 0.0 or sampling.presence_penalty != 0.0
+
+
+def _apply_penalties(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
+    """Penalties are rare: build token counts only for the rows that ask for them."""
+    rows = [i for i, seq in enumerate(seqs) if _needs_penalty(seq.sampling)]
+    if not rows:
+        return logits
+    logits = logits.clone()
+    device, vocab_size = logits.device, logits.shape[1]
+    row_index = device_tensor(rows, device)
+    penalized = logits[row_index]
+    output_counts = _token_counts([seqs[i].output_token_ids for i in rows], vocab_size, device)
+    seen = _token_counts([seqs[i].token_ids for i in rows], vocab_size, device) > 0
+    repetition = device_tensor([seqs[i].sampling.repetition_penalty for i in rows], device, torch.float)[:, None]
+    repeated = torch.where(penalized > 0, penalized / repetition, penalized * repetition)
+    penalized = torch.where(seen, repeated, penalized)
+    frequency = device_tensor([seqs[i].sampling.frequency_penalty for i in rows], device, torch.float)[:, None]
+    presence = device_tensor([seqs[i].sampling.presence_penalty for i in rows], device, torch.float)[:, None]
+    penalized = penalized - frequency * output_counts - presence * (output_counts > 0).float()
+    logits[row_index] = penalized
+    return logits
+
+
+def _token_counts(token_lists: list[list[int]], vocab_size: int, device) -> torch.Tensor:
+    """[num_rows, vocab] float32 occurrence counts (ids padded with vocab_size, then dropped)."""
+    width = max(1, max(len(ids) for ids in token_lists))
+    padded = [[min(t, vocab_size) for t in ids] + [vocab_size] * (width - len(ids)) for ids in token_lists]
+    padded = device_tensor(padded, device)  # [num_rows, width]
+    counts = torch.zeros(len(token_lists), vocab_size + 1, device=device)
+    counts.scatter_add_(1, padded, torch.ones_like(padded, dtype=torch.float))
+    return counts[:, :vocab_size]
+
+
+def _apply_temperature(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
+    temperatures = [1.0 if seq.sampling.is_greedy else seq.sampling.temperature for seq in seqs]
+    if all(t == 1.0 for t in temperatures):
+        return logits
+    return logits / device_tensor(temperatures, logits.device, torch.float)[:, None]
+
+
+def _draw(logits: torch.Tensor, samplings: list[SamplingParams], generators: list) -> torch.Tensor:
+    probs = torch.softmax(logits, dim=-1)
+    probs = torch.where(_keep_mask(probs, samplings), probs, torch.zeros_like(probs))
+    race = torch.empty_like(probs)
+    for row, generator in enumerate(generators):
+        race[row].exponential_(generator=generator)
+    return (probs / race).argmax(dim=-1)
+
+
+def _keep_mask(probs: torch.Tensor, samplings: list[SamplingParams]) -> torch.Tensor:
+    """Top-k, top-p and min-p over the same probabilities, combined; the argmax always stays."""
+    device, vocab_size = probs.device, probs.shape[1]
+    keep = torch.ones_like(probs, dtype=torch.bool)
+    top_ks = [s.top_k if 0 < s.top_k < vocab_size else vocab_size for s in samplings]
+    top_ps = [s.top_p for s in samplings]
+    if any(k < vocab_size for k in top_ks) or any(p < 1.0 for p in top_ps):
+        sorted_probs, order = torch.sort(probs, dim=-1, descending=True)
+        kth_largest = sorted_probs.gather(1, device_tensor(top_ks, device)[:, None] - 1)
+        keep &= probs >= kth_largest
+        mass_before = torch.cumsum(sorted_probs, dim=-1) - sorted_probs
+        keep_sorted = mass_before < device_tensor(top_ps, device, torch.float)[:, None]
+        keep &= torch.zeros_like(keep).scatter(1, order, keep_sorted)
+    min_ps = [s.min_p for s in samplings]
+    if any(p > 0.0 for p in min_ps):
+        max_probs = probs.max(dim=-1, keepdim=True).values
+        keep &= probs >= device_tensor(min_ps, device, torch.float)[:, None] * max_probs
+    keep.scatter_(1, probs.argmax(dim=-1, keepdim=True), True)
+    return keep
+
+
+def _logprobs(logits, token_ids, host_token_ids: list[int], seqs: list[Sequence]) -> list[TokenLogprob | None]:
+    rows = [i for i, seq in enumerate(seqs) if seq.sampling.logprobs is not None]
+    results: list[TokenLogprob | None] = [None] * len(seqs)
+    if not rows:
+        return results
+    row_index = device_tensor(rows, logits.device)
+    logprobs = torch.log_softmax(logits[row_index], dim=-1)
+    chosen = _to_host(logprobs.gather(1, token_ids[row_index][:, None])[:, 0])
+    num_top = max(seqs[i].sampling.logprobs for i in rows)
+    top_values, top_ids = ([[]] * len(rows), [[]] * len(rows))
+    if num_top > 0:
+        top = torch.topk(logprobs, num_top, dim=-1)
+        top_values, top_ids = _to_host(top.values), _to_host(top.indices)
+    for j, i in enumerate(rows):
+        k = seqs[i].sampling.logprobs
+        alternatives = tuple(TopLogprob(t, v) for t, v in zip(top_ids[j][:k], top_values[j][:k]))
+        results[i] = TokenLogprob(token_id=host_token_ids[i], logprob=chosen[j], top_logprobs=alternatives)
+    return results

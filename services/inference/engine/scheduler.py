@@ -1,0 +1,215 @@
+"""Which sequences run in the next step, and how many of their tokens. Pure Python.
+
+Every step has a budget of `max_batched_tokens` new tokens and at most `max_num_seqs` running
+sequences. A sequence's next tokens are simply those without K/V yet (num_uncomputed_tokens):
+one for a decode, many for a prompt or a recomputation after preemption, so prefill and decode
+are the same operation and mix freely in one batch. Order within a step:
+
+  1. running decodes (one token each), oldest first: streams never stall behind prompts;
+  2. running prefills, in chunks that fill the remaining budget;
+  3. waiting sequences, lowest `priority` first, then first come first served, each taking its
+     prefix-cache hits and a chunk of the rest, while budget, sequence slots and blocks last.
+     A waiting sequence that does not fit blocks those behind it (no overtaking).
+
+When a running sequence needs a block and none is free, the running sequence with the highest
+(priority, seq_id) - lowest priority, newest - is preempted: its blocks are freed (cached
+ones stay findable) and it rejoins the waiting queue in its original place, to be recomputed.
+No step admits waiting sequences after a preemption, which would only thrash.
+
+A prompt that could never fit (more tokens than a sequence may hold) is finished with ERROR at
+once instead of waiting forever.
+"""
+
+from __future__ import annotations
+
+import bisect
+from dataclasses import dataclass, field
+
+from llmserve.inference.engine.block_manager import BlockManager
+from llmserve.inference.engine.sequence import Sequence, SequenceStatus
+from llmserve.sampling import FinishReason
+
+
+@dataclass(frozen=True, slots=True)
+class SchedulerConfig:
+    max_num_seqs: int
+    max_batched_tokens: int
+    max_seq_tokens: int  # most tokens (prompt + output) one sequence may hold
+    enable_chunked_prefill: bool = True
+
+
+@dataclass(slots=True)
+class ScheduledBatch:
+    """One step's work: seqs[i] computes its next num_new_tokens[i] tokens."""
+
+    seqs: list[Sequence] = field(default_factory=list)
+    num_new_tokens: list[int] = field(default_factory=list)
+    # (src, dst) block copies to make before the forward (copy-on-fork of partial blocks).
+    block_copies: list[tuple[int, int]] = field(default_factory=list)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.seqs
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(self.num_new_tokens)
+
+    def samples(self, index: int) -> bool:
+        """True if seqs[index] computes its last token this step, so it samples a new one."""
+        seq = self.seqs[index]
+        return seq.num_computed_tokens + self.num_new_tokens[index] == seq.num_tokens
+
+    def add(self, seq: Sequence, num_new_tokens: int) -> None:
+        self.seqs.append(seq)
+        self.num_new_tokens.append(num_new_tokens)
+
+    def remove(self, seq: Sequence) -> int:
+        """Drop a sequence scheduled earlier in this step; returns its token count."""
+        index = self.seqs.index(seq)
+        del self.seqs[index]
+        return self.num_new_tokens.pop(index)
+
+
+def _queue_key(seq: Sequence) -> tuple[int, int]:
+    return (seq.priority, seq.seq_id)
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, block_manager: BlockManager):
+        self.config = config
+        self.block_manager = block_manager
+        self.waiting: list[Sequence] = []  # sorted by (priority, seq_id)
+        self.running: list[Sequence] = []  # in admission order
+        self.num_preemptions_total = 0
+        self._rejected: list[Sequence] = []
+        self._pending_block_copies: list[tuple[int, int]] = []
+
+    # --- queue changes -----------------------------------------------------------------------
+
+    def add(self, seq: Sequence) -> None:
+        if seq.num_tokens > self.config.max_seq_tokens:
+            self._reject(seq)
+            return
+        seq.status = SequenceStatus.WAITING
+        bisect.insort(self.waiting, seq, key=_queue_key)
+
+    def abort(self, request_id: str) -> list[Sequence]:
+        """Finish every sequence of the request as CANCELLED, freeing its blocks now."""
+        aborted = [s for s in self.running + self.waiting if s.request_id == request_id]
+        for seq in aborted:
+            self.finish(seq, FinishReason.CANCELLED)
+        rejected = [s for s in self._rejected if s.request_id == request_id]
+        self._rejected = [s for s in self._rejected if s.request_id != request_id]
+        for seq in rejected:
+            seq.finish_reason = FinishReason.CANCELLED
+        return aborted + rejected
+
+    def finish(self, seq: Sequence, reason: FinishReason) -> None:
+        if seq.status is SequenceStatus.RUNNING:
+            self.running.remove(seq)
+        elif seq.status is SequenceStatus.WAITING:
+            self.waiting.remove(seq)
+        self.block_manager.free(seq)
+        seq.status = SequenceStatus.FINISHED
+        seq.finish_reason = reason
+
+    def add_fork(self, parent: Sequence, child: Sequence) -> None:
+        """Start a sibling of `parent` (whose prompt was just computed) on the parent's blocks;
+        it waits (and recomputes) instead when no sequence slot or block is free."""
+        if len(self.running) < self.config.max_num_seqs and self.block_manager.can_fork(parent):
+            copy = self.block_manager.fork(parent, child)
+            if copy is not None:
+                self._pending_block_copies.append(copy)
+            child.status = SequenceStatus.RUNNING
+            self.running.append(child)
+        else:
+            self.add(child)
+
+    def take_rejected(self) -> list[Sequence]:
+        rejected, self._rejected = self._rejected, []
+        return rejected
+
+    def has_unfinished(self) -> bool:
+        return bool(self.running or self.waiting or self._rejected)
+
+    # --- the step ----------------------------------------------------------------------------
+
+    def schedule(self) -> ScheduledBatch:
+        batch = ScheduledBatch(block_copies=self._pending_block_copies)
+        self._pending_block_copies = []
+        budget = self.config.max_batched_tokens
+        num_preempted_before = self.num_preemptions_total
+        decodes = [s for s in self.running if s.num_uncomputed_tokens == 1]
+        prefills = [s for s in self.running if s.num_uncomputed_tokens > 1]
+        for seq in decodes + prefills:
+            if budget == 0:
+                break
+            if seq.status is SequenceStatus.RUNNING:  # else preempted earlier in this loop
+                budget -= self._schedule_running(seq, budget, batch)
+        if self.num_preemptions_total == num_preempted_before:
+            self._admit_waiting(budget, batch)
+        return batch
+
+    def on_executed(self, batch: ScheduledBatch) -> None:
+        """The batch's K/V are in the cache: advance progress and cache the full blocks."""
+        for seq, num_new_tokens in zip(batch.seqs, batch.num_new_tokens):
+            seq.num_computed_tokens += num_new_tokens
+            self.block_manager.register_computed_blocks(seq)
+
+    def _schedule_running(self, seq: Sequence, budget: int, batch: ScheduledBatch) -> int:
+        """Schedule `seq`, preempting others (or itself) for blocks; returns net tokens used."""
+        num_new_tokens = min(seq.num_uncomputed_tokens, budget)
+        refunded = 0
+        while not self.block_manager.allocate(seq, num_new_tokens):
+            victim = max(self.running, key=_queue_key)
+            if victim in batch.seqs:
+                refunded += batch.remove(victim)
+            self._preempt(victim)
+            if victim is seq:
+                return -refunded
+        batch.add(seq, num_new_tokens)
+        return num_new_tokens - refunded
+
+    def _admit_waiting(self, budget: int, batch: ScheduledBatch) -> None:
+        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+            seq = self.waiting[0]
+            cached_block_ids = self.block_manager.find_cached_blocks(seq)
+            num_cached_tokens = len(cached_block_ids) * self.block_manager.block_size
+            num_new_tokens = seq.num_tokens - num_cached_tokens
+            if num_new_tokens > budget:
+                if not self.config.enable_chunked_prefill and not batch.is_empty:
+                    break  # whole prompts only; an oversized one runs alone in a later step
+                if self.config.enable_chunked_prefill:
+                    num_new_tokens = budget
+            if not self.block_manager.allocate(seq, num_new_tokens, cached_block_ids):
+                break
+            self.waiting.pop(0)
+            self._start_running(seq, num_cached_tokens)
+            batch.add(seq, num_new_tokens)
+            budget -= num_new_tokens
+
+    def _start_running(self, seq: Sequence, num_cached_tokens: int) -> None:
+        self.block_manager.count_prefix_lookup(seq.num_tokens, num_cached_tokens)
+        if not seq.was_admitted:
+            seq.num_cached_tokens = num_cached_tokens
+            seq.was_admitted = True
+        seq.status = SequenceStatus.RUNNING
+        self.running.append(seq)
+
+    def _preempt(self, seq: Sequence) -> None:
+        self.running.remove(seq)
+        self.block_manager.free(seq)
+        self.num_preemptions_total += 1
+        seq.status = SequenceStatus.WAITING
+        bisect.insort(self.waiting, seq, key=_queue_key)
+
+    def _reject(self, seq: Sequence) -> None:
+        seq.status = SequenceStatus.FINISHED
+        seq.finish_reason = FinishReason.ERROR
+        seq.error_message = (
+            f"prompt has {seq.num_tokens} tokens but a sequence can hold at most "
+            f"{self.config.max_seq_tokens} (context limit and KV pool of "
+            f"{self.block_manager.num_blocks} blocks x {self.block_manager.block_size} tokens)"
+        )
+        self._rejected.append(seq)

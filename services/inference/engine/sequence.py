@@ -1,0 +1,83 @@
+"""One generated sequence: its tokens, its block table and its progress. Pure Python.
+
+A request with n sequences starts as one Sequence (index 0); the engine forks the other n - 1
+once the prompt is computed, sharing the prompt's blocks (see BlockManager.fork).
+
+Invariants:
+  token_ids = prompt + output; num_computed_tokens <= len(token_ids);
+  block_ids covers at least num_computed_tokens slots (block_size each);
+  the first num_registered_blocks blocks are full, computed and known to the prefix cache.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+from typing import Any
+
+from llmserve.block_hash import hash_block
+from llmserve.sampling import FinishReason, SamplingParams
+
+
+class SequenceStatus(enum.Enum):
+    WAITING = "waiting"  # queued, or preempted (holds no blocks)
+    RUNNING = "running"  # holds blocks; scheduled every step until it finishes
+    FINISHED = "finished"
+
+
+@dataclass(slots=True, eq=False)
+class Sequence:
+    seq_id: int  # unique within the engine, increasing with arrival: the FCFS tie-break
+    request_id: str
+    sequence_index: int
+    token_ids: list[int]
+    num_prompt_tokens: int
+    sampling: SamplingParams
+    arrival_ns: int = 0
+    priority: int = 0  # lower runs first
+    status: SequenceStatus = SequenceStatus.WAITING
+    block_ids: list[int] = field(default_factory=list)
+    # Chained hashes (llmserve.block_hash) of the full blocks of token_ids known so far;
+    # extended lazily by block_hash().
+    block_hashes: list[int] = field(default_factory=list)
+    num_computed_tokens: int = 0  # tokens whose K/V are in the cache
+    num_registered_blocks: int = 0
+    num_cached_tokens: int = 0  # prompt tokens the prefix cache served at first admission
+    num_siblings_to_fork: int = 0  # n - 1 on the first sequence until its prompt is computed
+    was_admitted: bool = False
+    rng: Any = None  # the sampler's per-sequence random stream (a torch.Generator)
+    first_scheduled_ns: int = 0
+    first_token_ns: int = 0
+    finish_reason: FinishReason | None = None
+    error_message: str = ""  # why it finished with ERROR
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens :]
+
+    @property
+    def num_uncomputed_tokens(self) -> int:
+        return len(self.token_ids) - self.num_computed_tokens
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is SequenceStatus.FINISHED
+
+    def block_hash(self, block_index: int, block_size: int) -> int:
+        """Chained hash of full block `block_index` (computed and remembered on first use)."""
+        while len(self.block_hashes) <= block_index:
+            start = len(self.block_hashes) * block_size
+            parent = self.block_hashes[-1] if self.block_hashes else None
+            self.block_hashes.append(hash_block(parent, self.token_ids[start : start + block_size]))
+        return self.block_hashes[block_index]
+
+    def block_token_ids(self, block_index: int, block_size: int) -> tuple[int, ...]:
+        return tuple(self.token_ids[block_index * block_size : (block_index + 1) * block_size])

@@ -1,0 +1,278 @@
+"""TorchEngineCore: llmserve's own engine - continuous batching over a paged KV cache with
+prefix reuse, in PyTorch.
+
+One step reads top to bottom:
+  schedule  the Scheduler picks sequences and token counts (decodes, prefill chunks, new
+            arrivals) within the token budget, allocating KV blocks, preempting when short;
+  execute   the ModelRunner runs one forward over the flat batch and returns logits for the
+            sequences whose last token was computed;
+  update    progress is recorded (full blocks enter the prefix cache), n > 1 requests fork
+            their siblings, the Sampler picks tokens, stop conditions finish sequences (their
+            blocks return to the pool at once) and an EngineOutput goes out per new token.
+
+Stop conditions, checked after each token: a stop token (EOS unless ignore_eos, or one of
+stop_token_ids; not before min_tokens) -> STOP, the token is included in the output and named
+in stop_token_id; then max_tokens -> LENGTH; then the sequence reaching `max_seq_tokens`
+(the context limit, or the whole KV pool if smaller) -> LENGTH. Stop strings are the gateway's.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import torch
+
+from llmserve.block_hash import HASH_VERSION, hash_block
+from llmserve.inference.engine.block_manager import BlockManager
+from llmserve.inference.engine.config import EngineConfig
+from llmserve.inference.engine.kv_cache import device_tensor
+from llmserve.inference.engine.model_runner import ModelRunner
+from llmserve.inference.engine.sampler import Sampler
+from llmserve.inference.engine.scheduler import ScheduledBatch, Scheduler, SchedulerConfig
+from llmserve.inference.engine.sequence import Sequence
+from llmserve.inference.engine.types import EngineLoad, EngineOutput, EngineRequest, ModelInfo
+from llmserve.model_files import ModelFiles
+from llmserve.sampling import FinishReason, TokenLogprob
+
+log = logging.getLogger(__name__)
+
+
+class TorchEngineCore:
+    """EngineCore on our own model runner. Not thread-safe: AsyncEngine calls it from one thread."""
+
+    def __init__(self, config: EngineConfig):
+        self.config = config
+        files = ModelFiles.load(config.model_path, config.model_name)
+        max_model_len = files.max_context_tokens
+        if config.max_model_len is not None:
+            max_model_len = min(max_model_len, config.max_model_len)
+        self.runner = ModelRunner(config, files, max_model_len)
+        num_blocks = self.runner.kv_cache.num_blocks
+        self.block_manager = BlockManager(num_blocks, config.block_size_tokens, config.enable_prefix_caching)
+        max_seq_tokens = min(max_model_len, num_blocks * config.block_size_tokens)
+        if max_seq_tokens < max_model_len:
+            log.warning("the KV pool holds %d tokens, less than the context limit %d", max_seq_tokens, max_model_len)
+        self.scheduler = Scheduler(
+            SchedulerConfig(
+                max_num_seqs=config.max_num_seqs,
+                max_batched_tokens=config.max_batched_tokens,
+                max_seq_tokens=max_seq_tokens,
+                enable_chunked_prefill=config.enable_chunked_prefill,
+            ),
+            self.block_manager,
+        )
+        self.sampler = Sampler(files.eos_token_ids)
+        self.model_info = ModelInfo(
+            model_name=config.model_name or files.model_name,
+            architecture=files.architecture,
+            max_context_tokens=max_model_len,
+            vocab_size=self.runner.vocab_size,
+            eos_token_ids=files.eos_token_ids,
+            block_size_tokens=config.block_size_tokens,
+            dtype=config.dtype,
+            backend="torch",
+            device=str(self.runner.device),
+        )
+        self._num_unfinished_seqs: dict[str, int] = {}  # request id -> sequences not finished
+        self._next_seq_id = 0
+        self._num_requests_added = 0
+        self._num_aborted_total = 0
+        self._num_finished_total = 0
+
+    # --- EngineCore interface ----------------------------------------------------------------
+
+    def add_request(self, request: EngineRequest) -> None:
+        assert request.prompt_token_ids, "the servicer rejects empty prompts"
+        if request.request_id in self._num_unfinished_seqs:
+            raise ValueError(f"request {request.request_id!r} is already in flight")
+        seed = request.sampling.seed
+        if seed is None:  # distinct streams per request, reproducible per engine seed
+            seed = _derived_seed(self.config.seed, self._num_requests_added + 1)
+        self._num_requests_added += 1
+        seq = Sequence(
+            seq_id=self._new_seq_id(),
+            request_id=request.request_id,
+            sequence_index=0,
+            token_ids=list(request.prompt_token_ids),
+            num_prompt_tokens=len(request.prompt_token_ids),
+            sampling=request.sampling,
+            arrival_ns=request.arrival_ns,
+            priority=request.priority,
+            block_hashes=self._usable_block_hashes(request),
+            num_siblings_to_fork=request.sampling.n - 1,
+            rng=self._generator(seed),
+        )
+        self._num_unfinished_seqs[request.request_id] = request.sampling.n
+        self.scheduler.add(seq)
+
+    def abort_request(self, request_id: str) -> bool:
+        if request_id not in self._num_unfinished_seqs:
+            return False
+        self.scheduler.abort(request_id)
+        del self._num_unfinished_seqs[request_id]
+        self._num_aborted_total += 1
+        self._num_finished_total += 1
+        return True
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self._num_unfinished_seqs)
+
+    def step(self) -> list[EngineOutput]:
+        outputs = [out for seq in self.scheduler.take_rejected() for out in self._error_outputs(seq)]
+        batch = self.scheduler.schedule()
+        if batch.is_empty:
+            return outputs
+        self._mark_scheduled(batch)
+        logits = self.runner.execute(batch)
+        sampling_seqs = [seq for i, seq in enumerate(batch.seqs) if batch.samples(i)]
+        self.scheduler.on_executed(batch)
+        sampling_seqs, logits = self._fork_siblings(sampling_seqs, logits)
+        sampled = self.sampler.sample(logits, sampling_seqs)
+        for seq, token_id, logprob in zip(sampling_seqs, sampled.token_ids, sampled.logprobs):
+            outputs.append(self._update(seq, token_id, logprob))
+        return outputs
+
+    def load(self) -> EngineLoad:
+        """Counts are sequences for num_running / num_waiting; requests for the totals (a request
+        finished by abort counts in both num_aborted_total and num_finished_total)."""
+        stats = self.block_manager.stats()
+        return EngineLoad(
+            num_running=len(self.scheduler.running),
+            num_waiting=len(self.scheduler.waiting),
+            kv_blocks_total=stats.num_blocks_total,
+            kv_blocks_used=stats.num_blocks_used,
+            num_aborted_total=self._num_aborted_total,
+            num_finished_total=self._num_finished_total,
+            prefix_cache_queried_tokens_total=stats.prefix_queried_tokens_total,
+            prefix_cache_hit_tokens_total=stats.prefix_hit_tokens_total,
+            num_preemptions_total=self.scheduler.num_preemptions_total,
+        )
+
+    # --- update ------------------------------------------------------------------------------
+
+    def _mark_scheduled(self, batch: ScheduledBatch) -> None:
+        now_ns = time.monotonic_ns()
+        for seq in batch.seqs:
+            if not seq.first_scheduled_ns:
+                seq.first_scheduled_ns = now_ns
+
+    def _fork_siblings(self, seqs: list[Sequence], logits: torch.Tensor) -> tuple[list[Sequence], torch.Tensor]:
+        """Parents whose prompt was just computed start their n - 1 siblings, which sample their
+        first token from the parent's logits row."""
+        rows = list(range(len(seqs)))
+        all_seqs = list(seqs)
+        for row, parent in enumerate(seqs):
+            for index in range(1, parent.num_siblings_to_fork + 1):
+                child = self._sibling(parent, index)
+                self.scheduler.add_fork(parent, child)
+                all_seqs.append(child)
+                rows.append(row)
+            parent.num_siblings_to_fork = 0
+        if len(all_seqs) == len(seqs):
+            return seqs, logits
+        return all_seqs, logits[device_tensor(rows, logits.device)]
+
+    def _sibling(self, parent: Sequence, index: int) -> Sequence:
+        return Sequence(
+            seq_id=self._new_seq_id(),
+            request_id=parent.request_id,
+            sequence_index=index,
+            token_ids=parent.token_ids[: parent.num_prompt_tokens],
+            num_prompt_tokens=parent.num_prompt_tokens,
+            sampling=parent.sampling,
+            arrival_ns=parent.arrival_ns,
+            priority=parent.priority,
+            num_cached_tokens=parent.num_cached_tokens,
+            was_admitted=True,
+            rng=self._generator(_derived_seed(parent.rng.initial_seed(), index)),
+            first_scheduled_ns=parent.first_scheduled_ns,
+        )
+
+    def _update(self, seq: Sequence, token_id: int, logprob: TokenLogprob | None) -> EngineOutput:
+        now_ns = time.monotonic_ns()
+        seq.token_ids.append(token_id)
+        if not seq.first_token_ns:
+            seq.first_token_ns = now_ns
+        finish_reason, stop_token_id = self._check_stop(seq, token_id)
+        output = EngineOutput(
+            request_id=seq.request_id,
+            sequence_index=seq.sequence_index,
+            new_token_ids=[token_id],
+            logprobs=[logprob] if logprob is not None else None,
+            finish_reason=finish_reason,
+            stop_token_id=stop_token_id,
+        )
+        if finish_reason is not None:
+            self.scheduler.finish(seq, finish_reason)
+            self._fill_final(output, seq, now_ns)
+            self._count_finished_seq(seq.request_id)
+        return output
+
+    def _check_stop(self, seq: Sequence, token_id: int) -> tuple[FinishReason | None, int | None]:
+        sampling = seq.sampling
+        if seq.num_output_tokens >= sampling.min_tokens and token_id in self.sampler.stop_token_ids(sampling):
+            return FinishReason.STOP, token_id
+        if seq.num_output_tokens >= sampling.max_tokens:
+            return FinishReason.LENGTH, None
+        if seq.num_tokens >= self.scheduler.config.max_seq_tokens:
+            return FinishReason.LENGTH, None
+        return None, None
+
+    def _fill_final(self, output: EngineOutput, seq: Sequence, now_ns: int) -> None:
+        output.num_prompt_tokens = seq.num_prompt_tokens
+        output.num_output_tokens = seq.num_output_tokens
+        output.num_cached_tokens = seq.num_cached_tokens
+        if seq.first_scheduled_ns:
+            output.queue_time_ns = max(0, seq.first_scheduled_ns - seq.arrival_ns)
+        if seq.first_token_ns:
+            output.time_to_first_token_ns = max(0, seq.first_token_ns - seq.arrival_ns)
+        output.total_time_ns = max(0, now_ns - seq.arrival_ns)
+
+    def _error_outputs(self, seq: Sequence) -> list[EngineOutput]:
+        """A rejected request ends every one of its n sequences with the error."""
+        outputs = []
+        for index in range(seq.sampling.n):
+            output = EngineOutput(
+                request_id=seq.request_id,
+                sequence_index=index,
+                new_token_ids=[],
+                finish_reason=FinishReason.ERROR,
+                error_message=seq.error_message,
+            )
+            self._fill_final(output, seq, time.monotonic_ns())
+            outputs.append(output)
+        self._num_unfinished_seqs.pop(seq.request_id, None)
+        self._num_finished_total += 1
+        return outputs
+
+    def _count_finished_seq(self, request_id: str) -> None:
+        self._num_unfinished_seqs[request_id] -= 1
+        if self._num_unfinished_seqs[request_id] == 0:
+            del self._num_unfinished_seqs[request_id]
+            self._num_finished_total += 1
+
+    # --- helpers -----------------------------------------------------------------------------
+
+    def _usable_block_hashes(self, request: EngineRequest) -> list[int]:
+        """The request's block hashes when computed like ours; else none (computed lazily)."""
+        if request.block_size_tokens != self.config.block_size_tokens or request.block_hash_version != HASH_VERSION:
+            return []
+        return list(request.block_hashes[: len(request.prompt_token_ids) // self.config.block_size_tokens])
+
+    def _generator(self, seed: int) -> torch.Generator:
+        generator = torch.Generator(device=self.runner.device)
+        generator.manual_seed(seed)
+        return generator
+
+    def _new_seq_id(self) -> int:
+        self._next_seq_id += 1
+        return self._next_seq_id
+
+
+def _derived_seed(seed: int, index: int) -> int:
+    """A well-mixed 64-bit seed for stream `index` derived from `seed` (index 0 keeps `seed`, so
+    sequence 0 of an n > 1 request samples like the same request with n = 1)."""
+    if index == 0:
+        return seed
+    return hash_block(None, [seed & 0xFFFFFFFF, (seed >> 32) & 0xFFFFFFFF, index & 0xFFFFFFFF])
