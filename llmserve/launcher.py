@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import collections
 import contextlib
-import ctypes
 import importlib.util
 import logging
 import os
@@ -37,25 +36,17 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from llmserve.model_store import DEFAULT_MODEL_NAME, ModelResolutionError, is_default_model_spec, resolve_model
+from llmserve.server import PARENT_PID_ENV
 
 log = logging.getLogger("llmserve.launcher")
 
 LOOPBACK = "127.0.0.1"
 NUM_LOG_TAIL_LINES = 40
 _POLL_INTERVAL_S = 0.1
-_PR_SET_PDEATHSIG = 1  # linux/prctl.h
 
 
 class ServiceStartError(RuntimeError):
     """A child service exited or timed out before it was ready; the message has its log tail."""
-
-
-def _die_with_parent() -> None:
-    """Runs in the child before exec: SIGTERM it if the launcher dies, so no server is orphaned
-    (a launcher killed with SIGKILL cannot stop its children itself). Linux delivers it when
-    the *thread* that spawned the child exits."""
-    libc = ctypes.CDLL(None, use_errno=True)
-    libc.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
 
 
 class ServiceProcess:
@@ -119,6 +110,7 @@ class ServiceProcess:
         self.port_file.unlink(missing_ok=True)
         env = dict(os.environ if self._env is None else self._env)
         env["PYTHONUNBUFFERED"] = "1"  # log lines arrive as they are written
+        env[PARENT_PID_ENV] = str(os.getpid())  # the child exits with us (server.exit_with_parent)
         self._process = subprocess.Popen(
             self.command,
             stdin=subprocess.DEVNULL,
@@ -128,7 +120,6 @@ class ServiceProcess:
             # Own process group: a Ctrl-C in the terminal reaches only the launcher, which then
             # stops the services in order (gateway first).
             process_group=0,
-            preexec_fn=_die_with_parent if sys.platform == "linux" else None,
         )
         self._reader = threading.Thread(target=self._forward_logs, name=f"{self.name}-logs", daemon=True)
         self._reader.start()

@@ -8,9 +8,11 @@ and then drains: health NOT_SERVING → stop accepting → wait for in-flight RP
 from __future__ import annotations
 
 import asyncio
+import ctypes
 import logging
 import os
 import signal
+import sys
 from dataclasses import dataclass
 from typing import Awaitable, Callable, Iterable
 
@@ -110,6 +112,26 @@ async def serve_until_signal(
         await on_drain()
     await stop_task
     log.info("stopped")
+
+
+# Set by the launcher on its children: the pid they must not outlive.
+PARENT_PID_ENV = "LLMSERVE_PARENT_PID"
+_PR_SET_PDEATHSIG = 1
+
+
+def exit_with_parent() -> None:
+    """When started by the launcher, get SIGTERM if the launcher dies (even by SIGKILL).
+
+    Runs in the service itself after exec — never as a Popen preexec_fn, which can deadlock
+    when the parent has other threads (a lock held at fork time, e.g. the dynamic loader's).
+    Linux delivers the signal when the launcher *thread* that spawned this process exits.
+    """
+    parent_pid = os.environ.get(PARENT_PID_ENV)
+    if not parent_pid or sys.platform != "linux":
+        return
+    ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+    if os.getppid() != int(parent_pid):  # the launcher died before prctl took effect
+        os.kill(os.getpid(), signal.SIGTERM)
 
 
 def configure_logging(service: str, level: str = "INFO") -> None:

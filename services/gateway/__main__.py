@@ -15,7 +15,7 @@ from pathlib import Path
 from llmserve.errors import ServiceError
 from llmserve.gateway.app import start_gateway
 from llmserve.gateway.config import GatewayConfig
-from llmserve.server import configure_logging, serve_until_signal, write_port_file
+from llmserve.server import configure_logging, exit_with_parent, serve_until_signal, write_port_file
 
 log = logging.getLogger("llmserve.gateway")
 
@@ -92,6 +92,7 @@ async def serve(config: GatewayConfig) -> None:
 def main(argv: list[str] | None = None) -> int:
     config = config_from_args(build_parser().parse_args(argv))
     configure_logging("gateway", config.log_level)
+    exit_with_parent()
     try:
         asyncio.run(serve(config))
     except ServiceError as error:  # a hop never became ready

@@ -19,7 +19,7 @@ from llmserve.inference.config import DEFAULT_GRACE_PERIOD_S, InferenceConfig
 from llmserve.inference.engine.config import BACKENDS, EngineConfig
 from llmserve.inference.servicer import SERVICE_NAME, InferenceServicer
 from llmserve.model_files import ModelFiles
-from llmserve.server import configure_logging, create_server, serve_until_signal, write_port_file
+from llmserve.server import configure_logging, exit_with_parent, create_server, serve_until_signal, write_port_file
 from llmserve.v1 import inference_pb2_grpc
 
 log = logging.getLogger("llmserve.inference")
@@ -163,6 +163,7 @@ def _log_startup(engine: ServingEngine, replica_id: str, port: int) -> None:
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     configure_logging("inference", args.log_level)
+    exit_with_parent()
     try:
         asyncio.run(serve(config_from_args(args)))
     except (BackendUnavailable, FileNotFoundError) as exc:  # a wrong flag: say why, no traceback

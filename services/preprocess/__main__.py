@@ -16,7 +16,7 @@ from llmserve.block_hash import DEFAULT_BLOCK_SIZE
 from llmserve.buckets import DEFAULT_BUCKET_BOUNDS, BucketConfig
 from llmserve.preprocess.config import DEFAULT_MAX_OUTPUT_TOKENS, DEFAULT_NUM_WORKERS, PreprocessConfig
 from llmserve.preprocess.server import start_server
-from llmserve.server import configure_logging, serve_until_signal
+from llmserve.server import configure_logging, exit_with_parent, serve_until_signal
 
 log = logging.getLogger("llmserve.preprocess")
 
@@ -126,6 +126,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     configure_logging("preprocess", args.log_level)
+    exit_with_parent()
     try:
         config = config_from_args(args)
     except ValueError as exc:
