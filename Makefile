@@ -14,7 +14,7 @@ help:  ## List the targets
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q --upgrade pip "setuptools>=77"
 	# The CPU build of torch, pinned: an unpinned torch pulls several GB of CUDA.
 	$(PY) -m pip install -q torch==2.13.0
 	$(PY) -m pip install -q --no-build-isolation -e '.[dev,redis]'
