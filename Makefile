@@ -17,6 +17,8 @@ $(VENV)/.installed: pyproject.toml
 	$(PY) -m pip install -q --upgrade pip "setuptools>=77"
 	# The CPU build of torch, pinned: an unpinned torch pulls several GB of CUDA.
 	$(PY) -m pip install -q torch==2.13.0
+	# llmserve/v1 (generated, see `protos`) is a declared package: it must exist to install.
+	mkdir -p $(PROTO_OUT) && touch $(PROTO_OUT)/__init__.py
 	$(PY) -m pip install -q --no-build-isolation -e '.[dev,redis]'
 	touch $@
 
