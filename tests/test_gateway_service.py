@@ -236,7 +236,11 @@ INVALID = grpc.StatusCode.INVALID_ARGUMENT
 BAD_REQUESTS = [
     # From preprocess, passed through.
     (prompt_request(""), INVALID, "prompt: must not be empty"),
-    (prompt_request("Hello", max_tokens=LONG_CONTEXT_TOKENS + 10), INVALID, "max_tokens: "),
+    (
+        prompt_request("Hello", max_tokens=LONG_CONTEXT_TOKENS + 10),
+        INVALID,
+        "sampling.max_tokens: 4106 exceeds the server limit of 4095 output tokens",
+    ),
     (
         gateway_pb2.GenerateRequest(chat=common_pb2.ChatInput(messages=[common_pb2.ChatMessage(role="robot")])),
         INVALID,

@@ -75,6 +75,18 @@ def error_from_rpc(service: str, error: grpc.aio.AioRpcError) -> ServiceError:
     return ServiceError(f"{service} failed: {code.name}: {details}")
 
 
+# Preprocess fields that the gateway's clients know under another name: errors are re-labelled
+# so the message names the field the client actually set.
+_PREPROCESS_FIELDS_AS_CLIENT_FIELDS = {"max_tokens": "sampling.max_tokens"}
+
+
+def _client_field_details(details: str) -> str:
+    field, sep, problem = details.partition(": ")
+    if sep and field in _PREPROCESS_FIELDS_AS_CLIENT_FIELDS:
+        return f"{_PREPROCESS_FIELDS_AS_CLIENT_FIELDS[field]}: {problem}"
+    return details
+
+
 async def wait_until_serving(channel: grpc.aio.Channel, service: str, timeout_s: float) -> None:
     """Poll grpc health until the server says SERVING; raise Unavailable after `timeout_s`."""
     stub = health_pb2_grpc.HealthStub(channel)
@@ -157,6 +169,8 @@ class PreprocessClient:
                 request, timeout=timeout_s, metadata=_request_metadata(request_id)
             )
         except grpc.aio.AioRpcError as error:
+            if error.code() == grpc.StatusCode.INVALID_ARGUMENT:
+                raise DownstreamError(error.code(), _client_field_details(error.details() or "")) from None
             raise error_from_rpc("preprocess", error) from None
         return PreparedPrompt(
             token_ids=list(response.token_ids),
