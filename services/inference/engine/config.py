@@ -8,6 +8,12 @@ from pathlib import Path
 from llmserve.block_hash import DEFAULT_BLOCK_SIZE
 
 BACKENDS = ("torch", "hf", "trtllm")
+# torch backend attention/small-op implementation: "auto" = Triton kernels on CUDA when triton
+# imports, else the portable torch path; "triton" requires them; "torch" forces the portable path.
+ATTENTION_BACKENDS = ("auto", "torch", "triton")
+# KV-cache element type: "auto" = the model dtype; "fp8" = float8 e4m3 with scale 1 (half the
+# bytes attention reads per step; needs the triton backend).
+KV_CACHE_DTYPES = ("auto", "fp8")
 
 
 @dataclass(frozen=True, slots=True)
@@ -29,10 +35,16 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     enable_chunked_prefill: bool = True
     enforce_eager: bool = False  # CUDA: skip CUDA-graph capture
+    attention_backend: str = "auto"  # see ATTENTION_BACKENDS
+    kv_cache_dtype: str = "auto"  # see KV_CACHE_DTYPES
     seed: int = 0  # engine-level seed for requests that bring none
 
     def __post_init__(self) -> None:
         if self.backend not in BACKENDS:
             raise ValueError(f"backend must be one of {BACKENDS}, got {self.backend!r}")
+        if self.attention_backend not in ATTENTION_BACKENDS:
+            raise ValueError(f"attention_backend must be one of {ATTENTION_BACKENDS}, got {self.attention_backend!r}")
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"kv_cache_dtype must be one of {KV_CACHE_DTYPES}, got {self.kv_cache_dtype!r}")
         if self.block_size_tokens <= 0:
             raise ValueError(f"block_size_tokens must be positive, got {self.block_size_tokens}")

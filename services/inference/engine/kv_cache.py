@@ -52,7 +52,8 @@ class KVCache:
             return
         src = device_tensor([s for s, _ in copies], self.data.device)
         dst = device_tensor([d for _, d in copies], self.data.device)
-        self.data[:, :, dst] = self.data[:, :, src]
+        data = self.data.view(torch.uint8) if self.data.element_size() == 1 else self.data  # float8: raw bytes
+        data[:, :, dst] = data[:, :, src]
 
 
 def device_tensor(values, device: torch.device, dtype: torch.dtype = torch.long) -> torch.Tensor:

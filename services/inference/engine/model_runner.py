@@ -1,12 +1,17 @@
 """Runs the model on one scheduled batch: builds the flat inputs, runs the forward over the
 paged KV cache, and returns logits only for the sequences that sample this step.
 
-Inputs for a step (all built on the host from the batch, copied to the device once):
+Inputs for a step (engine/step_inputs.py builds them on the host; copied to the device once):
   input_ids, positions   [num_tokens]: single-token sequences first, then prefill chunks;
   slot_mapping           [num_tokens]: where each new token's K/V go;
-  decode slot tables     [num_decodes, max_blocks * block_size] + context lengths;
-  prefill chunk slices (host ints) + slot lists of chunks with a cached prefix;
+  per decode / prefill chunk: block tables and context lengths (attention metadata);
   logits_indices         [num_sampling]: the last token of each sampling sequence, in batch order.
+
+Two attention paths, chosen once (EngineConfig.attention_backend):
+  torch    the portable path (CPU): AttentionMetadata with gathered slot tables;
+  triton   CUDA kernels: KernelAttentionMetadata with block tables, read in place; decode-only
+           steps replay a CUDA graph per batch-size bucket (engine/cuda_graphs.py) unless
+           enforce_eager.
 """
 
 from __future__ import annotations
@@ -16,14 +21,26 @@ import logging
 import torch
 
 from llmserve.inference.engine.config import EngineConfig
+from llmserve.inference.engine.cuda_graphs import DecodeGraphs, graph_batch_sizes
 from llmserve.inference.engine.kv_cache import KVCache, KVCacheSpec, device_tensor, plan_num_blocks
 from llmserve.inference.engine.scheduler import ScheduledBatch
-from llmserve.inference.models.attention import AttentionMetadata, PrefillChunk
+from llmserve.inference.engine.step_inputs import StepInputs, build_step_inputs, pad_rows
+from llmserve.inference.kernels import is_available as kernels_available
+from llmserve.inference.models.attention import AttentionMetadata, KernelAttentionMetadata, PrefillChunk
 from llmserve.inference.models.llama import DecoderConfig
 from llmserve.inference.models.loader import load_model, torch_dtype
 from llmserve.model_files import ModelFiles
 
 log = logging.getLogger(__name__)
+
+
+def resolve_attention_backend(requested: str, device: torch.device) -> str:
+    """The attention path ("torch" or "triton") for EngineConfig.attention_backend on `device`."""
+    if requested == "auto":
+        return "triton" if device.type == "cuda" and kernels_available() else "torch"
+    if requested == "triton" and not kernels_available():
+        raise ValueError("attention_backend 'triton' needs the triton package")
+    return requested
 
 
 class ModelRunner:
@@ -33,13 +50,16 @@ class ModelRunner:
         self.block_size = config.block_size_tokens
         self.model_config = DecoderConfig.from_hf(files.config)
         log.info("loading %s (%s) on %s as %s", files.path, files.architecture, self.device, config.dtype)
+        self.use_kernels = resolve_attention_backend(config.attention_backend, self.device) == "triton"
+        if config.kv_cache_dtype == "fp8" and not self.use_kernels:
+            raise ValueError("kv_cache_dtype 'fp8' needs the triton attention backend")
         self.model = load_model(files.path, self.model_config, self.device, self.dtype)
         spec = KVCacheSpec(
             num_layers=self.model_config.num_layers,
             block_size=self.block_size,
             num_kv_heads=self.model_config.num_kv_heads,
             head_dim=self.model_config.head_dim,
-            dtype=self.dtype,
+            dtype=torch.float8_e4m3fn if config.kv_cache_dtype == "fp8" else self.dtype,
         )
         num_blocks = plan_num_blocks(
             spec,
@@ -53,7 +73,21 @@ class ModelRunner:
         log.info(
             "KV cache: %d blocks x %d tokens = %d tokens, %.1f MiB (%s, %d bytes per block)",
             num_blocks, self.block_size, num_blocks * self.block_size, self.kv_cache.num_bytes / 2**20,
-            config.dtype, spec.bytes_per_block,
+            spec.dtype, spec.bytes_per_block,
+        )
+        self.num_sms = self._num_sms()
+        self.decode_graphs: DecodeGraphs | None = None
+        if self.use_kernels:
+            self.model.enable_kernels()
+            self._warm_up_prefill()
+            if not config.enforce_eager:
+                # Off CUDA (the Triton interpreter in tests) the static-buffer path runs uncaptured.
+                is_cuda = self.device.type == "cuda"
+                self.decode_graphs = self._decode_graphs(config.max_num_seqs, max_model_len, capture=is_cuda)
+        log.info(
+            "attention: %s; decode CUDA graphs: %s",
+            "triton kernels" if self.use_kernels else "torch (gather)",
+            "off" if self.decode_graphs is None else ",".join(map(str, self.decode_graphs.sizes)),
         )
 
     @property
@@ -64,56 +98,107 @@ class ModelRunner:
     def execute(self, batch: ScheduledBatch) -> torch.Tensor:
         """float32 logits [num_sampling_seqs, vocab]: one row per sequence that samples, in batch order."""
         self.kv_cache.copy_blocks(batch.block_copies)
-        input_ids, positions, meta, logits_indices = self._prepare(batch)
-        hidden = self.model(input_ids, positions, self.kv_cache.layers, meta)
-        return self.model.compute_logits(hidden[logits_indices])
+        step = build_step_inputs(batch, self.block_size)
+        if self.decode_graphs is not None and self.decode_graphs.can_run(step):
+            return self._sampled_rows(self.decode_graphs.run(step), step.logits_indices)
+        if self.use_kernels:
+            meta = self._kernel_meta(step)
+        else:
+            meta = self._gather_meta(step)
+        hidden = self.model(self._to_device(step.input_ids), self._to_device(step.positions), self.kv_cache.layers, meta)
+        return self.model.compute_logits(hidden[self._to_device(step.logits_indices)])
 
-    def _prepare(self, batch: ScheduledBatch):
-        order = sorted(range(len(batch.seqs)), key=lambda i: batch.num_new_tokens[i] > 1)  # decodes first
-        input_ids: list[int] = []
-        positions: list[int] = []
-        slots: list[int] = []
-        last_rows: dict[int, int] = {}  # batch index -> flat row of its last token
-        decode_tables: list[list[int]] = []
-        decode_context_lens: list[int] = []
-        prefills: list[tuple[int, int, int, list[int] | None]] = []
-        for i in order:
-            seq, num_new = batch.seqs[i], batch.num_new_tokens[i]
-            start, end = seq.num_computed_tokens, seq.num_computed_tokens + num_new
-            query_start = len(input_ids)
-            input_ids.extend(seq.token_ids[start:end])
-            positions.extend(range(start, end))
-            slots.extend(self._slot(seq.block_ids, p) for p in range(start, end))
-            last_rows[i] = len(input_ids) - 1
-            if num_new == 1:
-                decode_tables.append(seq.block_ids[: -(-end // self.block_size)])
-                decode_context_lens.append(end)
-            else:
-                cached_table = seq.block_ids[: -(-end // self.block_size)] if start > 0 else None
-                prefills.append((query_start, num_new, end, cached_table))
-        logits_indices = [last_rows[i] for i in range(len(batch.seqs)) if batch.samples(i)]
-        meta = AttentionMetadata(
-            slot_mapping=self._to_device(slots),
-            num_decode_tokens=len(decode_tables),
-            decode_kv_slots=self._slot_table(decode_tables) if decode_tables else None,
-            decode_context_lens=self._to_device(decode_context_lens) if decode_tables else None,
+    @torch.inference_mode()
+    def _warm_up_prefill(self, num_tokens: int = 32) -> None:
+        """Compile the prefill-path kernels now rather than during the first request: one
+        chunk whose slots are all padding (nothing is written; it reads block 0, zeros)."""
+        step = StepInputs(
+            input_ids=[0] * num_tokens, positions=list(range(num_tokens)), slot_mapping=[-1] * num_tokens,
+            prefill_query_starts=[0], prefill_query_lens=[num_tokens], prefill_context_lens=[num_tokens],
+            prefill_block_tables=[[0] * -(-num_tokens // self.block_size)], prefill_has_cached_prefix=[False],
+            logits_indices=[num_tokens - 1],
+        )
+        hidden = self.model(self._to_device(step.input_ids), self._to_device(step.positions), self.kv_cache.layers,
+                            self._kernel_meta(step))
+        self.model.compute_logits(hidden[-1:])
+
+    # --- decode graphs -----------------------------------------------------------------------
+
+    def _decode_graphs(self, max_num_seqs: int, max_model_len: int, capture: bool) -> DecodeGraphs:
+        return DecodeGraphs(
+            forward_logits=self._forward_logits,
+            sizes=graph_batch_sizes(max_num_seqs),
+            max_blocks_per_seq=-(-max_model_len // self.block_size),
+            num_splits_for=self._decode_num_splits,
+            device=self.device,
+            capture=capture,
+        )
+
+    def _forward_logits(self, input_ids, positions, meta: KernelAttentionMetadata) -> torch.Tensor:
+        return self.model.compute_logits(self.model(input_ids, positions, self.kv_cache.layers, meta))
+
+    def _sampled_rows(self, logits: torch.Tensor, logits_indices: list[int]) -> torch.Tensor:
+        """A decode-only step's rows are its sequences in batch order; a single-token prefill
+        chunk (budget remainder) is among them but does not sample."""
+        if logits_indices == list(range(logits.shape[0])):
+            return logits
+        return logits[self._to_device(logits_indices)]
+
+    # --- attention metadata ------------------------------------------------------------------
+
+    def _kernel_meta(self, step: StepInputs) -> KernelAttentionMetadata:
+        num_decodes = step.num_decodes
+        meta = KernelAttentionMetadata(
+            slot_mapping=self._to_device32(step.slot_mapping),
+            num_decode_tokens=num_decodes,
+            decode_block_tables=self._table(step.decode_block_tables) if num_decodes else None,
+            decode_context_lens=self._to_device32(step.decode_context_lens) if num_decodes else None,
+            decode_num_splits=self._decode_num_splits(num_decodes),
+        )
+        if not step.is_decode_only:
+            meta.prefill_block_tables = self._table(step.prefill_block_tables)
+            meta.prefill_query_starts = self._to_device32(step.prefill_query_starts)
+            meta.prefill_query_lens = self._to_device32(step.prefill_query_lens)
+            meta.prefill_context_lens = self._to_device32(step.prefill_context_lens)
+            meta.prefill_max_query_len = max(step.prefill_query_lens)
+        return meta
+
+    def _decode_num_splits(self, num_decodes: int) -> int:
+        from llmserve.inference.kernels.paged_decode import decode_num_splits
+
+        return decode_num_splits(num_decodes, self.model_config.num_kv_heads, self.num_sms)
+
+    def _gather_meta(self, step: StepInputs) -> AttentionMetadata:
+        num_decodes = step.num_decodes
+        chunks = zip(step.prefill_query_starts, step.prefill_query_lens, step.prefill_context_lens,
+                     step.prefill_block_tables, step.prefill_has_cached_prefix)
+        return AttentionMetadata(
+            slot_mapping=self._to_device(step.slot_mapping),
+            num_decode_tokens=num_decodes,
+            decode_kv_slots=self._slot_table(step.decode_block_tables) if num_decodes else None,
+            decode_context_lens=self._to_device(step.decode_context_lens) if num_decodes else None,
             prefills=[
-                PrefillChunk(row, n, context_len, None if table is None else self._slot_table([table])[0, :context_len])
-                for row, n, context_len, table in prefills
+                PrefillChunk(start, n, context_len, self._slot_table([table])[0, :context_len] if cached else None)
+                for start, n, context_len, table, cached in chunks
             ],
         )
-        return self._to_device(input_ids), self._to_device(positions), meta, self._to_device(logits_indices)
-
-    def _slot(self, block_ids: list[int], position: int) -> int:
-        return block_ids[position // self.block_size] * self.block_size + position % self.block_size
 
     def _slot_table(self, block_tables: list[list[int]]) -> torch.Tensor:
         """[num_seqs, max_blocks * block_size] cache slots of every position, padded with block 0."""
-        width = max(len(table) for table in block_tables)
-        padded = [table + [0] * (width - len(table)) for table in block_tables]
-        blocks = self._to_device(padded)  # [num_seqs, max_blocks]
+        blocks = self._to_device(pad_rows(block_tables, max(len(t) for t in block_tables)))
         offsets = torch.arange(self.block_size, device=self.device)
         return (blocks[:, :, None] * self.block_size + offsets).reshape(len(block_tables), -1)
 
+    def _table(self, block_tables: list[list[int]]) -> torch.Tensor:
+        return self._to_device32(pad_rows(block_tables, max(len(t) for t in block_tables)))
+
     def _to_device(self, values: list) -> torch.Tensor:
         return device_tensor(values, self.device)
+
+    def _to_device32(self, values: list) -> torch.Tensor:
+        return device_tensor(values, self.device, torch.int32)
+
+    def _num_sms(self) -> int:
+        if self.device.type == "cuda":
+            return torch.cuda.get_device_properties(self.device).multi_processor_count
+        return 4  # the Triton interpreter (CPU tests): a few splits still get exercised

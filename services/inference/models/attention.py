@@ -10,8 +10,9 @@ cache, so a chunk attends to its cached prefix and to itself in the same way.
   prefills: one call per sequence (vectorized within the sequence), with a causal mask offset
            by the number of tokens already in the cache.
 
-The gather costs a copy of the context per layer; it is the portable path (CPU now). A CUDA
-build swaps this module for a paged kernel that reads blocks in place; the metadata stays.
+The gather costs a copy of the context per layer; it is the portable path (CPU). On CUDA the
+model runner builds a KernelAttentionMetadata instead and the layers call the Triton kernels
+(models/kernel_attention.py), which read the blocks in place through the block tables.
 """
 
 from __future__ import annotations
@@ -75,6 +76,24 @@ class AttentionMetadata:
                 visible &= key_positions > query_positions - sliding_window
             self._mask_cache[key] = visible
         return self._mask_cache[key]
+
+
+@dataclass(slots=True)
+class KernelAttentionMetadata:
+    """What the Triton kernels read for one step. Tensors are int32 on the device; the same
+    object, built over static buffers, is captured in a decode CUDA graph, so nothing here may
+    need a host value that changes between replays (the host ints are fixed per graph)."""
+
+    slot_mapping: torch.Tensor  # [num_tokens]: cache slot of each new token, -1 = padding row
+    num_decode_tokens: int  # the leading tokens, one per single-token sequence
+    decode_block_tables: torch.Tensor | None  # [num_decodes, max_blocks]
+    decode_context_lens: torch.Tensor | None  # [num_decodes], the new token included; 0 = padding
+    decode_num_splits: int = 1  # context splits of the decode kernel
+    prefill_block_tables: torch.Tensor | None = None  # [num_chunks, max_blocks]
+    prefill_query_starts: torch.Tensor | None = None  # [num_chunks]: first row in the flat batch
+    prefill_query_lens: torch.Tensor | None = None  # [num_chunks]
+    prefill_context_lens: torch.Tensor | None = None  # [num_chunks]: cached prefix + chunk
+    prefill_max_query_len: int = 0
 
 
 def write_kv(

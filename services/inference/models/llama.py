@@ -7,8 +7,16 @@ transformers' implementations op for op (RMSNorm in float32, RoPE tables in floa
 the model dtype) so greedy outputs match it token for token in float32.
 
 The forward takes a flat batch of tokens (no padding) with their positions and the step's
-AttentionMetadata; q/k/v and gate/up projections are fused into one matmul each (the loader
-packs the checkpoint's separate matrices).
+attention metadata; q/k/v and gate/up projections are fused into one matmul each (the loader
+packs the checkpoint's separate matrices). The residual stream is carried beside the hidden
+states so that each norm can fuse the residual add before it.
+
+Two implementations of the small ops, chosen once by `enable_kernels()`:
+  torch (default; CPU and the reference): op by op as transformers, gather-based attention;
+  kernels (CUDA): Triton RMSNorm(+residual), SwiGLU, RoPE fused with the KV-cache write, and
+           paged attention reading blocks in place (models/kernel_attention.py). Same math
+           with fewer roundings (the residual stream stays float32) and ~10 launches per
+           layer instead of ~40.
 """
 
 from __future__ import annotations
@@ -20,7 +28,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from llmserve.inference.models.attention import AttentionMetadata, paged_attention
+from llmserve.inference.models.attention import AttentionMetadata, KernelAttentionMetadata, paged_attention
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
@@ -130,8 +138,25 @@ class RMSNorm(nn.Module):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(size))
         self.eps = eps
+        self.use_kernels = False
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.use_kernels and x.dim() == 2:
+            from llmserve.inference.kernels.rms_norm import rms_norm
+
+            return rms_norm(x, self.weight, self.eps)[0]
+        return self._reference(x)
+
+    def add_and_norm(self, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(norm(x + residual), x + residual): the residual add fused into the norm."""
+        if self.use_kernels:
+            from llmserve.inference.kernels.rms_norm import rms_norm
+
+            return rms_norm(x, self.weight, self.eps, residual)
+        residual = residual + x
+        return self._reference(residual), residual
+
+    def _reference(self, x: torch.Tensor) -> torch.Tensor:
         input_dtype = x.dtype
         x = x.float()
         x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
@@ -202,7 +227,9 @@ class LlamaAttention(nn.Module):
         self.q_norm = RMSNorm(config.head_dim, config.rms_norm_eps) if config.qk_norm else None
         self.k_norm = RMSNorm(config.head_dim, config.rms_norm_eps) if config.qk_norm else None
 
-    def forward(self, hidden, cos, sin, kv_cache: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata):
+    def forward(self, hidden, cos, sin, kv_cache: tuple[torch.Tensor, torch.Tensor], meta):
+        """cos/sin: full-width tables in the model dtype (torch path) or half-width float32
+        (kernel path, when `meta` is a KernelAttentionMetadata)."""
         num_tokens = hidden.shape[0]
         q, k, v = self.qkv_proj(hidden).split(self.qkv_proj.output_sizes, dim=-1)
         q = q.view(num_tokens, self.num_heads, self.head_dim)
@@ -210,9 +237,14 @@ class LlamaAttention(nn.Module):
         v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         k_cache, v_cache = kv_cache
-        out = paged_attention(q, k, v, k_cache, v_cache, meta, self.scale, self.sliding_window)
+        if isinstance(meta, KernelAttentionMetadata):
+            from llmserve.inference.models.kernel_attention import kernel_attention
+
+            out = kernel_attention(q, k, v, cos, sin, k_cache, v_cache, meta, self.scale, self.sliding_window)
+        else:
+            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+            out = paged_attention(q, k, v, k_cache, v_cache, meta, self.scale, self.sliding_window)
         return self.o_proj(out.reshape(num_tokens, self.num_heads * self.head_dim))
 
 
@@ -222,9 +254,15 @@ class LlamaMLP(nn.Module):
         size = config.intermediate_size
         self.gate_up_proj = MergedLinear(config.hidden_size, [size, size], ["gate_proj", "up_proj"], config.mlp_bias)
         self.down_proj = nn.Linear(size, config.hidden_size, bias=config.mlp_bias)
+        self.use_kernels = False
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        gate_up = self.gate_up_proj(x)
+        if self.use_kernels:
+            from llmserve.inference.kernels.activation import silu_and_mul
+
+            return self.down_proj(silu_and_mul(gate_up))
+        gate, up = gate_up.chunk(2, dim=-1)
         return self.down_proj(F.silu(gate) * up)
 
 
@@ -236,9 +274,16 @@ class LlamaDecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
-    def forward(self, hidden, cos, sin, kv_cache, meta: AttentionMetadata):
-        hidden = hidden + self.self_attn(self.input_layernorm(hidden), cos, sin, kv_cache, meta)
-        return hidden + self.mlp(self.post_attention_layernorm(hidden))
+    def forward(self, hidden, residual, cos, sin, kv_cache, meta):
+        """(hidden, residual) -> (this layer's MLP output, the residual stream before it); the
+        next norm adds them. The first layer gets residual None: hidden is the embedding."""
+        if residual is None:
+            residual, hidden = hidden, self.input_layernorm(hidden)
+        else:
+            hidden, residual = self.input_layernorm.add_and_norm(hidden, residual)
+        hidden = self.self_attn(hidden, cos, sin, kv_cache, meta)
+        hidden, residual = self.post_attention_layernorm.add_and_norm(hidden, residual)
+        return self.mlp(hidden), residual
 
 
 class LlamaModel(nn.Module):
@@ -260,7 +305,18 @@ class LlamaForCausalLM(nn.Module):
         # Not a buffer: computed on CPU (as transformers does) even when the parameters are
         # built on the meta device, and moved with `place_rope` after `to_empty`.
         self.inv_freq = rope_inv_freq(config.head_dim, config.rope)
+        self.use_kernels = False
         self.tie_weights()
+
+    def enable_kernels(self) -> None:
+        """Switch the small ops to the Triton kernels (CUDA; the runner then passes a
+        KernelAttentionMetadata). Imports triton."""
+        import llmserve.inference.models.kernel_attention  # noqa: F401  (fail early without triton)
+
+        self.use_kernels = True
+        for module in self.modules():
+            if isinstance(module, (RMSNorm, LlamaMLP)):
+                module.use_kernels = True
 
     def tie_weights(self) -> None:
         if self.config.tie_word_embeddings:
@@ -274,14 +330,18 @@ class LlamaForCausalLM(nn.Module):
         input_ids: torch.Tensor,  # [num_tokens]
         positions: torch.Tensor,  # [num_tokens]
         kv_caches: list[tuple[torch.Tensor, torch.Tensor]],  # per layer (k, v)
-        meta: AttentionMetadata,
+        meta: AttentionMetadata | KernelAttentionMetadata,
     ) -> torch.Tensor:
         """Hidden states [num_tokens, hidden_size] after the final norm."""
         hidden = self.model.embed_tokens(input_ids)
-        cos, sin = self._rope_tables(positions, hidden.dtype)
+        if isinstance(meta, KernelAttentionMetadata):
+            cos, sin = self._rope_half_tables(positions)
+        else:
+            cos, sin = self._rope_tables(positions, hidden.dtype)
+        residual = None
         for layer, kv_cache in zip(self.model.layers, kv_caches):
-            hidden = layer(hidden, cos, sin, kv_cache, meta)
-        return self.model.norm(hidden)
+            hidden, residual = layer(hidden, residual, cos, sin, kv_cache, meta)
+        return self.model.norm.add_and_norm(hidden, residual)[0]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """float32 logits [num_rows, vocab_size] for the rows that sample."""
@@ -291,3 +351,8 @@ class LlamaForCausalLM(nn.Module):
         freqs = positions[:, None].float() * self.inv_freq[None, :]  # [num_tokens, head_dim // 2]
         angles = torch.cat((freqs, freqs), dim=-1)
         return angles.cos().to(dtype), angles.sin().to(dtype)
+
+    def _rope_half_tables(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """float32 cos/sin [num_tokens, head_dim // 2] for the fused RoPE kernel."""
+        freqs = positions[:, None].float() * self.inv_freq[None, :]
+        return freqs.cos(), freqs.sin()

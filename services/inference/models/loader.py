@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import logging
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 
 import torch
@@ -43,34 +44,47 @@ def safetensors_files(model_dir: Path) -> list[Path]:
 
 
 def load_model(model_dir: Path, config: DecoderConfig, device: torch.device, dtype: torch.dtype) -> LlamaForCausalLM:
+    return build_model(config, device, dtype, _checkpoint_tensors(safetensors_files(Path(model_dir))))
+
+
+def build_model(
+    config: DecoderConfig, device: torch.device, dtype: torch.dtype, named_tensors: Iterable[tuple[str, torch.Tensor]]
+) -> LlamaForCausalLM:
+    """Our decoder from (checkpoint name, tensor) pairs in HF naming: a checkpoint's tensors, or
+    a transformers model's `state_dict().items()` (benchmarks build random weights on the GPU)."""
     with torch.device("meta"):
         model = LlamaForCausalLM(config)
     model = model.to(dtype).to_empty(device=device)
     model.tie_weights()  # re-tie: to_empty gives every parameter fresh storage
     model.place_rope(device)
-    _load_weights(model, safetensors_files(Path(model_dir)))
+    _load_weights(model, named_tensors)
     return model.eval()
 
 
-def _load_weights(model: LlamaForCausalLM, files: list[Path]) -> None:
+def _checkpoint_tensors(files: list[Path]) -> Iterator[tuple[str, torch.Tensor]]:
+    for path in files:
+        with safe_open(str(path), framework="pt", device="cpu") as f:
+            for key in f.keys():
+                yield key, f.get_tensor(key)
+
+
+def _load_weights(model: LlamaForCausalLM, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
     params = dict(model.named_parameters())  # tied lm_head.weight appears once, as embed_tokens
     modules = dict(model.named_modules())
     pending = {name: _expected_shards(modules, name) for name in params}
     unexpected: list[str] = []
-    for path in files:
-        with safe_open(str(path), framework="pt", device="cpu") as f:
-            for key in f.keys():
-                if key.endswith(_IGNORED_SUFFIXES):
-                    continue
-                if key == "lm_head.weight" and model.config.tie_word_embeddings:
-                    continue  # some tied checkpoints store the copy too
-                target = _target(key, params, modules)
-                if target is None:
-                    unexpected.append(key)
-                    continue
-                name, shard = target
-                _copy(modules, params, name, shard, f.get_tensor(key))
-                pending[name].discard(shard)
+    for key, tensor in named_tensors:
+        if key.endswith(_IGNORED_SUFFIXES):
+            continue
+        if key == "lm_head.weight" and model.config.tie_word_embeddings:
+            continue  # some tied checkpoints store the copy too
+        target = _target(key, params, modules)
+        if target is None:
+            unexpected.append(key)
+            continue
+        name, shard = target
+        _copy(modules, params, name, shard, tensor)
+        pending[name].discard(shard)
     missing = sorted(f"{name}[{shard}]" if shard else name for name, shards in pending.items() for shard in shards)
     if unexpected or missing:
         raise ValueError(

@@ -1,0 +1,166 @@
+"""CUDA graphs for decode steps: one graph per batch-size bucket, replayed over static buffers.
+
+A decode-only step (every sequence computes one token) of n sequences replays the graph of the
+smallest captured size b >= n (sizes: llmserve.buckets.DECODE_BATCH_BUCKETS up to
+max_num_seqs, plus max_num_seqs). Its inputs are copied into static device buffers whose first
+b rows the graph reads: the n real rows, then b - n padding rows (token 0, position 0, slot -1
+so nothing is written to the cache, context length 0 so attention reads nothing). The graph
+covers the whole forward and the lm_head; the step reads the logits of its real rows.
+
+Why: a decode step launches ~10 kernels per layer, most of them tiny at small batches; replayed
+as one graph they run back to back without Python or launch gaps.
+
+Graphs share one memory pool and are captured largest first, so the smaller ones reuse its
+blocks. Capture happens at engine start, before the service reports SERVING. The host-side
+padding is pure (pad_decode_step); `DecodeGraphs(capture=False)` runs the same static-buffer
+path eagerly, which is how the CPU tests exercise it.
+"""
+
+from __future__ import annotations
+
+import bisect
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from llmserve.buckets import DECODE_BATCH_BUCKETS
+from llmserve.inference.engine.step_inputs import StepInputs, pad_rows
+from llmserve.inference.models.attention import KernelAttentionMetadata
+
+log = logging.getLogger(__name__)
+
+PADDING_SLOT = -1  # the KV write kernel skips negative slots
+
+# (input_ids, positions, meta) -> float32 logits [num_rows, vocab]
+ForwardLogits = Callable[[torch.Tensor, torch.Tensor, KernelAttentionMetadata], torch.Tensor]
+
+
+def graph_batch_sizes(max_num_seqs: int, buckets: tuple[int, ...] = DECODE_BATCH_BUCKETS) -> tuple[int, ...]:
+    """The bucket sizes below max_num_seqs, then max_num_seqs itself: every decode batch fits one."""
+    return tuple(b for b in buckets if b < max_num_seqs) + (max_num_seqs,)
+
+
+def graph_size_for(num_seqs: int, sizes: tuple[int, ...]) -> int | None:
+    """The smallest size >= num_seqs (sizes ascending), or None when none is large enough."""
+    index = bisect.bisect_left(sizes, num_seqs)
+    return sizes[index] if index < len(sizes) else None
+
+
+@dataclass(slots=True)
+class PaddedDecode:
+    """A decode step's inputs padded to a graph size; block tables padded to the widest row."""
+
+    input_ids: list[int]
+    positions: list[int]
+    slot_mapping: list[int]
+    context_lens: list[int]
+    block_tables: list[list[int]]  # [size][width]
+
+
+def pad_decode_step(step: StepInputs, size: int) -> PaddedDecode:
+    num_pad = size - step.num_decodes
+    assert step.is_decode_only and num_pad >= 0
+    width = max(len(table) for table in step.decode_block_tables)
+    return PaddedDecode(
+        input_ids=step.input_ids + [0] * num_pad,
+        positions=step.positions + [0] * num_pad,
+        slot_mapping=step.slot_mapping + [PADDING_SLOT] * num_pad,
+        context_lens=step.decode_context_lens + [0] * num_pad,
+        block_tables=pad_rows(step.decode_block_tables, width, size),
+    )
+
+
+class DecodeGraphs:
+    """Static decode inputs, and one captured graph per size (or eager runs, capture=False)."""
+
+    def __init__(
+        self,
+        forward_logits: ForwardLogits,
+        sizes: tuple[int, ...],
+        max_blocks_per_seq: int,
+        num_splits_for: Callable[[int], int],
+        device: torch.device,
+        capture: bool,
+    ):
+        self.forward_logits = forward_logits
+        self.sizes = tuple(sorted(sizes))
+        self.max_blocks_per_seq = max_blocks_per_seq
+        self.num_splits_for = num_splits_for
+        self.device = device
+        max_size = self.sizes[-1]
+        # Static device inputs; a graph of size b reads rows [:b] (row slices stay contiguous).
+        self.input_ids = torch.zeros(max_size, dtype=torch.int32, device=device)
+        self.positions = torch.zeros(max_size, dtype=torch.int32, device=device)
+        self.slot_mapping = torch.full((max_size,), PADDING_SLOT, dtype=torch.int32, device=device)
+        self.context_lens = torch.zeros(max_size, dtype=torch.int32, device=device)
+        self.block_tables = torch.zeros(max_size, max_blocks_per_seq, dtype=torch.int32, device=device)
+        # Host staging (pinned on CUDA, so the copies are async DMA): rows ids, positions, slots, lens.
+        pin = device.type == "cuda"
+        self._host_ints = torch.zeros(4, max_size, dtype=torch.int32, pin_memory=pin)
+        self._host_tables = torch.zeros(max_size * max_blocks_per_seq, dtype=torch.int32, pin_memory=pin)
+        self._graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self._outputs: dict[int, torch.Tensor] = {}
+        if capture:
+            self._capture_all()
+
+    def can_run(self, step: StepInputs) -> bool:
+        return (
+            step.is_decode_only
+            and graph_size_for(step.num_decodes, self.sizes) is not None
+            and max(len(t) for t in step.decode_block_tables) <= self.max_blocks_per_seq
+        )
+
+    def run(self, step: StepInputs) -> torch.Tensor:
+        """float32 logits [num_decodes, vocab] (a view of the graph's output: read it before
+        the next step)."""
+        size = graph_size_for(step.num_decodes, self.sizes)
+        self._stage(pad_decode_step(step, size))
+        graph = self._graphs.get(size)
+        if graph is None:
+            return self._forward(size)[: step.num_decodes]
+        graph.replay()
+        return self._outputs[size][: step.num_decodes]
+
+    def _stage(self, padded: PaddedDecode) -> None:
+        size, width = len(padded.input_ids), len(padded.block_tables[0])
+        host = self._host_ints.numpy()
+        host[0, :size] = padded.input_ids
+        host[1, :size] = padded.positions
+        host[2, :size] = padded.slot_mapping
+        host[3, :size] = padded.context_lens
+        host_tables = self._host_tables[: size * width].view(size, width)
+        host_tables.numpy()[:] = padded.block_tables
+        for row, static in enumerate((self.input_ids, self.positions, self.slot_mapping, self.context_lens)):
+            static[:size].copy_(self._host_ints[row, :size], non_blocking=True)
+        self.block_tables[:size, :width].copy_(host_tables, non_blocking=True)
+
+    def _meta(self, size: int) -> KernelAttentionMetadata:
+        return KernelAttentionMetadata(
+            slot_mapping=self.slot_mapping[:size],
+            num_decode_tokens=size,
+            decode_block_tables=self.block_tables[:size],
+            decode_context_lens=self.context_lens[:size],
+            decode_num_splits=self.num_splits_for(size),
+        )
+
+    def _forward(self, size: int) -> torch.Tensor:
+        return self.forward_logits(self.input_ids[:size], self.positions[:size], self._meta(size))
+
+    def _capture_all(self) -> None:
+        start = time.perf_counter()
+        pool = torch.cuda.graph_pool_handle()
+        for size in reversed(self.sizes):
+            self._forward(size)  # warm-up: compiles the kernels, sets up cuBLAS for this shape
+            torch.cuda.synchronize(self.device)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=pool):
+                self._outputs[size] = self._forward(size)
+            self._graphs[size] = graph
+        torch.cuda.synchronize(self.device)
+        log.info(
+            "captured %d decode CUDA graphs (batch sizes %s) in %.1f s",
+            len(self._graphs), ",".join(map(str, self.sizes)), time.perf_counter() - start,
+        )

@@ -1,0 +1,189 @@
+"""Paged decode attention: one new query token per sequence against its whole cached context.
+
+K/V are read in place from the paged cache through each sequence's block table: no gather copy.
+The grid is (sequence, kv head, context split). A program loads the query heads that share its
+kv head (GQA: the group is padded to 16 rows so the scores are one tensor-core dot) and streams
+the context in tiles of BLOCK_N tokens with an online softmax, so every K/V byte is read once
+per step for the whole group.
+
+Split-K: with few sequences (batch 1 has only num_kv_heads programs) the context is cut into
+`num_splits` pieces whose partial results (unnormalized output, running max, running sum) are
+merged by a second small kernel. The split count is a launch constant (it is part of a captured
+CUDA graph), so each split derives its range from the context length at run time; a split with
+nothing to do leaves max = -inf and sum = 0, which the merge weights to zero. A sequence with
+context length 0 (a padding row of a graph bucket) gets a zero output.
+
+The cache may hold float8 (e4m3, scale 1): tiles are widened to the query dtype after loading,
+so the kernel reads half the bytes. The block-table stride changes from step to step in eager
+runs, so it is not a specialization key (a new key means a recompile, ~1 s, mid-request).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from llmserve.inference.kernels.common import dot_is_ieee, next_power_of_2
+
+# Launch configuration: tokens per K/V tile, warps, software-pipeline depth (bench/bench_gpu.py
+# --scenario kernels sweeps these on the GPU).
+DEFAULT_CONFIG = {"block_n": 64, "num_warps": 4, "num_stages": 3}  # best at batch 256 on an H200
+# float8 cache: the fastest of 9 configs swept on an H200 (bench_gpu.py --scenario fp8), 0.536 ms
+# vs 0.571 ms for DEFAULT_CONFIG at batch 256 x 2048 (bf16 cache: 0.601 ms).
+FP8_CONFIG = {"block_n": 128, "num_warps": 4, "num_stages": 2}
+MAX_SPLITS = 16
+MIN_GROUP_ROWS = 16  # tl.dot needs at least 16 rows
+
+
+def decode_num_splits(num_seqs: int, num_kv_heads: int, num_sms: int, max_splits: int = MAX_SPLITS) -> int:
+    """Context splits per (sequence, kv head) so that about two waves of programs fill the GPU."""
+    programs = num_seqs * num_kv_heads
+    wanted = -(-2 * num_sms // max(1, programs))
+    return max(1, min(max_splits, wanted))
+
+
+@triton.jit(do_not_specialize=["sliding_window", "bt_stride"])
+def _paged_decode_kernel(
+    q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, context_lens_ptr,
+    out_ptr, part_acc_ptr, part_stats_ptr,
+    scale, sliding_window,
+    q_stride_t, q_stride_h, out_stride_t, out_stride_h, bt_stride,
+    NUM_KV_HEADS: tl.constexpr, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
+    BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr, HAS_WINDOW: tl.constexpr, IEEE: tl.constexpr,
+):
+    seq = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    split = tl.program_id(2)
+    context_len = tl.load(context_lens_ptr + seq)
+    first_key = context_len * 0
+    if HAS_WINDOW:
+        first_key = tl.maximum(context_len - sliding_window, 0)
+    per_split = tl.cdiv(tl.cdiv(context_len - first_key, NUM_SPLITS), BLOCK_N) * BLOCK_N
+    lo = first_key + split * per_split
+    hi = tl.minimum(lo + per_split, context_len)
+
+    g = tl.arange(0, GROUP_PAD)
+    d = tl.arange(0, HEAD_DIM_PAD)
+    head_mask = g < GROUP
+    dim_mask = d < HEAD_DIM
+    heads = kv_head * GROUP + g
+    q = tl.load(
+        q_ptr + seq * q_stride_t + heads[:, None] * q_stride_h + d[None, :],
+        mask=head_mask[:, None] & dim_mask[None, :],
+        other=0.0,
+    )
+    qk_scale = scale * 1.4426950408889634  # exp2 domain
+    m_i = tl.full([GROUP_PAD], float("-inf"), tl.float32)
+    l_i = tl.zeros([GROUP_PAD], tl.float32)
+    acc = tl.zeros([GROUP_PAD, HEAD_DIM_PAD], tl.float32)
+    row_stride = NUM_KV_HEADS * HEAD_DIM
+    for start in range(lo, hi, BLOCK_N):
+        keys = start + tl.arange(0, BLOCK_N)
+        key_mask = keys < hi
+        pages = tl.load(block_tables_ptr + seq * bt_stride + keys // BLOCK_SIZE, mask=key_mask, other=0)
+        slots = pages.to(tl.int64) * BLOCK_SIZE + keys % BLOCK_SIZE
+        offsets = slots[:, None] * row_stride + kv_head * HEAD_DIM + d[None, :]
+        kv_mask = key_mask[:, None] & dim_mask[None, :]
+        k = tl.load(k_cache_ptr + offsets, mask=kv_mask, other=0.0).to(q.dtype)
+        v = tl.load(v_cache_ptr + offsets, mask=kv_mask, other=0.0).to(q.dtype)
+        if IEEE:
+            s = tl.dot(q, tl.trans(k), input_precision="ieee")
+        else:
+            s = tl.dot(q, tl.trans(k))
+        s = tl.where(key_mask[None, :], s * qk_scale, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        p = tl.exp2(s - m_new[:, None])
+        alpha = tl.exp2(m_i - m_new)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        if IEEE:
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
+        else:
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+        m_i = m_new
+
+    if NUM_SPLITS == 1:
+        out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
+        tl.store(
+            out_ptr + seq * out_stride_t + heads[:, None] * out_stride_h + d[None, :],
+            out.to(out_ptr.dtype.element_ty),
+            mask=head_mask[:, None] & dim_mask[None, :],
+        )
+    else:
+        row = (seq * NUM_KV_HEADS * GROUP + heads) * NUM_SPLITS + split  # [GROUP_PAD]
+        tl.store(part_acc_ptr + row[:, None] * HEAD_DIM_PAD + d[None, :], acc, mask=head_mask[:, None])
+        tl.store(part_stats_ptr + row * 2, m_i, mask=head_mask)
+        tl.store(part_stats_ptr + row * 2 + 1, l_i, mask=head_mask)
+
+
+@triton.jit
+def _merge_splits_kernel(
+    part_acc_ptr, part_stats_ptr, out_ptr, out_stride_t, out_stride_h,
+    NUM_HEADS: tl.constexpr, NUM_SPLITS: tl.constexpr, SPLITS_PAD: tl.constexpr,
+    HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
+):
+    seq = tl.program_id(0)
+    head = tl.program_id(1)
+    s = tl.arange(0, SPLITS_PAD)
+    d = tl.arange(0, HEAD_DIM_PAD)
+    split_mask = s < NUM_SPLITS
+    row = (seq * NUM_HEADS + head) * NUM_SPLITS + s
+    m = tl.load(part_stats_ptr + row * 2, mask=split_mask, other=float("-inf"))
+    l = tl.load(part_stats_ptr + row * 2 + 1, mask=split_mask, other=0.0)
+    m_max = tl.max(m, 0)
+    m_max = tl.where(m_max == float("-inf"), 0.0, m_max)
+    weight = tl.exp2(m - m_max)  # empty splits: exp2(-inf) = 0
+    total = tl.sum(weight * l, 0)
+    acc = tl.load(part_acc_ptr + row[:, None] * HEAD_DIM_PAD + d[None, :], mask=split_mask[:, None], other=0.0)
+    out = tl.sum(acc * weight[:, None], 0) / tl.where(total == 0.0, 1.0, total)
+    tl.store(out_ptr + seq * out_stride_t + head * out_stride_h + d, out.to(out_ptr.dtype.element_ty), mask=d < HEAD_DIM)
+
+
+def paged_decode_attention(
+    q: torch.Tensor,  # [num_seqs, num_heads, head_dim]
+    k_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim], contiguous
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,  # [num_seqs, max_blocks] int32
+    context_lens: torch.Tensor,  # [num_seqs] int32, the new token included
+    scale: float,
+    num_splits: int = 1,
+    sliding_window: int | None = None,
+    out: torch.Tensor | None = None,
+    config: dict | None = None,
+) -> torch.Tensor:
+    """Attention of each sequence's single query token over its cached context; [num_seqs, num_heads, head_dim]."""
+    if config is None:
+        config = FP8_CONFIG if k_cache.element_size() == 1 else DEFAULT_CONFIG
+    num_seqs, num_heads, head_dim = q.shape
+    _, block_size, num_kv_heads, _ = k_cache.shape
+    assert k_cache.is_contiguous() and v_cache.is_contiguous() and q.stride(-1) == 1
+    group = num_heads // num_kv_heads
+    head_dim_pad = next_power_of_2(head_dim)
+    if out is None:
+        out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    if num_seqs == 0:
+        return out
+    if num_splits > 1:
+        part_acc = torch.empty(num_seqs * num_heads * num_splits, head_dim_pad, dtype=torch.float32, device=q.device)
+        part_stats = torch.empty(num_seqs * num_heads * num_splits, 2, dtype=torch.float32, device=q.device)
+    else:
+        part_acc = part_stats = out  # unused
+    _paged_decode_kernel[(num_seqs, num_kv_heads, num_splits)](
+        q, k_cache, v_cache, block_tables, context_lens,
+        out, part_acc, part_stats,
+        scale, sliding_window or 0,
+        q.stride(0), q.stride(1), out.stride(0), out.stride(1), block_tables.stride(0),
+        NUM_KV_HEADS=num_kv_heads, GROUP=group, GROUP_PAD=max(MIN_GROUP_ROWS, next_power_of_2(group)),
+        BLOCK_SIZE=block_size, HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad,
+        BLOCK_N=config["block_n"], NUM_SPLITS=num_splits, HAS_WINDOW=sliding_window is not None,
+        IEEE=dot_is_ieee(q.dtype), num_warps=config["num_warps"], num_stages=config["num_stages"],
+    )
+    if num_splits > 1:
+        _merge_splits_kernel[(num_seqs, num_heads)](
+            part_acc, part_stats, out, out.stride(0), out.stride(1),
+            NUM_HEADS=num_heads, NUM_SPLITS=num_splits, SPLITS_PAD=next_power_of_2(num_splits),
+            HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad,
+            num_warps=4,
+        )
+    return out

@@ -1,0 +1,141 @@
+"""Paged prefill attention: causal FlashAttention over prefill chunks, K/V read from the cache.
+
+A chunk's own keys/values are written to the cache before this runs, so a chunk with a cached
+prefix (chunked prefill, prefix-cache hit) and a fresh prompt read their context the same way:
+through the block table. Query row i of a chunk sits at position
+context_len - query_len + i and sees keys at positions <= its own (and, with a sliding window,
+> position - window).
+
+Grid: (query tile, chunk, query head); all chunks of a step in one launch. Tiles past a
+chunk's end do no work. K/V tiles are BLOCK_N tokens gathered through the block table; the
+kv head is shared by GROUP query heads (their programs read the same K/V through L2). A float8
+cache is widened to the query dtype after loading; the block-table stride is not a
+specialization key (it changes between steps).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from llmserve.inference.kernels.common import dot_is_ieee, next_power_of_2
+
+# Launch configuration (bench/bench_gpu.py --scenario kernels sweeps these on the GPU).
+DEFAULT_CONFIG = {"block_m": 64, "block_n": 64, "num_warps": 4, "num_stages": 2}
+
+
+@triton.jit(do_not_specialize=["sliding_window", "bt_stride"])
+def _paged_prefill_kernel(
+    q_ptr, k_cache_ptr, v_cache_ptr, out_ptr,
+    block_tables_ptr, query_starts_ptr, query_lens_ptr, context_lens_ptr,
+    scale, sliding_window,
+    q_stride_t, q_stride_h, out_stride_t, out_stride_h, bt_stride,
+    NUM_KV_HEADS: tl.constexpr, GROUP: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+    HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HAS_WINDOW: tl.constexpr, IEEE: tl.constexpr,
+):
+    tile = tl.program_id(0)
+    chunk = tl.program_id(1)
+    head = tl.program_id(2)
+    query_len = tl.load(query_lens_ptr + chunk)
+    query_start = tl.load(query_starts_ptr + chunk)
+    context_len = tl.load(context_lens_ptr + chunk)
+    first_position = context_len - query_len
+
+    rows = tile * BLOCK_M + tl.arange(0, BLOCK_M)
+    row_mask = rows < query_len
+    positions = first_position + rows
+    d = tl.arange(0, HEAD_DIM_PAD)
+    dim_mask = d < HEAD_DIM
+    q = tl.load(
+        q_ptr + (query_start + rows)[:, None].to(tl.int64) * q_stride_t + head * q_stride_h + d[None, :],
+        mask=row_mask[:, None] & dim_mask[None, :],
+        other=0.0,
+    )
+    kv_head = head // GROUP
+    # Keys up to the tile's last query position; nothing for a tile past the chunk's end.
+    hi = tl.minimum(context_len, first_position + (tile + 1) * BLOCK_M)
+    hi = tl.where(tile * BLOCK_M < query_len, hi, 0)
+    lo = hi * 0
+    if HAS_WINDOW:
+        lo = tl.maximum(first_position + tile * BLOCK_M - sliding_window + 1, 0) // BLOCK_N * BLOCK_N
+
+    qk_scale = scale * 1.4426950408889634
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, HEAD_DIM_PAD], tl.float32)
+    row_stride = NUM_KV_HEADS * HEAD_DIM
+    for start in range(lo, hi, BLOCK_N):
+        keys = start + tl.arange(0, BLOCK_N)
+        key_mask = keys < hi
+        pages = tl.load(block_tables_ptr + chunk * bt_stride + keys // BLOCK_SIZE, mask=key_mask, other=0)
+        slots = pages.to(tl.int64) * BLOCK_SIZE + keys % BLOCK_SIZE
+        offsets = slots[:, None] * row_stride + kv_head * HEAD_DIM + d[None, :]
+        kv_mask = key_mask[:, None] & dim_mask[None, :]
+        k = tl.load(k_cache_ptr + offsets, mask=kv_mask, other=0.0).to(q.dtype)
+        v = tl.load(v_cache_ptr + offsets, mask=kv_mask, other=0.0).to(q.dtype)
+        if IEEE:
+            s = tl.dot(q, tl.trans(k), input_precision="ieee")
+        else:
+            s = tl.dot(q, tl.trans(k))
+        visible = key_mask[None, :] & (keys[None, :] <= positions[:, None])
+        if HAS_WINDOW:
+            visible = visible & (keys[None, :] > positions[:, None] - sliding_window)
+        s = tl.where(visible, s * qk_scale, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row that sees nothing yet
+        p = tl.exp2(s - m_safe[:, None])
+        alpha = tl.exp2(m_i - m_safe)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        if IEEE:
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
+        else:
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+        m_i = m_new
+
+    out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
+    tl.store(
+        out_ptr + (query_start + rows)[:, None].to(tl.int64) * out_stride_t + head * out_stride_h + d[None, :],
+        out.to(out_ptr.dtype.element_ty),
+        mask=row_mask[:, None] & dim_mask[None, :],
+    )
+
+
+def paged_prefill_attention(
+    q: torch.Tensor,  # [num_tokens, num_heads, head_dim]: rows of every chunk
+    k_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim], contiguous
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,  # [num_chunks, max_blocks] int32
+    query_starts: torch.Tensor,  # [num_chunks] int32: first row of each chunk in q
+    query_lens: torch.Tensor,  # [num_chunks] int32
+    context_lens: torch.Tensor,  # [num_chunks] int32: cached prefix + chunk
+    max_query_len: int,
+    scale: float,
+    sliding_window: int | None = None,
+    out: torch.Tensor | None = None,
+    config: dict | None = None,
+) -> torch.Tensor:
+    """Causal attention of every chunk's queries over its context; rows of `out` outside the
+    chunks are left untouched."""
+    num_tokens, num_heads, head_dim = q.shape
+    _, block_size, num_kv_heads, _ = k_cache.shape
+    assert k_cache.is_contiguous() and v_cache.is_contiguous() and q.stride(-1) == 1
+    if out is None:
+        out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    num_chunks = query_lens.shape[0]
+    if num_chunks == 0 or max_query_len == 0:
+        return out
+    config = DEFAULT_CONFIG if config is None else config
+    grid = (triton.cdiv(max_query_len, config["block_m"]), num_chunks, num_heads)
+    _paged_prefill_kernel[grid](
+        q, k_cache, v_cache, out,
+        block_tables, query_starts, query_lens, context_lens,
+        scale, sliding_window or 0,
+        q.stride(0), q.stride(1), out.stride(0), out.stride(1), block_tables.stride(0),
+        NUM_KV_HEADS=num_kv_heads, GROUP=num_heads // num_kv_heads, BLOCK_SIZE=block_size,
+        HEAD_DIM=head_dim, HEAD_DIM_PAD=next_power_of_2(head_dim),
+        BLOCK_M=config["block_m"], BLOCK_N=config["block_n"], HAS_WINDOW=sliding_window is not None,
+        IEEE=dot_is_ieee(q.dtype), num_warps=config["num_warps"], num_stages=config["num_stages"],
+    )
+    return out
