@@ -16,7 +16,12 @@ import logging
 import os
 import sys
 from pathlib import Path
-from typing import Sequence
+from typing import TYPE_CHECKING, Sequence
+
+from llmserve.inference.kernel_args import add_kernel_arguments
+
+if TYPE_CHECKING:
+    from llmserve.launcher import ServeConfig
 
 DEFAULT_ADDRESS = "127.0.0.1:50051"
 ADDRESS_ENV = "LLMSERVE_ADDRESS"
@@ -85,6 +90,12 @@ def _add_serve(commands) -> None:
     )
     p.add_argument("--no-prefix-caching", action="store_true", help="do not reuse the KV cache of shared prefixes")
     p.add_argument("--enforce-eager", action="store_true", help="CUDA: skip CUDA-graph capture")
+    p.add_argument(
+        "--no-async-scheduling", action="store_true",
+        help="run engine steps one at a time instead of overlapping the next step's CPU work with "
+        "the device's compute (slower on CUDA, simpler to debug)",
+    )
+    add_kernel_arguments(p)  # passed to the inference service as is
     p.add_argument(
         "--log-level", default="INFO", choices=("DEBUG", "INFO", "WARNING", "ERROR"),
         help="log level of the launcher and all services (default: %(default)s)",
@@ -169,9 +180,16 @@ def _add_fetch_model(commands) -> None:
 
 
 def _run_serve(args: argparse.Namespace) -> int:
-    from llmserve.launcher import ServeConfig, serve
+    from llmserve.launcher import serve
 
-    config = ServeConfig(
+    return serve(serve_config_from_args(args))
+
+
+def serve_config_from_args(args: argparse.Namespace) -> ServeConfig:
+    """The launcher's ServeConfig for parsed `llmserve serve` flags."""
+    from llmserve.launcher import ServeConfig
+
+    return ServeConfig(
         model=args.model,
         model_name=args.model_name,
         cache_dir=args.cache_dir,
@@ -188,8 +206,11 @@ def _run_serve(args: argparse.Namespace) -> int:
         max_output_tokens=args.max_output_tokens,
         enable_prefix_caching=not args.no_prefix_caching,
         enforce_eager=args.enforce_eager,
+        attention_backend=args.attention_backend,
+        kv_cache_dtype=args.kv_cache_dtype,
+        quantization=args.quantization,
+        async_scheduling=not args.no_async_scheduling,
     )
-    return serve(config)
 
 
 def _run_fetch_model(args: argparse.Namespace) -> int:

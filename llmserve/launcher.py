@@ -248,6 +248,11 @@ class ServeConfig:
     max_output_tokens: int | None = None
     enable_prefix_caching: bool = True
     enforce_eager: bool = False
+    # Kernels and precision of the torch engine: see `python -m llmserve.inference --help`.
+    attention_backend: str = "auto"
+    kv_cache_dtype: str = "auto"
+    quantization: str = "none"
+    async_scheduling: bool = True
 
     @property
     def stop_timeout_s(self) -> float:
@@ -289,6 +294,15 @@ def _inference_args(config: ServeConfig, common: list[str], backend: str) -> lis
         args.append("--no-prefix-caching")
     if config.enforce_eager:
         args.append("--enforce-eager")
+    if not config.async_scheduling:
+        args.append("--no-async-scheduling")
+    # Only what differs from the service's defaults, so its own defaults stay the single source.
+    if config.attention_backend != "auto":
+        args += ["--attention-backend", config.attention_backend]
+    if config.kv_cache_dtype != "auto":
+        args += ["--kv-cache-dtype", config.kv_cache_dtype]
+    if config.quantization != "none":
+        args += ["--quantization", config.quantization]
     return args
 
 

@@ -246,11 +246,15 @@ def test_unsupported_architecture_is_refused(tiny_model_dirs, tmp_path):
 # --- requests with n > 1, seeds, stops ---------------------------------------------------------
 
 
-def test_n_sequences_share_the_prompt_blocks(tiny_model_dirs, oracle):
-    engine = make_engine(tiny_model_dirs["llama"])
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_n_sequences_share_the_prompt_blocks(tiny_model_dirs, oracle, async_scheduling):
+    engine = make_engine(tiny_model_dirs["llama"], async_scheduling=async_scheduling)
     prompt = make_prompt(21, seed=3)  # one full block + 5 tokens
     engine.add_request(request("n3", prompt, greedy(n=3)))
     first = engine.step()
+    if async_scheduling:
+        assert first == []  # the prompt step's tokens are processed while the next step runs
+        first = engine.step()
     assert [(o.sequence_index, len(o.new_token_ids)) for o in first] == [(0, 1), (1, 1), (2, 1)]
     assert engine.load().kv_blocks_used == 4  # 1 shared full block + 3 own partial blocks
     results = {"n3": Result()}
@@ -417,3 +421,65 @@ def test_model_info(tiny_model_dirs):
     )
     result = run(engine, [request("bf16", make_prompt(9, seed=1), greedy(max_tokens=4))])["bf16"]
     assert len(result.token_ids[0]) == 4
+
+
+# --- async scheduling ----------------------------------------------------------------------------
+
+
+def mixed_requests(stop_id: int) -> list[EngineRequest]:
+    """Everything async scheduling must not change: greedy, seeded sampling, penalties (which
+    read the history), logprobs, n > 1 forks, a stop token mid-stream, max_tokens, min_tokens."""
+    return [
+        request("greedy", make_prompt(19, seed=1), greedy(max_tokens=20)),
+        request("seeded", make_prompt(7, seed=2), SamplingParams(max_tokens=16, temperature=0.8, top_p=0.9, seed=7)),
+        request("penalty", make_prompt(12, seed=3), SamplingParams(
+            max_tokens=12, temperature=0.0, repetition_penalty=1.3, frequency_penalty=0.5, presence_penalty=0.2)),
+        request("n2", make_prompt(21, seed=4), SamplingParams(max_tokens=10, n=2, temperature=1.0, seed=5)),
+        request("logprobs", make_prompt(9, seed=5), SamplingParams(max_tokens=8, temperature=0.0, logprobs=3)),
+        request("stop", make_prompt(12, seed=11), greedy(stop_token_ids=(stop_id,))),
+        request("late", make_prompt(12, seed=11), greedy(max_tokens=12, stop_token_ids=(stop_id,), min_tokens=9)),
+    ]
+
+
+def outcome(results: dict[str, Result]) -> dict:
+    return {
+        request_id: (
+            result.token_ids,
+            {i: [round(v, 4) for v in values] for i, values in result.logprobs.items()},
+            {i: (f.finish_reason, f.stop_token_id, f.num_output_tokens, f.num_prompt_tokens) for i, f in result.finals.items()},
+        )
+        for request_id, result in results.items()
+    }
+
+
+@pytest.mark.parametrize("num_kv_blocks", [64, 9])  # 9: preemption while tokens are in flight
+def test_async_scheduling_changes_no_output(tiny_model_dirs, oracle, num_kv_blocks):
+    expected, _ = oracle.generate("llama", make_prompt(12, seed=11))
+    stop_id = expected[5]
+    outcomes = {}
+    for async_scheduling in (False, True):
+        engine = make_engine(tiny_model_dirs["llama"], num_kv_blocks=num_kv_blocks, async_scheduling=async_scheduling)
+        outcomes[async_scheduling] = outcome(run(engine, mixed_requests(stop_id)))
+        assert_pool_full(engine)
+        if num_kv_blocks == 9:
+            assert engine.load().num_preemptions_total > 0
+    assert outcomes[True] == outcomes[False]
+    stop_tokens, _, stop_finals = outcomes[True]["stop"]
+    assert stop_tokens[0] == expected[: expected.index(stop_id) + 1]  # the token launched after it is dropped
+    assert stop_finals[0][:2] == (FinishReason.STOP, stop_id)
+
+
+def test_async_scheduling_overlaps_one_step(tiny_model_dirs):
+    """A step's tokens come out of the next call to step(), whose batch already holds their
+    sequences; a sequence whose in-flight token is its last is not scheduled again."""
+    engine = make_engine(tiny_model_dirs["llama"])
+    engine.add_request(request("r", make_prompt(10, seed=1), greedy(max_tokens=3)))
+    assert engine.step() == []  # prompt launched; its first token is in flight
+    seq = engine.scheduler.running[0]
+    assert seq.has_pending_token and seq.num_tokens == 11
+    assert [o.new_token_ids for o in engine.step()] == [[seq.token_ids[10]]]  # decode 1 launched
+    assert [o.finish_reason for o in engine.step()] == [None]  # decode 2 launched: token 3 is the last
+    assert seq.is_finishing and seq.has_pending_token
+    final = engine.step()  # nothing left to launch: only processes
+    assert [o.finish_reason for o in final] == [FinishReason.LENGTH] and final[0].num_output_tokens == 3
+    assert_pool_full(engine)

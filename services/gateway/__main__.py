@@ -15,9 +15,17 @@ from pathlib import Path
 from llmserve.errors import ServiceError
 from llmserve.gateway.app import start_gateway
 from llmserve.gateway.config import GatewayConfig
-from llmserve.server import configure_logging, exit_with_parent, serve_until_signal, write_port_file
+from llmserve.server import (
+    add_server_arguments,
+    configure_logging,
+    exit_with_parent,
+    serve_until_signal,
+    write_port_file,
+)
 
 log = logging.getLogger("llmserve.gateway")
+
+DEFAULT_PORT = 50051
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -26,21 +34,7 @@ def build_parser() -> argparse.ArgumentParser:
         description="llmserve gateway: the public gRPC API (llmserve.v1.Gateway). It mints request "
         "ids, sends each request through preprocess and inference, and streams text back.",
     )
-    parser.add_argument("--host", default="127.0.0.1", help="address to bind (default: %(default)s)")
-    parser.add_argument(
-        "--port", type=int, default=50051, help="port to bind; 0 picks a free port (default: %(default)s)"
-    )
-    parser.add_argument(
-        "--port-file", default=None, help="write the bound port here once SERVING (for launchers and tests)"
-    )
-    parser.add_argument(
-        "--log-level", default="INFO", type=str.upper, choices=("DEBUG", "INFO", "WARNING", "ERROR"),
-        help="DEBUG logs one line per request (default: %(default)s)",
-    )
-    parser.add_argument(
-        "--grace-period-s", type=float, default=10.0, metavar="SECONDS",
-        help="on SIGTERM, seconds to let in-flight requests finish (default: %(default)s)",
-    )
+    add_server_arguments(parser, default_port=DEFAULT_PORT)
     parser.add_argument("--preprocess", required=True, metavar="HOST:PORT", help="preprocess service address")
     parser.add_argument(
         "--inference",

@@ -17,9 +17,17 @@ from llmserve.block_hash import DEFAULT_BLOCK_SIZE
 from llmserve.inference.backends import BackendUnavailable, ServingEngine, create_engine
 from llmserve.inference.config import DEFAULT_GRACE_PERIOD_S, InferenceConfig
 from llmserve.inference.engine.config import BACKENDS, EngineConfig
+from llmserve.inference.kernel_args import add_kernel_arguments
 from llmserve.inference.servicer import SERVICE_NAME, InferenceServicer
 from llmserve.model_files import ModelFiles
-from llmserve.server import configure_logging, exit_with_parent, create_server, serve_until_signal, write_port_file
+from llmserve.server import (
+    add_server_arguments,
+    configure_logging,
+    create_server,
+    exit_with_parent,
+    serve_until_signal,
+    write_port_file,
+)
 from llmserve.v1 import inference_pb2_grpc
 
 log = logging.getLogger("llmserve.inference")
@@ -46,15 +54,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         description="Inference service: token ids in, token ids out (llmserve.v1.Inference).",
         formatter_class=_DefaultsFormatter,
     )
-    server = p.add_argument_group("server")
-    server.add_argument("--host", default="127.0.0.1", help="address to bind")
-    server.add_argument("--port", type=int, default=0, help="port to bind; 0 picks a free one")
-    server.add_argument("--port-file", help="write the bound port here once the engine is loaded and serving")
-    server.add_argument("--log-level", default="INFO", help="DEBUG, INFO, WARNING or ERROR")
-    server.add_argument(
-        "--grace-period-s", type=float, default=DEFAULT_GRACE_PERIOD_S,
-        help="on SIGTERM, how long running streams may take to finish before they are aborted",
-    )
+    server = add_server_arguments(p, default_grace_period_s=DEFAULT_GRACE_PERIOD_S)
     server.add_argument("--replica-id", help="stable routing key of this replica (default: <hostname>-<bound port>)")
 
     model = p.add_argument_group("model")
@@ -92,6 +92,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     engine.add_argument("--no-prefix-caching", action="store_true", help="do not reuse KV blocks of shared prefixes")
     engine.add_argument("--enforce-eager", action="store_true", help="CUDA: skip CUDA-graph capture")
+    engine.add_argument(
+        "--no-async-scheduling", action="store_true",
+        help="run one step at a time: by default the CPU work of the next step (scheduling, input "
+        "staging, streaming this step's tokens) overlaps the device's compute of this one; off is "
+        "slower on CUDA but simpler to debug",
+    )
+    add_kernel_arguments(p)
     return p.parse_args(argv)
 
 
@@ -115,6 +122,10 @@ def config_from_args(args: argparse.Namespace) -> InferenceConfig:
         max_model_len=args.max_model_len,
         enable_prefix_caching=not args.no_prefix_caching,
         enforce_eager=args.enforce_eager,
+        attention_backend=args.attention_backend,
+        kv_cache_dtype=args.kv_cache_dtype,
+        quantization=args.quantization,
+        async_scheduling=not args.no_async_scheduling,
         seed=args.seed,
     )
     return InferenceConfig(

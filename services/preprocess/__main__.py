@@ -16,7 +16,7 @@ from llmserve.block_hash import DEFAULT_BLOCK_SIZE
 from llmserve.buckets import DEFAULT_BUCKET_BOUNDS, BucketConfig
 from llmserve.preprocess.config import DEFAULT_MAX_OUTPUT_TOKENS, DEFAULT_NUM_WORKERS, PreprocessConfig
 from llmserve.preprocess.server import start_server
-from llmserve.server import configure_logging, exit_with_parent, serve_until_signal
+from llmserve.server import add_server_arguments, configure_logging, exit_with_parent, serve_until_signal
 
 log = logging.getLogger("llmserve.preprocess")
 
@@ -49,22 +49,7 @@ def build_parser() -> argparse.ArgumentParser:
         "tokens) and config.json (context length, EOS) are read from it once at start",
     )
     parser.add_argument("--model-name", metavar="NAME", help="name reported by GetInfo (default: the checkpoint's own name)")
-    parser.add_argument("--host", default="127.0.0.1", help="address to listen on (default: %(default)s)")
-    parser.add_argument(
-        "--port", type=int, default=DEFAULT_PORT, help="port to listen on; 0 picks a free one (default: %(default)s)"
-    )
-    parser.add_argument(
-        "--port-file", metavar="PATH",
-        help="write the bound port here once the tokenizer is loaded and health is SERVING",
-    )
-    parser.add_argument(
-        "--log-level", default="INFO", type=str.upper, choices=("DEBUG", "INFO", "WARNING", "ERROR"),
-        help="DEBUG logs one line per request (default: %(default)s)",
-    )
-    parser.add_argument(
-        "--grace-period-s", type=float, default=10.0, metavar="SECONDS",
-        help="on SIGTERM/SIGINT, seconds to let in-flight RPCs finish (default: %(default)s)",
-    )
+    add_server_arguments(parser, default_port=DEFAULT_PORT)
     parser.add_argument(
         "--block-size", type=_positive_int, default=DEFAULT_BLOCK_SIZE, metavar="TOKENS",
         help="tokens per block for prefix block hashes; must equal the inference engine's block size "

@@ -14,6 +14,13 @@ ATTENTION_BACKENDS = ("auto", "torch", "triton")
 # KV-cache element type: "auto" = the model dtype; "fp8" = float8 e4m3 with scale 1 (half the
 # bytes attention reads per step; needs the triton backend).
 KV_CACHE_DTYPES = ("auto", "fp8")
+# Linear-layer weights (the lm_head and embeddings stay in the model dtype):
+#   none  the model dtype;
+#   fp8   W8A8: float8 e4m3 weights with per-output-channel scales, activations quantized per
+#         token at run time, float8 tensor-core GEMMs (CUDA, compute capability >= 8.9);
+#   int8  W8A16 weight-only: int8 weights with per-output-channel scales, dequantized inside
+#         the GEMM (halves the bytes a decode step streams).
+QUANTIZATIONS = ("none", "fp8", "int8")
 
 
 @dataclass(frozen=True, slots=True)
@@ -37,6 +44,10 @@ class EngineConfig:
     enforce_eager: bool = False  # CUDA: skip CUDA-graph capture
     attention_backend: str = "auto"  # see ATTENTION_BACKENDS
     kv_cache_dtype: str = "auto"  # see KV_CACHE_DTYPES
+    quantization: str = "none"  # see QUANTIZATIONS
+    # CPU work of step N+1 (scheduling, input staging, streaming step N's tokens) runs while
+    # the device computes step N; off = one step at a time (simpler to debug, slower on CUDA).
+    async_scheduling: bool = True
     seed: int = 0  # engine-level seed for requests that bring none
 
     def __post_init__(self) -> None:
@@ -46,5 +57,7 @@ class EngineConfig:
             raise ValueError(f"attention_backend must be one of {ATTENTION_BACKENDS}, got {self.attention_backend!r}")
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ValueError(f"kv_cache_dtype must be one of {KV_CACHE_DTYPES}, got {self.kv_cache_dtype!r}")
+        if self.quantization not in QUANTIZATIONS:
+            raise ValueError(f"quantization must be one of {QUANTIZATIONS}, got {self.quantization!r}")
         if self.block_size_tokens <= 0:
             raise ValueError(f"block_size_tokens must be positive, got {self.block_size_tokens}")

@@ -97,10 +97,15 @@ class DecodeGraphs:
         self.slot_mapping = torch.full((max_size,), PADDING_SLOT, dtype=torch.int32, device=device)
         self.context_lens = torch.zeros(max_size, dtype=torch.int32, device=device)
         self.block_tables = torch.zeros(max_size, max_blocks_per_seq, dtype=torch.int32, device=device)
-        # Host staging (pinned on CUDA, so the copies are async DMA): rows ids, positions, slots, lens.
+        # Host staging (pinned on CUDA, so the copies are async DMA): rows ids, positions, slots,
+        # lens. Two sets, used in turn: with async scheduling the host stages step N+1 while the
+        # copy of step N may not have run yet; the copy of step N-1 has (its results were read).
         pin = device.type == "cuda"
-        self._host_ints = torch.zeros(4, max_size, dtype=torch.int32, pin_memory=pin)
-        self._host_tables = torch.zeros(max_size * max_blocks_per_seq, dtype=torch.int32, pin_memory=pin)
+        self._host_ints = [torch.zeros(4, max_size, dtype=torch.int32, pin_memory=pin) for _ in range(2)]
+        self._host_tables = [
+            torch.zeros(max_size * max_blocks_per_seq, dtype=torch.int32, pin_memory=pin) for _ in range(2)
+        ]
+        self._num_staged = 0
         self._graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self._outputs: dict[int, torch.Tensor] = {}
         if capture:
@@ -113,11 +118,14 @@ class DecodeGraphs:
             and max(len(t) for t in step.decode_block_tables) <= self.max_blocks_per_seq
         )
 
-    def run(self, step: StepInputs) -> torch.Tensor:
+    def run(self, step: StepInputs, fill_input_ids: Callable[[torch.Tensor], None] | None = None) -> torch.Tensor:
         """float32 logits [num_decodes, vocab] (a view of the graph's output: read it before
-        the next step)."""
+        the next step). `fill_input_ids` completes the staged ids on the device (pending
+        tokens) before the replay."""
         size = graph_size_for(step.num_decodes, self.sizes)
         self._stage(pad_decode_step(step, size))
+        if fill_input_ids is not None:
+            fill_input_ids(self.input_ids)
         graph = self._graphs.get(size)
         if graph is None:
             return self._forward(size)[: step.num_decodes]
@@ -126,15 +134,17 @@ class DecodeGraphs:
 
     def _stage(self, padded: PaddedDecode) -> None:
         size, width = len(padded.input_ids), len(padded.block_tables[0])
-        host = self._host_ints.numpy()
+        host_ints = self._host_ints[self._num_staged % 2]
+        host_tables = self._host_tables[self._num_staged % 2][: size * width].view(size, width)
+        self._num_staged += 1
+        host = host_ints.numpy()
         host[0, :size] = padded.input_ids
         host[1, :size] = padded.positions
         host[2, :size] = padded.slot_mapping
         host[3, :size] = padded.context_lens
-        host_tables = self._host_tables[: size * width].view(size, width)
         host_tables.numpy()[:] = padded.block_tables
         for row, static in enumerate((self.input_ids, self.positions, self.slot_mapping, self.context_lens)):
-            static[:size].copy_(self._host_ints[row, :size], non_blocking=True)
+            static[:size].copy_(host_ints[row, :size], non_blocking=True)
         self.block_tables[:size, :width].copy_(host_tables, non_blocking=True)
 
     def _meta(self, size: int) -> KernelAttentionMetadata:

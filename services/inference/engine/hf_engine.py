@@ -28,9 +28,9 @@ from typing import Any
 import torch
 
 from llmserve.inference.engine.config import EngineConfig
-from llmserve.inference.engine.types import EngineLoad, EngineOutput, EngineRequest, ModelInfo
+from llmserve.inference.engine.types import EngineLoad, EngineOutput, EngineRequest, ModelInfo, finish_at_token
 from llmserve.model_files import ModelFiles
-from llmserve.sampling import FinishReason, SamplingParams, TokenLogprob, TopLogprob
+from llmserve.sampling import SamplingParams, TokenLogprob, TopLogprob
 
 log = logging.getLogger(__name__)
 
@@ -210,32 +210,16 @@ class HFEngineCore:
         sequence.output_token_ids.append(token_id)
         if len(sequence.output_token_ids) == 1:
             sequence.first_token_ns = now_ns
-        finish_reason, stop_token_id = self._check_finished(sequence, token_id)
-        output = EngineOutput(
-            request_id=sequence.request_id,
-            sequence_index=sequence.index,
-            new_token_ids=[token_id],
-            logprobs=[logprob] if logprob is not None else None,
-            finish_reason=finish_reason,
-            stop_token_id=stop_token_id,
+        num_output_tokens = len(sequence.output_token_ids)
+        finish = finish_at_token(
+            token_id, num_output_tokens, len(sequence.owner.request.prompt_token_ids) + num_output_tokens,
+            sequence.sampling, self._stop_ids(sequence.sampling), self.model_info.max_context_tokens,
         )
-        if finish_reason is not None:
+        output = EngineOutput.for_token(sequence.request_id, sequence.index, token_id, logprob, finish)
+        if output.finished:
             self._fill_final(output, sequence, now_ns)
             self._advance(sequence)
         return output
-
-    def _check_finished(self, sequence: _Sequence, token_id: int) -> tuple[FinishReason | None, int | None]:
-        """STOP wins over LENGTH when the last allowed token is also a stop token."""
-        sampling = sequence.sampling
-        num_output_tokens = len(sequence.output_token_ids)
-        if num_output_tokens >= sampling.min_tokens and token_id in self._stop_ids(sampling):
-            return FinishReason.STOP, token_id
-        if num_output_tokens >= sampling.max_tokens:
-            return FinishReason.LENGTH, None
-        num_prompt_tokens = len(sequence.owner.request.prompt_token_ids)
-        if num_prompt_tokens + num_output_tokens >= self.model_info.max_context_tokens:
-            return FinishReason.LENGTH, None
-        return None, None
 
     def _stop_ids(self, sampling: SamplingParams) -> frozenset[int]:
         stop_ids = frozenset(sampling.stop_token_ids)

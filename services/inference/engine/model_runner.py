@@ -29,6 +29,7 @@ from llmserve.inference.kernels import is_available as kernels_available
 from llmserve.inference.models.attention import AttentionMetadata, KernelAttentionMetadata, PrefillChunk
 from llmserve.inference.models.llama import DecoderConfig
 from llmserve.inference.models.loader import load_model, torch_dtype
+from llmserve.inference.models.quantization import quantize_linears
 from llmserve.model_files import ModelFiles
 
 log = logging.getLogger(__name__)
@@ -54,6 +55,12 @@ class ModelRunner:
         if config.kv_cache_dtype == "fp8" and not self.use_kernels:
             raise ValueError("kv_cache_dtype 'fp8' needs the triton attention backend")
         self.model = load_model(files.path, self.model_config, self.device, self.dtype)
+        if config.quantization != "none":
+            # Before sizing the KV pool: the freed bf16 matrices become KV blocks.
+            log.info("quantizing the linear layers: %s", config.quantization)
+            quantize_linears(self.model, config.quantization)
+            if self.device.type == "cuda":
+                torch.cuda.empty_cache()
         spec = KVCacheSpec(
             num_layers=self.model_config.num_layers,
             block_size=self.block_size,
@@ -95,18 +102,36 @@ class ModelRunner:
         return self.model_config.vocab_size
 
     @torch.inference_mode()
-    def execute(self, batch: ScheduledBatch) -> torch.Tensor:
-        """float32 logits [num_sampling_seqs, vocab]: one row per sequence that samples, in batch order."""
+    def execute(self, batch: ScheduledBatch, pending_tokens: torch.Tensor | None = None) -> torch.Tensor:
+        """float32 logits [num_sampling_seqs, vocab]: one row per sequence that samples, in batch
+        order. `pending_tokens`: the in-flight step's sampled ids (on the device), where the
+        pending input tokens of this batch are read from. Queues the work; does not wait."""
         self.kv_cache.copy_blocks(batch.block_copies)
         step = build_step_inputs(batch, self.block_size)
+        fill = self._deferred_filler(step, pending_tokens)
         if self.decode_graphs is not None and self.decode_graphs.can_run(step):
-            return self._sampled_rows(self.decode_graphs.run(step), step.logits_indices)
+            return self._sampled_rows(self.decode_graphs.run(step, fill), step.logits_indices)
         if self.use_kernels:
             meta = self._kernel_meta(step)
         else:
             meta = self._gather_meta(step)
-        hidden = self.model(self._to_device(step.input_ids), self._to_device(step.positions), self.kv_cache.layers, meta)
+        input_ids = self._to_device(step.input_ids)
+        if fill is not None:
+            fill(input_ids)
+        hidden = self.model(input_ids, self._to_device(step.positions), self.kv_cache.layers, meta)
         return self.model.compute_logits(hidden[self._to_device(step.logits_indices)])
+
+    def _deferred_filler(self, step: StepInputs, pending_tokens: torch.Tensor | None):
+        """A function that writes the step's pending input ids into a device ids tensor, or None."""
+        if not step.deferred_rows:
+            return None
+        assert pending_tokens is not None, "a pending input token without the step that samples it"
+        num_rows = len(step.deferred_rows)
+        if step.deferred_rows == step.deferred_source_rows == list(range(num_rows)):
+            # Steady decoding: the same sequences in the same order as the step before.
+            return lambda input_ids: input_ids[:num_rows].copy_(pending_tokens[:num_rows])
+        rows, source_rows = self._to_device(step.deferred_rows), self._to_device(step.deferred_source_rows)
+        return lambda input_ids: input_ids.index_copy_(0, rows, pending_tokens[source_rows].to(input_ids.dtype))
 
     @torch.inference_mode()
     def _warm_up_prefill(self, num_tokens: int = 32) -> None:

@@ -13,8 +13,10 @@ Per row, in order (the same as the hf backend, so both backends agree):
      Each sequence draws exactly one vocabulary-sized sample per token from its own stream,
      so a seeded sequence gets the same tokens whatever else is in the batch.
 
-The only host syncs are the transfers of the results (`_to_host`): the sampled ids, plus the
-logprobs when a row asks for them.
+`launch` queues all of this on the device and starts copying the results (sampled ids, plus
+logprobs for the rows that ask) to pinned host memory without waiting; `PendingSample.result()`
+is the step's one host sync. The sampled ids also stay on the device, where the next step reads
+its input ids before the host has seen them (async scheduling).
 """
 
 from __future__ import annotations
@@ -34,6 +36,52 @@ class SamplerOutput:
     logprobs: list[TokenLogprob | None]
 
 
+@dataclass(slots=True)
+class _LogprobRows:
+    """Device results for the rows that asked for logprobs."""
+
+    rows: list[int]  # batch rows
+    num_top: list[int]  # alternatives each row asked for
+    chosen: torch.Tensor  # [num_rows] logprob of the sampled token
+    top_values: torch.Tensor | None  # [num_rows, max num_top]
+    top_ids: torch.Tensor | None
+
+
+class PendingSample:
+    """A launched sampling step: token ids on the device now, on the host after result()."""
+
+    def __init__(self, token_ids: torch.Tensor, logprob_rows: _LogprobRows | None):
+        self.token_ids = token_ids  # [num_seqs] int64, on the device
+        self._logprob_rows = logprob_rows
+        device_results = [token_ids]
+        if logprob_rows is not None:
+            device_results.append(logprob_rows.chosen)
+            if logprob_rows.top_values is not None:
+                device_results += [logprob_rows.top_values, logprob_rows.top_ids]
+        self._host_results = [_copy_to_host_async(t) for t in device_results]
+        self._copied: torch.cuda.Event | None = None
+        if token_ids.device.type == "cuda":
+            self._copied = torch.cuda.Event()
+            self._copied.record()
+
+    def result(self) -> SamplerOutput:
+        """Waits for the copies (the step's one host sync) and converts them."""
+        if self._copied is not None:
+            self._copied.synchronize()
+        host = [t.tolist() for t in self._host_results]
+        token_ids = host[0]
+        logprobs: list[TokenLogprob | None] = [None] * len(token_ids)
+        rows = self._logprob_rows
+        if rows is not None:
+            chosen = host[1]
+            no_top = [[] for _ in rows.rows]
+            top_values, top_ids = (host[2], host[3]) if len(host) == 4 else (no_top, no_top)
+            for j, (i, k) in enumerate(zip(rows.rows, rows.num_top)):
+                alternatives = tuple(TopLogprob(t, v) for t, v in zip(top_ids[j][:k], top_values[j][:k]))
+                logprobs[i] = TokenLogprob(token_id=token_ids[i], logprob=chosen[j], top_logprobs=alternatives)
+        return SamplerOutput(token_ids, logprobs)
+
+
 class Sampler:
     def __init__(self, eos_token_ids: tuple[int, ...]):
         self.eos_token_ids = frozenset(eos_token_ids)
@@ -42,9 +90,14 @@ class Sampler:
         stop_ids = frozenset(sampling.stop_token_ids)
         return stop_ids if sampling.ignore_eos else stop_ids | self.eos_token_ids
 
-    @torch.inference_mode()
     def sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> SamplerOutput:
-        """logits [num_seqs, vocab] float32, row i for seqs[i] (whose last token was just computed)."""
+        """launch + result: one token per sequence, on the host."""
+        return self.launch(logits, seqs).result()
+
+    @torch.inference_mode()
+    def launch(self, logits: torch.Tensor, seqs: list[Sequence]) -> PendingSample:
+        """logits [num_seqs, vocab] float32, row i for seqs[i] (whose last token was just
+        computed; penalties read the token history, which must be known on the host)."""
         logits = _apply_penalties(logits, seqs)
         logits = self._mask_stop_tokens(logits, seqs)
         logits = _apply_temperature(logits, seqs)
@@ -54,8 +107,7 @@ class Sampler:
             rows = device_tensor(random_rows, logits.device)
             samplings = [seqs[i].sampling for i in random_rows]
             token_ids[rows] = _draw(logits[rows], samplings, [seqs[i].rng for i in random_rows])
-        host_token_ids = _to_host(token_ids)
-        return SamplerOutput(host_token_ids, _logprobs(logits, token_ids, host_token_ids, seqs))
+        return PendingSample(token_ids, _logprob_rows(logits, token_ids, seqs))
 
     def _mask_stop_tokens(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
         vocab_size = logits.shape[1]
@@ -74,9 +126,17 @@ class Sampler:
         return logits
 
 
-def _to_host(tensor: torch.Tensor) -> list:
-    """Deliberate host sync: the step's results must reach Python to be streamed."""
-    return tensor.tolist()
+def _copy_to_host_async(tensor: torch.Tensor) -> torch.Tensor:
+    """A host copy that does not wait: into pinned memory, non_blocking (CUDA)."""
+    if tensor.device.type != "cuda":
+        return tensor
+    host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
+    return host.copy_(tensor, non_blocking=True)
+
+
+def needs_token_history(sampling: SamplingParams) -> bool:
+    """Sampling that reads the sequence's earlier tokens on the host (penalties)."""
+    return _needs_penalty(sampling)
 
 
 def _needs_penalty(sampling: SamplingParams) -> bool:
@@ -151,21 +211,15 @@ def _keep_mask(probs: torch.Tensor, samplings: list[SamplingParams]) -> torch.Te
     return keep
 
 
-def _logprobs(logits, token_ids, host_token_ids: list[int], seqs: list[Sequence]) -> list[TokenLogprob | None]:
+def _logprob_rows(logits, token_ids, seqs: list[Sequence]) -> _LogprobRows | None:
     rows = [i for i, seq in enumerate(seqs) if seq.sampling.logprobs is not None]
-    results: list[TokenLogprob | None] = [None] * len(seqs)
     if not rows:
-        return results
+        return None
     row_index = device_tensor(rows, logits.device)
     logprobs = torch.log_softmax(logits[row_index], dim=-1)
-    chosen = _to_host(logprobs.gather(1, token_ids[row_index][:, None])[:, 0])
-    num_top = max(seqs[i].sampling.logprobs for i in rows)
-    top_values, top_ids = ([[]] * len(rows), [[]] * len(rows))
-    if num_top > 0:
-        top = torch.topk(logprobs, num_top, dim=-1)
-        top_values, top_ids = _to_host(top.values), _to_host(top.indices)
-    for j, i in enumerate(rows):
-        k = seqs[i].sampling.logprobs
-        alternatives = tuple(TopLogprob(t, v) for t, v in zip(top_ids[j][:k], top_values[j][:k]))
-        results[i] = TokenLogprob(token_id=host_token_ids[i], logprob=chosen[j], top_logprobs=alternatives)
-    return results
+    chosen = logprobs.gather(1, token_ids[row_index][:, None])[:, 0]
+    num_top = [seqs[i].sampling.logprobs for i in rows]
+    top_values = top_ids = None
+    if max(num_top) > 0:
+        top_values, top_ids = torch.topk(logprobs, max(num_top), dim=-1)
+    return _LogprobRows(rows, num_top, chosen, top_values, top_ids)

@@ -5,7 +5,8 @@ sequences. A sequence's next tokens are simply those without K/V yet (num_uncomp
 one for a decode, many for a prompt or a recomputation after preemption, so prefill and decode
 are the same operation and mix freely in one batch. Order within a step:
 
-  1. running decodes (one token each), oldest first: streams never stall behind prompts;
+  1. running decodes (one token each), oldest first: streams never stall behind prompts
+     (a sequence whose in-flight token is its last, `is_finishing`, is skipped);
   2. running prefills, in chunks that fill the remaining budget;
   3. waiting sequences, lowest `priority` first, then first come first served, each taking its
      prefix-cache hits and a chunk of the rest, while budget, sequence slots and blocks last.
@@ -140,8 +141,9 @@ class Scheduler:
         self._pending_block_copies = []
         budget = self.config.max_batched_tokens
         num_preempted_before = self.num_preemptions_total
-        decodes = [s for s in self.running if s.num_uncomputed_tokens == 1]
-        prefills = [s for s in self.running if s.num_uncomputed_tokens > 1]
+        schedulable = [s for s in self.running if not s.is_finishing]
+        decodes = [s for s in schedulable if s.num_uncomputed_tokens == 1]
+        prefills = [s for s in schedulable if s.num_uncomputed_tokens > 1]
         for seq in decodes + prefills:
             if budget == 0:
                 break
@@ -153,8 +155,19 @@ class Scheduler:
 
     def on_executed(self, batch: ScheduledBatch) -> None:
         """The batch's K/V are in the cache: advance progress and cache the full blocks."""
+        self.advance(batch)
+        self.register_computed_blocks(batch)
+
+    def advance(self, batch: ScheduledBatch) -> None:
+        """The batch is launched: its tokens count as computed for scheduling the next step
+        (the device runs the steps in order)."""
         for seq, num_new_tokens in zip(batch.seqs, batch.num_new_tokens):
             seq.num_computed_tokens += num_new_tokens
+
+    def register_computed_blocks(self, batch: ScheduledBatch) -> None:
+        """Enter the batch's newly full blocks into the prefix cache; needs every computed token
+        known on the host (no pending token among them). Finished sequences hold no blocks."""
+        for seq in batch.seqs:
             self.block_manager.register_computed_blocks(seq)
 
     def _schedule_running(self, seq: Sequence, budget: int, batch: ScheduledBatch) -> int:
@@ -174,6 +187,8 @@ class Scheduler:
     def _admit_waiting(self, budget: int, batch: ScheduledBatch) -> None:
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             seq = self.waiting[0]
+            if seq.has_pending_token:
+                break  # preempted (or forked) with a token in flight: its hashes need the value
             cached_block_ids = self.block_manager.find_cached_blocks(seq)
             num_cached_tokens = len(cached_block_ids) * self.block_manager.block_size
             num_new_tokens = seq.num_tokens - num_cached_tokens

@@ -3,8 +3,15 @@
 A request with n sequences starts as one Sequence (index 0); the engine forks the other n - 1
 once the prompt is computed, sharing the prompt's blocks (see BlockManager.fork).
 
+With async scheduling a sampled token is known on the device before the host sees it: the
+engine appends PENDING_TOKEN and notes the token's row in that step's sampled-token tensor
+(pending_token_row), the next step reads its input id from that tensor on the device, and the
+placeholder is overwritten once the step's results reach the host. Only the last token can be
+pending, and only for one step.
+
 Invariants:
   token_ids = prompt + output; num_computed_tokens <= len(token_ids);
+  every computed token is known (not PENDING_TOKEN) once its step's results are processed;
   block_ids covers at least num_computed_tokens slots (block_size each);
   the first num_registered_blocks blocks are full, computed and known to the prefix cache.
 """
@@ -17,6 +24,9 @@ from typing import Any
 
 from llmserve.block_hash import hash_block
 from llmserve.sampling import FinishReason, SamplingParams
+
+
+PENDING_TOKEN = -1  # a sampled token still on its way from the device
 
 
 class SequenceStatus(enum.Enum):
@@ -46,6 +56,10 @@ class Sequence:
     num_siblings_to_fork: int = 0  # n - 1 on the first sequence until its prompt is computed
     was_admitted: bool = False
     rng: Any = None  # the sampler's per-sequence random stream (a torch.Generator)
+    # Row of the last token in the in-flight step's sampled tokens, -1 when no token is pending.
+    pending_token_row: int = -1
+    # Its pending token ends it (max_tokens or the length limit): not scheduled again.
+    is_finishing: bool = False
     first_scheduled_ns: int = 0
     first_token_ns: int = 0
     finish_reason: FinishReason | None = None
@@ -66,6 +80,10 @@ class Sequence:
     @property
     def num_uncomputed_tokens(self) -> int:
         return len(self.token_ids) - self.num_computed_tokens
+
+    @property
+    def has_pending_token(self) -> bool:
+        return self.pending_token_row >= 0
 
     @property
     def is_finished(self) -> bool:

@@ -4,11 +4,21 @@ prefix reuse, in PyTorch.
 One step reads top to bottom:
   schedule  the Scheduler picks sequences and token counts (decodes, prefill chunks, new
             arrivals) within the token budget, allocating KV blocks, preempting when short;
-  execute   the ModelRunner runs one forward over the flat batch and returns logits for the
-            sequences whose last token was computed;
-  update    progress is recorded (full blocks enter the prefix cache), n > 1 requests fork
-            their siblings, the Sampler picks tokens, stop conditions finish sequences (their
-            blocks return to the pool at once) and an EngineOutput goes out per new token.
+  launch    the ModelRunner queues one forward over the flat batch (logits for the sequences
+            whose last token is computed), progress is recorded, n > 1 requests fork their
+            siblings and the Sampler queues the sampling; each sampled token is appended as a
+            placeholder (sequence.PENDING_TOKEN);
+  process   once the sampled ids reach the host: placeholders get their values, stop
+            conditions finish sequences (their blocks return to the pool at once), full blocks
+            enter the prefix cache, and an EngineOutput goes out per new token.
+
+Async scheduling (EngineConfig.async_scheduling, the default): `step()` launches step N and
+then processes step N-1, so the host schedules, stages and streams while the device computes;
+step N reads the input ids that step N-1 sampled on the device (ModelRunner fills them).
+Costs: a sequence that stops on a stop token has already been scheduled for one more token,
+which is discarded; a sequence whose last token is in flight by length is not scheduled again
+(`Sequence.is_finishing`). Penalties read the token history on the host, so a step that
+samples with them processes the step before it first. Off: launch and process in one call.
 
 Stop conditions, checked after each token: a stop token (EOS unless ignore_eos, or one of
 stop_token_ids; not before min_tokens) -> STOP, the token is included in the output and named
@@ -20,6 +30,7 @@ from __future__ import annotations
 
 import logging
 import time
+from dataclasses import dataclass
 
 import torch
 
@@ -28,14 +39,24 @@ from llmserve.inference.engine.block_manager import BlockManager
 from llmserve.inference.engine.config import EngineConfig
 from llmserve.inference.engine.kv_cache import device_tensor
 from llmserve.inference.engine.model_runner import ModelRunner
-from llmserve.inference.engine.sampler import Sampler
+from llmserve.inference.engine.sampler import PendingSample, Sampler, needs_token_history
 from llmserve.inference.engine.scheduler import ScheduledBatch, Scheduler, SchedulerConfig
-from llmserve.inference.engine.sequence import Sequence
-from llmserve.inference.engine.types import EngineLoad, EngineOutput, EngineRequest, ModelInfo
+from llmserve.inference.engine.sequence import PENDING_TOKEN, Sequence
+from llmserve.inference.engine.types import EngineLoad, EngineOutput, EngineRequest, ModelInfo, finish_at_token
 from llmserve.model_files import ModelFiles
 from llmserve.sampling import FinishReason, TokenLogprob
 
 log = logging.getLogger(__name__)
+
+
+@dataclass(slots=True)
+class _LaunchedStep:
+    """A step queued on the device whose sampled tokens the host has not processed yet."""
+
+    batch: ScheduledBatch
+    seqs: list[Sequence]  # the sequences that sample: row i of the sampled tokens
+    token_indices: list[int]  # where each one's placeholder sits in its token_ids
+    sampled: PendingSample
 
 
 class TorchEngineCore:
@@ -79,6 +100,7 @@ class TorchEngineCore:
         self._num_requests_added = 0
         self._num_aborted_total = 0
         self._num_finished_total = 0
+        self._in_flight: _LaunchedStep | None = None
 
     # --- EngineCore interface ----------------------------------------------------------------
 
@@ -120,19 +142,20 @@ class TorchEngineCore:
 
     def step(self) -> list[EngineOutput]:
         outputs = [out for seq in self.scheduler.take_rejected() for out in self._error_outputs(seq)]
+        previous, self._in_flight = self._in_flight, None
         batch = self.scheduler.schedule()
-        if batch.is_empty:
-            return outputs
-        self._mark_scheduled(batch)
-        logits = self.runner.execute(batch)
-        sampling_seqs = [seq for i, seq in enumerate(batch.seqs) if batch.samples(i)]
-        self.scheduler.on_executed(batch)
-        sampling_seqs, logits = self._fork_siblings(sampling_seqs, logits)
-        sampled = self.sampler.sample(logits, sampling_seqs)
-        for seq, token_id, logprob in zip(sampling_seqs, sampled.token_ids, sampled.logprobs):
-            outputs.append(self._update(seq, token_id, logprob))
+        launched = None
+        if not batch.is_empty:
+            launched, previous = self._launch(batch, previous, outputs)
+        if previous is not None:
+            outputs += self._process(previous)
+        if launched is not None:
+            self.scheduler.register_computed_blocks(batch)  # every computed token is known now
+            if self.config.async_scheduling:
+                self._in_flight = launched
+            else:
+                outputs += self._process(launched)
         return outputs
-
     def load(self) -> EngineLoad:
         """Counts are sequences for num_running / num_waiting; requests for the totals (a request
         finished by abort counts in both num_aborted_total and num_finished_total)."""
@@ -189,35 +212,62 @@ class TorchEngineCore:
             first_scheduled_ns=parent.first_scheduled_ns,
         )
 
-    def _update(self, seq: Sequence, token_id: int, logprob: TokenLogprob | None) -> EngineOutput:
+    def _launch(
+        self, batch: ScheduledBatch, previous: _LaunchedStep | None, outputs: list[EngineOutput]
+    ) -> tuple[_LaunchedStep, _LaunchedStep | None]:
+        """Queue the batch's forward and sampling; returns it and `previous` if still unprocessed."""
+        self._mark_scheduled(batch)
+        logits = self.runner.execute(batch, previous.sampled.token_ids if previous is not None else None)
+        seqs = [seq for i, seq in enumerate(batch.seqs) if batch.samples(i)]
+        self.scheduler.advance(batch)
+        seqs, logits = self._fork_siblings(seqs, logits)
+        if previous is not None and any(needs_token_history(seq.sampling) for seq in seqs):
+            outputs += self._process(previous)  # penalties count the token it brings
+            previous = None
+        sampled = self.sampler.launch(logits, seqs)
+        token_indices = []
+        for row, seq in enumerate(seqs):
+            token_indices.append(seq.num_tokens)
+            seq.token_ids.append(PENDING_TOKEN)
+            seq.pending_token_row = row
+            seq.is_finishing = self._ends_by_length(seq)
+        return _LaunchedStep(batch, seqs, token_indices, sampled), previous
+
+    def _process(self, launched: _LaunchedStep) -> list[EngineOutput]:
+        """The step's sampled tokens on the host: fill the placeholders, check stops, emit."""
+        sampled = launched.sampled.result()
+        outputs = []
+        for seq, index, token_id, logprob in zip(launched.seqs, launched.token_indices, sampled.token_ids,
+                                                 sampled.logprobs):
+            if seq.is_finished:
+                continue  # aborted, or stopped by the token before: this one is discarded
+            seq.token_ids[index] = token_id
+            if index == seq.num_tokens - 1:
+                seq.pending_token_row = -1
+            outputs.append(self._update(seq, index, token_id, logprob))
+        return outputs
+
+    def _update(self, seq: Sequence, index: int, token_id: int, logprob: TokenLogprob | None) -> EngineOutput:
+        """token_ids[index] = token_id is known: stop conditions at that token, one output."""
         now_ns = time.monotonic_ns()
-        seq.token_ids.append(token_id)
         if not seq.first_token_ns:
             seq.first_token_ns = now_ns
-        finish_reason, stop_token_id = self._check_stop(seq, token_id)
-        output = EngineOutput(
-            request_id=seq.request_id,
-            sequence_index=seq.sequence_index,
-            new_token_ids=[token_id],
-            logprobs=[logprob] if logprob is not None else None,
-            finish_reason=finish_reason,
-            stop_token_id=stop_token_id,
+        finish = finish_at_token(
+            token_id, index + 1 - seq.num_prompt_tokens, index + 1, seq.sampling,
+            self.sampler.stop_token_ids(seq.sampling), self.scheduler.config.max_seq_tokens,
         )
-        if finish_reason is not None:
-            self.scheduler.finish(seq, finish_reason)
+        output = EngineOutput.for_token(seq.request_id, seq.sequence_index, token_id, logprob, finish)
+        if output.finished:
+            del seq.token_ids[index + 1 :]  # a token launched after this one is discarded
+            seq.pending_token_row = -1
+            self.scheduler.finish(seq, output.finish_reason)
             self._fill_final(output, seq, now_ns)
             self._count_finished_seq(seq.request_id)
         return output
 
-    def _check_stop(self, seq: Sequence, token_id: int) -> tuple[FinishReason | None, int | None]:
-        sampling = seq.sampling
-        if seq.num_output_tokens >= sampling.min_tokens and token_id in self.sampler.stop_token_ids(sampling):
-            return FinishReason.STOP, token_id
-        if seq.num_output_tokens >= sampling.max_tokens:
-            return FinishReason.LENGTH, None
-        if seq.num_tokens >= self.scheduler.config.max_seq_tokens:
-            return FinishReason.LENGTH, None
-        return None, None
+    def _ends_by_length(self, seq: Sequence) -> bool:
+        """The sequence's last token (just sampled) reaches max_tokens or the length limit."""
+        return seq.num_output_tokens >= seq.sampling.max_tokens or seq.num_tokens >= self.scheduler.config.max_seq_tokens
 
     def _fill_final(self, output: EngineOutput, seq: Sequence, now_ns: int) -> None:
         output.num_prompt_tokens = seq.num_prompt_tokens

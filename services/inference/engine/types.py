@@ -54,6 +54,36 @@ class EngineOutput:
     def finished(self) -> bool:
         return self.finish_reason is not None
 
+    @classmethod
+    def for_token(
+        cls, request_id: str, sequence_index: int, token_id: int, logprob: TokenLogprob | None,
+        finish: tuple[FinishReason | None, int | None],
+    ) -> "EngineOutput":
+        """The output of one new token; `finish` = (finish_reason, stop_token_id) at it."""
+        return cls(
+            request_id=request_id,
+            sequence_index=sequence_index,
+            new_token_ids=[token_id],
+            logprobs=[logprob] if logprob is not None else None,
+            finish_reason=finish[0],
+            stop_token_id=finish[1],
+        )
+
+
+def finish_at_token(
+    token_id: int, num_output_tokens: int, num_tokens: int, sampling: SamplingParams,
+    stop_token_ids: frozenset[int], max_seq_tokens: int,
+) -> tuple[FinishReason | None, int | None]:
+    """(finish_reason, stop_token_id) once a sequence holds `num_tokens` tokens, the last of them
+    `token_id`, the `num_output_tokens`-th generated. A stop token (not before min_tokens) ->
+    STOP, and it wins over LENGTH when the last allowed token is also a stop token; then
+    max_tokens or the sequence length limit -> LENGTH."""
+    if num_output_tokens >= sampling.min_tokens and token_id in stop_token_ids:
+        return FinishReason.STOP, token_id
+    if num_output_tokens >= sampling.max_tokens or num_tokens >= max_seq_tokens:
+        return FinishReason.LENGTH, None
+    return None, None
+
 
 @dataclass(frozen=True, slots=True)
 class ModelInfo:

@@ -6,7 +6,10 @@
                  (the chunk's own K/V are written first, so a cached prefix is read the same way);
   rope_kv        rotary embedding of q and k, fused with writing k and v into their cache slots;
   rms_norm       RMSNorm, optionally fused with the residual add before it;
-  activation     SwiGLU: silu(gate) * up in one pass.
+  activation     SwiGLU: silu(gate) * up in one pass;
+  paged_kv       the K/V tile gather through the block table both attention kernels share;
+  w8a16_matmul   GEMM with int8 weights widened in registers (weight-only quantization);
+  fp8_quant      per-token float8 quantization of activations (fp8 W8A8).
 
 Every kernel has a torch reference next to it in the tests. The modules import triton at import
 time, so import them only where triton exists (CUDA hosts; on CPU, tests run them under

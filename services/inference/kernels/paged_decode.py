@@ -14,8 +14,11 @@ nothing to do leaves max = -inf and sum = 0, which the merge weights to zero. A 
 context length 0 (a padding row of a graph bucket) gets a zero output.
 
 The cache may hold float8 (e4m3, scale 1): tiles are widened to the query dtype after loading,
-so the kernel reads half the bytes. The block-table stride changes from step to step in eager
-runs, so it is not a specialization key (a new key means a recompile, ~1 s, mid-request).
+so the kernel reads half the bytes, but measured on an H200 it reaches only ~2.1 TB/s of
+float8 (0.50 ms vs 0.53 ms on bfloat16 at batch 256 x 2048; docs/benchmarks.md lists the
+variants tried: widening to float16, CUDA-core dots without the 16-row padding). The
+block-table stride changes from step to step in eager runs, so it is not a specialization key
+(a new key means a recompile, ~1 s, mid-request).
 """
 
 from __future__ import annotations
@@ -25,12 +28,13 @@ import triton
 import triton.language as tl
 
 from llmserve.inference.kernels.common import dot_is_ieee, next_power_of_2
+from llmserve.inference.kernels.paged_kv import load_kv_tile, tile_dot
 
 # Launch configuration: tokens per K/V tile, warps, software-pipeline depth (bench/bench_gpu.py
-# --scenario kernels sweeps these on the GPU).
-DEFAULT_CONFIG = {"block_n": 64, "num_warps": 4, "num_stages": 3}  # best at batch 256 on an H200
-# float8 cache: the fastest of 9 configs swept on an H200 (bench_gpu.py --scenario fp8), 0.536 ms
-# vs 0.571 ms for DEFAULT_CONFIG at batch 256 x 2048 (bf16 cache: 0.601 ms).
+# sweeps these on the GPU before its kernels and throughput scenarios: decode_config_sweep).
+DEFAULT_CONFIG = {"block_n": 64, "num_warps": 4, "num_stages": 3}  # 0.528 ms at batch 256 x 2048 on an H200
+# float8 cache: the fastest of the swept configs on an H200, 0.502 ms at batch 256 x 2048 (bf16
+# cache with DEFAULT_CONFIG: 0.528 ms).
 FP8_CONFIG = {"block_n": 128, "num_warps": 4, "num_stages": 2}
 MAX_SPLITS = 16
 MIN_GROUP_ROWS = 16  # tl.dot needs at least 16 rows
@@ -78,29 +82,19 @@ def _paged_decode_kernel(
     m_i = tl.full([GROUP_PAD], float("-inf"), tl.float32)
     l_i = tl.zeros([GROUP_PAD], tl.float32)
     acc = tl.zeros([GROUP_PAD, HEAD_DIM_PAD], tl.float32)
-    row_stride = NUM_KV_HEADS * HEAD_DIM
     for start in range(lo, hi, BLOCK_N):
         keys = start + tl.arange(0, BLOCK_N)
         key_mask = keys < hi
-        pages = tl.load(block_tables_ptr + seq * bt_stride + keys // BLOCK_SIZE, mask=key_mask, other=0)
-        slots = pages.to(tl.int64) * BLOCK_SIZE + keys % BLOCK_SIZE
-        offsets = slots[:, None] * row_stride + kv_head * HEAD_DIM + d[None, :]
-        kv_mask = key_mask[:, None] & dim_mask[None, :]
-        k = tl.load(k_cache_ptr + offsets, mask=kv_mask, other=0.0).to(q.dtype)
-        v = tl.load(v_cache_ptr + offsets, mask=kv_mask, other=0.0).to(q.dtype)
-        if IEEE:
-            s = tl.dot(q, tl.trans(k), input_precision="ieee")
-        else:
-            s = tl.dot(q, tl.trans(k))
+        k, v = load_kv_tile(k_cache_ptr, v_cache_ptr, block_tables_ptr + seq * bt_stride, keys, key_mask, kv_head,
+                            d, dim_mask, NUM_KV_HEADS, BLOCK_SIZE, HEAD_DIM)
+        k, v = k.to(q.dtype), v.to(q.dtype)
+        s = tile_dot(q, tl.trans(k), IEEE)
         s = tl.where(key_mask[None, :], s * qk_scale, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
         p = tl.exp2(s - m_new[:, None])
         alpha = tl.exp2(m_i - m_new)
         l_i = l_i * alpha + tl.sum(p, 1)
-        if IEEE:
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
-        else:
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+        acc = acc * alpha[:, None] + tile_dot(p.to(v.dtype), v, IEEE)
         m_i = m_new
 
     if NUM_SPLITS == 1:
@@ -160,6 +154,7 @@ def paged_decode_attention(
     assert k_cache.is_contiguous() and v_cache.is_contiguous() and q.stride(-1) == 1
     group = num_heads // num_kv_heads
     head_dim_pad = next_power_of_2(head_dim)
+    group_pad = max(MIN_GROUP_ROWS, next_power_of_2(group))  # tl.dot needs 16 rows: the GQA group is padded
     if out is None:
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     if num_seqs == 0:
@@ -174,7 +169,7 @@ def paged_decode_attention(
         out, part_acc, part_stats,
         scale, sliding_window or 0,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1), block_tables.stride(0),
-        NUM_KV_HEADS=num_kv_heads, GROUP=group, GROUP_PAD=max(MIN_GROUP_ROWS, next_power_of_2(group)),
+        NUM_KV_HEADS=num_kv_heads, GROUP=group, GROUP_PAD=group_pad,
         BLOCK_SIZE=block_size, HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad,
         BLOCK_N=config["block_n"], NUM_SPLITS=num_splits, HAS_WINDOW=sliding_window is not None,
         IEEE=dot_is_ieee(q.dtype), num_warps=config["num_warps"], num_stages=config["num_stages"],

@@ -20,6 +20,7 @@ import triton
 import triton.language as tl
 
 from llmserve.inference.kernels.common import dot_is_ieee, next_power_of_2
+from llmserve.inference.kernels.paged_kv import load_kv_tile, tile_dot
 
 # Launch configuration (bench/bench_gpu.py --scenario kernels sweeps these on the GPU).
 DEFAULT_CONFIG = {"block_m": 64, "block_n": 64, "num_warps": 4, "num_stages": 2}
@@ -65,20 +66,13 @@ def _paged_prefill_kernel(
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_DIM_PAD], tl.float32)
-    row_stride = NUM_KV_HEADS * HEAD_DIM
     for start in range(lo, hi, BLOCK_N):
         keys = start + tl.arange(0, BLOCK_N)
         key_mask = keys < hi
-        pages = tl.load(block_tables_ptr + chunk * bt_stride + keys // BLOCK_SIZE, mask=key_mask, other=0)
-        slots = pages.to(tl.int64) * BLOCK_SIZE + keys % BLOCK_SIZE
-        offsets = slots[:, None] * row_stride + kv_head * HEAD_DIM + d[None, :]
-        kv_mask = key_mask[:, None] & dim_mask[None, :]
-        k = tl.load(k_cache_ptr + offsets, mask=kv_mask, other=0.0).to(q.dtype)
-        v = tl.load(v_cache_ptr + offsets, mask=kv_mask, other=0.0).to(q.dtype)
-        if IEEE:
-            s = tl.dot(q, tl.trans(k), input_precision="ieee")
-        else:
-            s = tl.dot(q, tl.trans(k))
+        k, v = load_kv_tile(k_cache_ptr, v_cache_ptr, block_tables_ptr + chunk * bt_stride, keys, key_mask, kv_head,
+                            d, dim_mask, NUM_KV_HEADS, BLOCK_SIZE, HEAD_DIM)
+        k, v = k.to(q.dtype), v.to(q.dtype)
+        s = tile_dot(q, tl.trans(k), IEEE)
         visible = key_mask[None, :] & (keys[None, :] <= positions[:, None])
         if HAS_WINDOW:
             visible = visible & (keys[None, :] > positions[:, None] - sliding_window)
@@ -88,10 +82,7 @@ def _paged_prefill_kernel(
         p = tl.exp2(s - m_safe[:, None])
         alpha = tl.exp2(m_i - m_safe)
         l_i = l_i * alpha + tl.sum(p, 1)
-        if IEEE:
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
-        else:
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+        acc = acc * alpha[:, None] + tile_dot(p.to(v.dtype), v, IEEE)
         m_i = m_new
 
     out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]

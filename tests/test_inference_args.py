@@ -1,0 +1,182 @@
+"""Command lines: the server flags the three services share, and the inference kernel/precision
+flags from `llmserve serve` through the launcher to EngineConfig. Parsing only: no server starts
+and no weights load (config_from_args reads the tiny model's config.json for its name)."""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import pytest
+import torch
+
+from llmserve.cli import build_parser as build_cli_parser
+from llmserve.cli import main as cli_main
+from llmserve.cli import serve_config_from_args
+from llmserve.gateway.__main__ import build_parser as build_gateway_parser
+from llmserve.inference.__main__ import config_from_args, parse_args
+from llmserve.inference.engine.model_runner import resolve_attention_backend
+from llmserve.launcher import ServeConfig, _common_args, _inference_args
+from llmserve.preprocess.__main__ import build_parser as build_preprocess_parser
+
+NEW_FLAGS = ("--attention-backend", "--kv-cache-dtype", "--quantization", "--no-async-scheduling")
+SERVER_FLAGS = ("--host", "--port", "--port-file", "--log-level", "--grace-period-s")
+
+
+def inference_args(model_dir: Path, *flags: str):
+    return parse_args(["--model", str(model_dir), *flags])
+
+
+def gateway_args(*flags: str):
+    return build_gateway_parser().parse_args(
+        ["--preprocess", "127.0.0.1:1", "--inference", "127.0.0.1:2", "--model", "m", *flags]
+    )
+
+
+def preprocess_args(*flags: str):
+    return build_preprocess_parser().parse_args(["--model", "m", *flags])
+
+
+# --- the shared server flags ---------------------------------------------------------------------
+
+
+def test_server_flags_have_each_services_defaults(tiny_model_dir):
+    defaults = {
+        "preprocess": preprocess_args(),
+        "inference": inference_args(tiny_model_dir),
+        "gateway": gateway_args(),
+    }
+    ports = {name: args.port for name, args in defaults.items()}
+    assert ports == {"preprocess": 50052, "inference": 0, "gateway": 50051}
+    for args in defaults.values():
+        assert (args.host, args.port_file, args.log_level, args.grace_period_s) == ("127.0.0.1", None, "INFO", 10.0)
+
+
+def test_server_flags_parse_the_same_in_every_service(tiny_model_dir, tmp_path):
+    flags = [
+        "--host", "0.0.0.0", "--port", "7000", "--port-file", str(tmp_path / "port"),
+        "--log-level", "debug", "--grace-period-s", "2.5",
+    ]  # fmt: skip
+    for args in (preprocess_args(*flags), inference_args(tiny_model_dir, *flags), gateway_args(*flags)):
+        assert (args.host, args.port, args.port_file, args.log_level, args.grace_period_s) == (
+            "0.0.0.0", 7000, str(tmp_path / "port"), "DEBUG", 2.5,
+        )  # fmt: skip
+
+
+@pytest.mark.parametrize("build", [build_preprocess_parser, build_gateway_parser])
+def test_help_explains_the_server_flags(build):
+    text = build().format_help()
+    for flag in SERVER_FLAGS:
+        assert flag in text
+    assert "server:" in text  # one group, the same in every service
+
+
+def test_inference_rejects_an_unknown_log_level(tiny_model_dir, capsys):
+    with pytest.raises(SystemExit) as info:
+        inference_args(tiny_model_dir, "--log-level", "LOUD")
+    assert info.value.code == 2
+    assert "argument --log-level: invalid choice: 'LOUD'" in capsys.readouterr().err
+
+
+# --- inference kernel and precision flags --------------------------------------------------------
+
+
+def test_new_inference_flags_default_to_the_engine_defaults(tiny_model_dir):
+    engine = config_from_args(inference_args(tiny_model_dir)).engine
+    assert (engine.attention_backend, engine.kv_cache_dtype, engine.quantization, engine.async_scheduling) == (
+        "auto", "auto", "none", True,
+    )  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("flags", "expected"),
+    [
+        (["--attention-backend", "triton"], {"attention_backend": "triton"}),
+        (["--attention-backend", "torch"], {"attention_backend": "torch"}),
+        (["--kv-cache-dtype", "fp8"], {"kv_cache_dtype": "fp8"}),
+        (["--quantization", "fp8"], {"quantization": "fp8"}),
+        (["--quantization", "int8"], {"quantization": "int8"}),
+        (["--no-async-scheduling"], {"async_scheduling": False}),
+        (
+            ["--attention-backend", "triton", "--kv-cache-dtype", "fp8", "--quantization", "int8",
+             "--no-async-scheduling"],
+            {"attention_backend": "triton", "kv_cache_dtype": "fp8", "quantization": "int8", "async_scheduling": False},
+        ),
+    ],
+)
+def test_new_inference_flags_reach_engine_config(tiny_model_dir, flags, expected):
+    engine = config_from_args(inference_args(tiny_model_dir, *flags)).engine
+    defaults = config_from_args(inference_args(tiny_model_dir)).engine
+    assert engine == dataclasses.replace(defaults, **expected)
+
+
+@pytest.mark.parametrize(
+    ("flag", "value", "choices"),
+    [
+        ("--attention-backend", "cuda", "'auto', 'torch', 'triton'"),
+        ("--kv-cache-dtype", "fp16", "'auto', 'fp8'"),
+        ("--quantization", "int4", "'none', 'fp8', 'int8'"),
+    ],
+)
+def test_invalid_values_fail_at_argparse(tiny_model_dir, capsys, flag, value, choices):
+    for parse in (lambda: inference_args(tiny_model_dir, flag, value), lambda: cli_main(["serve", flag, value])):
+        with pytest.raises(SystemExit) as info:
+            parse()
+        assert info.value.code == 2
+        assert f"argument {flag}: invalid choice: '{value}' (choose from {choices})" in capsys.readouterr().err
+
+
+def test_inference_help_explains_the_new_flags(capsys):
+    with pytest.raises(SystemExit):
+        parse_args(["--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    for flag in NEW_FLAGS:
+        assert flag in text
+    assert "auto = triton on CUDA when triton imports, torch otherwise (always torch on CPU)" in text
+    assert "(needs the triton attention backend, so CUDA)" in text
+    assert "(CUDA, compute capability >= 8.9)" in text
+
+
+def test_auto_attention_is_torch_on_cpu_whether_or_not_triton_imports():
+    assert resolve_attention_backend("auto", torch.device("cpu")) == "torch"
+    assert resolve_attention_backend("torch", torch.device("cpu")) == "torch"
+
+
+# --- `llmserve serve` → launcher → inference ---------------------------------------------------
+
+
+def test_serve_help_lists_the_new_flags(capsys):
+    with pytest.raises(SystemExit) as info:
+        cli_main(["serve", "--help"])
+    assert info.value.code == 0
+    text = capsys.readouterr().out
+    for flag in NEW_FLAGS:
+        assert flag in text
+
+
+def test_serve_passes_nothing_extra_by_default(tiny_model_dir):
+    config = serve_config_from_args(build_cli_parser().parse_args(["serve"]))
+    assert config == ServeConfig(model="default")
+    command = _inference_args(config, _common_args(config, tiny_model_dir, None), "torch")
+    assert not set(NEW_FLAGS) & set(command)
+
+
+def test_serve_flags_reach_the_inference_engine_config(tiny_model_dir):
+    serve_flags = [
+        "--attention-backend", "torch", "--kv-cache-dtype", "fp8", "--quantization", "int8",
+        "--no-async-scheduling",
+    ]  # fmt: skip
+    config = serve_config_from_args(build_cli_parser().parse_args(["serve", *serve_flags]))
+    assert (config.attention_backend, config.kv_cache_dtype, config.quantization, config.async_scheduling) == (
+        "torch", "fp8", "int8", False,
+    )  # fmt: skip
+    command = _inference_args(config, _common_args(config, tiny_model_dir, None), "torch")
+    assert command[-7:] == [
+        "--no-async-scheduling", "--attention-backend", "torch", "--kv-cache-dtype", "fp8", "--quantization", "int8",
+    ]  # fmt: skip
+
+    engine = config_from_args(parse_args(command)).engine
+    assert (engine.attention_backend, engine.kv_cache_dtype, engine.quantization, engine.async_scheduling) == (
+        "torch", "fp8", "int8", False,
+    )  # fmt: skip
+    assert engine.model_path == tiny_model_dir.resolve()
