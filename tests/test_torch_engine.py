@@ -483,3 +483,27 @@ def test_async_scheduling_overlaps_one_step(tiny_model_dirs):
     final = engine.step()  # nothing left to launch: only processes
     assert [o.finish_reason for o in final] == [FinishReason.LENGTH] and final[0].num_output_tokens == 3
     assert_pool_full(engine)
+
+
+# --- quantized weights -------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("method", ["int8", "fp8"])
+def test_quantized_engine_runs_every_layer_quantized(tiny_model_dirs, oracle, method):
+    """The engine serves with quantized linears (the CPU reference of each format) and frees
+    everything; its first greedy tokens are transformers' fp32 ones on this model (the
+    quantization error, ~1-10% of the logits here, stays below the top-2 margins)."""
+    from llmserve.inference.models.quantization import QuantizedLinear
+
+    engine = make_engine(tiny_model_dirs["llama"], quantization=method)
+    layers = engine.runner.model.model.layers
+    quantized = [m for layer in layers for m in (layer.self_attn.qkv_proj, layer.self_attn.o_proj,
+                                                 layer.mlp.gate_up_proj, layer.mlp.down_proj)]
+    assert all(isinstance(m, QuantizedLinear) for m in quantized) and len(quantized) == 4 * len(layers)
+    prompts = [make_prompt(n, seed=300 + n) for n in (9, 23)]
+    results = run(engine, [request(f"q{i}", p, greedy(max_tokens=6)) for i, p in enumerate(prompts)])
+    for i, prompt in enumerate(prompts):
+        expected, _ = oracle.generate("llama", prompt)
+        assert results[f"q{i}"].token_ids[0][:2] == expected[:2]
+        assert len(results[f"q{i}"].token_ids[0]) == 6
+    assert_pool_full(engine)
