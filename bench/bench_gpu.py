@@ -105,9 +105,18 @@ MAX_MODEL_LEN = 4096
 BLOCK_SIZE = 16
 
 
+def scenario_list(text: str) -> str:
+    names = text.split(",")
+    unknown = [n for n in names if n not in ("all", *SCENARIOS)]
+    if unknown:
+        raise argparse.ArgumentTypeError(f"unknown scenario(s) {unknown}; choose from all, {', '.join(SCENARIOS)}")
+    return text
+
+
 def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--scenario", default="all", choices=("all", *SCENARIOS))
+    parser.add_argument("--scenario", default="all", type=scenario_list,
+                        help=f"all, or a comma-separated list of: {', '.join(SCENARIOS)} (fp8 and quant run alone)")
     parser.add_argument("--out-dir", type=Path, default=REPO_ROOT / "bench" / "results")
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--small-model", default="llama-3.2-1b", choices=tuple(SHAPES))
@@ -960,7 +969,7 @@ def main() -> None:
     started = time.perf_counter()
     deadline = started + args.deadline_s if args.deadline_s else None
     device = torch.device(args.device)
-    wanted = set(SCENARIOS) - {"fp8", "quant"} if args.scenario == "all" else {args.scenario, "baselines"}
+    wanted = set(SCENARIOS) - {"fp8", "quant"} if args.scenario == "all" else {*args.scenario.split(","), "baselines"}
     args.out_dir.mkdir(parents=True, exist_ok=True)
     out_path = args.out_dir / time.strftime("gpu-%Y%m%d-%H%M%S.json")
     report: dict = {"settings": {k: str(v) for k, v in vars(args).items()} | {"hf_batch": args.hf_batch}}

@@ -198,6 +198,43 @@ def test_rms_norm_with_and_without_residual(dtype, hidden):
     torch.testing.assert_close(out_alone, norm(x), rtol=1e-5 if dtype == torch.float32 else 1e-2, atol=1e-5)
 
 
+def test_rms_norm_takes_a_float32_input_and_answers_in_the_weight_dtype():
+    """o_proj/down_proj write float32 on the kernel path: the norm after them adds in float32,
+    rounds the normalized value to the model dtype (the weight's) as LlamaRMSNorm does, and
+    returns that dtype for the next GEMM."""
+    from llmserve.inference.kernels.rms_norm import rms_norm
+
+    generator = torch.Generator().manual_seed(7)
+    x, residual = (torch.randn(3, 96, generator=generator).to(KERNEL_DEVICE) for _ in range(2))
+    weight = torch.randn(96, generator=generator).to(KERNEL_DEVICE, torch.bfloat16)
+    out, new_residual = rms_norm(x, weight, 1e-5, residual)
+    assert out.dtype == torch.bfloat16 and new_residual.dtype == torch.float32
+    total = x + residual
+    normed = (total * torch.rsqrt(total.pow(2).mean(-1, keepdim=True) + 1e-5)).to(torch.bfloat16)
+    expected = (weight.float() * normed.float()).to(torch.bfloat16)
+    # Two roundings to bf16: up to one step (2^-7 relative) each, whatever the rounding mode.
+    torch.testing.assert_close(out.float(), expected.float(), rtol=1.6e-2, atol=1e-6)
+    assert torch.equal(new_residual, total)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_CUDA, reason="needs CUDA")
+def test_float32_output_linear_skips_the_bf16_rounding():
+    from llmserve.inference.models.llama import float32_output_linear
+
+    generator = torch.Generator().manual_seed(8)
+    linear = torch.nn.Linear(256, 384, bias=True).to("cuda", torch.bfloat16)
+    x = torch.randn(5, 256, generator=generator).to("cuda", torch.bfloat16)
+    reference = torch.nn.functional.linear(x.double(), linear.weight.double(), linear.bias.double())
+    out = float32_output_linear(linear, x)
+    assert out.dtype == torch.float32
+    error = (out.double() - reference).norm() / reference.norm()
+    error_bf16 = (linear(x).double() - reference).norm() / reference.norm()
+    assert error < 1e-4 < error_bf16  # float32 accumulation only vs. one bf16 rounding (~2e-3)
+    cpu_linear = torch.nn.Linear(4, 4)
+    assert float32_output_linear(cpu_linear, torch.ones(1, 4)).dtype == torch.float32  # plain linear(x) off CUDA
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_silu_and_mul(dtype):
     from llmserve.inference.kernels.activation import silu_and_mul

@@ -4,7 +4,9 @@ The residual stream is kept in float32 here (transformers keeps it in the model 
 rounds it after every add): the sum x + residual is never rounded, which makes a bfloat16 model
 measurably closer to its float32 reference for 4 extra bytes per token per layer. After that the
 numerics follow LlamaRMSNorm: normalize in float32, round to the model dtype, multiply by the
-weight and round again.
+weight and round again. The model dtype is the weight's: `x` may come in float32 (the
+projections that feed the residual stream write float32 on the kernel path), the output is
+always in the weight's dtype, ready for the next GEMM.
 """
 
 from __future__ import annotations
@@ -32,7 +34,7 @@ def _rms_norm_kernel(
         xf = xf + residual.to(tl.float32)
         tl.store(residual_out_ptr + row * residual_out_stride + cols, xf, mask=mask)
     variance = tl.sum(xf * xf, 0) / N
-    normed = (xf * tl.rsqrt(variance + eps)).to(x_ptr.dtype.element_ty)
+    normed = (xf * tl.rsqrt(variance + eps)).to(out_ptr.dtype.element_ty)
     weight = tl.load(weight_ptr + cols, mask=mask, other=0.0)
     out = weight.to(tl.float32) * normed.to(tl.float32)
     tl.store(out_ptr + row * out_stride + cols, out.to(out_ptr.dtype.element_ty), mask=mask)
@@ -41,11 +43,12 @@ def _rms_norm_kernel(
 def rms_norm(
     x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """x [num_tokens, hidden]. Without residual: (norm(x), None). With residual (any float
-    dtype): (norm(x + residual), x + residual), the new residual stream in float32."""
+    """x [num_tokens, hidden] (any float dtype). Without residual: (norm(x), None). With
+    residual (any float dtype): (norm(x + residual), x + residual), the new residual stream in
+    float32. norm(...) is in the weight's dtype."""
     num_tokens, hidden = x.shape
     assert x.stride(-1) == 1 and weight.is_contiguous()
-    out = torch.empty_like(x)
+    out = torch.empty_like(x, dtype=weight.dtype)
     residual_out = torch.empty_like(x, dtype=torch.float32) if residual is not None else None
     if num_tokens == 0:
         return out, residual_out

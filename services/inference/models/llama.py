@@ -204,6 +204,19 @@ def _llama3_inv_freq(inv_freq: torch.Tensor, rope: RopeConfig) -> torch.Tensor:
     return torch.where(is_medium, smoothed, scaled)
 
 
+def float32_output_linear(linear: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """linear(x) with cuBLAS's float32 accumulator written out instead of rounded to x's 16-bit
+    dtype (CUDA); float32 models, CPU and quantized layers get linear(x). The kernel path uses
+    it where the output is not a GEMM input: o_proj and down_proj (added to the float32
+    residual stream) and the lm_head (float32 logits) - three of the roundings a bfloat16
+    forward makes. Measured on an H200: as fast as a bf16 output at decode sizes, ~15% slower
+    at 4k-token prefill (docs/benchmarks.md)."""
+    if type(linear) is not nn.Linear or not x.is_cuda or x.dtype not in (torch.bfloat16, torch.float16):
+        return linear(x)
+    out = torch.mm(x, linear.weight.t(), out_dtype=torch.float32)
+    return out if linear.bias is None else out + linear.bias.float()
+
+
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """x [num_tokens, num_heads, head_dim]; cos/sin [num_tokens, head_dim] (rotate-half layout)."""
     half = x.shape[-1] // 2
@@ -245,7 +258,10 @@ class LlamaAttention(nn.Module):
         else:
             q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
             out = paged_attention(q, k, v, k_cache, v_cache, meta, self.scale, self.sliding_window)
-        return self.o_proj(out.reshape(num_tokens, self.num_heads * self.head_dim))
+        out = out.reshape(num_tokens, self.num_heads * self.head_dim)
+        if isinstance(meta, KernelAttentionMetadata):
+            return float32_output_linear(self.o_proj, out)
+        return self.o_proj(out)
 
 
 class LlamaMLP(nn.Module):
@@ -261,7 +277,7 @@ class LlamaMLP(nn.Module):
         if self.use_kernels:
             from llmserve.inference.kernels.activation import silu_and_mul
 
-            return self.down_proj(silu_and_mul(gate_up))
+            return float32_output_linear(self.down_proj, silu_and_mul(gate_up))
         gate, up = gate_up.chunk(2, dim=-1)
         return self.down_proj(F.silu(gate) * up)
 
@@ -344,7 +360,10 @@ class LlamaForCausalLM(nn.Module):
         return self.model.norm.add_and_norm(hidden, residual)[0]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """float32 logits [num_rows, vocab_size] for the rows that sample."""
+        """float32 logits [num_rows, vocab_size] for the rows that sample (on the kernel path
+        straight from the float32 accumulator, not rounded to bfloat16 first)."""
+        if self.use_kernels:
+            return float32_output_linear(self.lm_head, hidden)
         return self.lm_head(hidden).float()
 
     def _rope_tables(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
