@@ -53,7 +53,6 @@ log = logging.getLogger(__name__)
 class _LaunchedStep:
     """A step queued on the device whose sampled tokens the host has not processed yet."""
 
-    batch: ScheduledBatch
     seqs: list[Sequence]  # the sequences that sample: row i of the sampled tokens
     token_indices: list[int]  # where each one's placeholder sits in its token_ids
     sampled: PendingSample
@@ -231,7 +230,7 @@ class TorchEngineCore:
             seq.token_ids.append(PENDING_TOKEN)
             seq.pending_token_row = row
             seq.is_finishing = self._ends_by_length(seq)
-        return _LaunchedStep(batch, seqs, token_indices, sampled), previous
+        return _LaunchedStep(seqs, token_indices, sampled), previous
 
     def _process(self, launched: _LaunchedStep) -> list[EngineOutput]:
         """The step's sampled tokens on the host: fill the placeholders, check stops, emit."""
