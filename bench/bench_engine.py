@@ -181,11 +181,11 @@ def count_prompt_tokens_computed(engine: TorchEngineCore) -> list[int]:
     counter = [0]
     execute = engine.runner.execute
 
-    def counting_execute(batch):
+    def counting_execute(batch, *args):
         for seq, num_new in zip(batch.seqs, batch.num_new_tokens):
             start = seq.num_computed_tokens
             counter[0] += max(0, min(start + num_new, seq.num_prompt_tokens) - start)
-        return execute(batch)
+        return execute(batch, *args)
 
     engine.runner.execute = counting_execute
     return counter
