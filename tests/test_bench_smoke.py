@@ -1,0 +1,52 @@
+"""The benchmark scripts run end to end on the CPU with tiny models: they must not rot when the
+engine changes (their numbers mean nothing here; only that every scenario completes and its
+correctness checks hold). GPU numbers come from running them on a GPU: docs/benchmarks.md."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+
+
+def run_bench(script: str, args: list[str], results_dir: Path) -> dict:
+    completed = subprocess.run(
+        [sys.executable, str(REPO_ROOT / "bench" / script), *args], capture_output=True, text=True, timeout=600,
+    )
+    assert completed.returncode == 0, completed.stderr[-3000:]
+    (result_file,) = results_dir.glob("*.json")
+    return json.loads(result_file.read_text())
+
+
+def test_bench_engine_on_the_tiny_model(tmp_path):
+    report = run_bench("bench_engine.py", ["--random-model", "tiny", "--results-dir", str(tmp_path)], tmp_path)
+    assert report["greedy_outputs_identical_to_hf"] == report["throughput"][0]["num_requests"]
+    cached = next(row for row in report["shared_prefix"] if row["prefix_caching"])
+    assert cached["reported_hit_rate"] == cached["theoretical_hit_rate"] > 0
+    assert report["prefill_saving_x"] > 1
+
+
+def test_bench_gpu_scenarios_run_on_cpu(tmp_path):
+    tiny = ["--device", "cpu", "--small-model", "tiny", "--large-model", "tiny", "--out-dir", str(tmp_path)]
+    small_workload = ["--throughput-requests", "6", "--throughput-prompt-tokens", "24", "--throughput-output-tokens", "8",
+                      "--hf-batch", "3", "--hf-prompt-tokens", "16", "--hf-output-tokens", "4", "--ttft-prompt-tokens", "32"]
+    report = run_bench("bench_gpu.py", ["--scenario", "correctness,decode,ttft,throughput,vs-hf", *tiny, *small_workload],
+                       tmp_path)
+    failed = {name: value["error"] for name, value in report.items() if isinstance(value, dict) and "error" in value}
+    assert not failed
+    assert report["correctness"]["greedy_ok"] and report["correctness"]["prefix_cache_hit_tokens"] > 0
+    assert report["throughput"]["requests_finished"] == 6 and report["throughput"]["async_scheduling"]
+    assert report["vs_hf"]["batch_3"]["identical_greedy_outputs"] == "3/3"
+    assert {"decode_small", "decode_large", "ttft"} <= set(report)
+
+
+def test_bench_gpu_quant_scenario_runs_on_cpu(tmp_path):
+    report = run_bench("bench_gpu.py", ["--scenario", "quant", "--device", "cpu", "--small-model", "tiny",
+                                        "--large-model", "tiny", "--out-dir", str(tmp_path)], tmp_path)
+    for method in ("int8", "fp8"):
+        for scenario in ("correctness", "decode_small", "decode_large"):
+            assert "error" not in report[f"{scenario}_{method}"], report[f"{scenario}_{method}"]
+        assert report[f"correctness_{method}"]["rows"] > 0
