@@ -180,3 +180,21 @@ def test_serve_flags_reach_the_inference_engine_config(tiny_model_dir):
         "torch", "fp8", "int8", False,
     )  # fmt: skip
     assert engine.model_path == tiny_model_dir.resolve()
+
+
+def test_a_flag_combination_the_engine_cannot_run_fails_with_one_clear_line(tiny_model_dir, tmp_path):
+    """fp8 KV needs the Triton attention kernels, which a CPU engine does not use: the service
+    exits 1 saying so (no traceback) and never writes its port file."""
+    import subprocess
+    import sys
+
+    port_file = tmp_path / "port"
+    completed = subprocess.run(
+        [sys.executable, "-m", "llmserve.inference", "--model", str(tiny_model_dir), "--kv-cache-dtype", "fp8",
+         "--port-file", str(port_file)],
+        capture_output=True, text=True, timeout=120,
+    )
+    assert completed.returncode == 1
+    assert "cannot start the engine: kv_cache_dtype 'fp8' needs the triton attention backend" in completed.stderr
+    assert "Traceback" not in completed.stderr
+    assert not port_file.exists()

@@ -140,7 +140,11 @@ def config_from_args(args: argparse.Namespace) -> InferenceConfig:
 
 
 async def serve(config: InferenceConfig) -> None:
-    engine = create_engine(config.engine)  # loads the weights and sizes the KV pool
+    try:
+        engine = create_engine(config.engine)  # loads the weights and sizes the KV pool
+    except ValueError as exc:  # a model or a flag combination this engine cannot run: say why
+        log.error("cannot start the engine: %s", exc)
+        raise SystemExit(1) from None
     await engine.start()
     servicer = InferenceServicer(engine, replica_id=config.replica_id or "")
     running = await create_server(
