@@ -645,15 +645,34 @@ PREFILL_CONFIGS = [
     {"block_m": 64, "block_n": 128, "num_warps": 4, "num_stages": 2},
     {"block_m": 128, "block_n": 128, "num_warps": 8, "num_stages": 2},
 ]
+# Decode-attention launch configs, swept by kernels_scenario (batch 1) and decode_config_sweep
+# (batch 256, where the fastest is adopted); the first is paged_decode's default, the reference.
 DECODE_CONFIGS = [
-    {"block_n": 64, "num_warps": 4, "num_stages": 2},
-    {"block_n": 32, "num_warps": 4, "num_stages": 3},
     {"block_n": 64, "num_warps": 4, "num_stages": 3},
+    {"block_n": 64, "num_warps": 4, "num_stages": 2},
+    {"block_n": 64, "num_warps": 4, "num_stages": 4},
+    {"block_n": 32, "num_warps": 4, "num_stages": 3},
     {"block_n": 64, "num_warps": 8, "num_stages": 3},
     {"block_n": 128, "num_warps": 4, "num_stages": 2},
+    {"block_n": 128, "num_warps": 8, "num_stages": 2},
     {"block_n": 128, "num_warps": 8, "num_stages": 3},
     {"block_n": 32, "num_warps": 2, "num_stages": 4},
 ]
+CONFIG_KEYS = ("block_n", "num_warps", "num_stages")
+ATTENTION_SHAPE = {"num_heads": 32, "num_kv_heads": 8, "head_dim": 128}  # Llama-3.1-8B
+
+
+def decode_attention_inputs(device: torch.device, batch: int, context: int):
+    """(q, k_cache, v_cache, block_tables, context_lens) for `batch` sequences of `context`
+    tokens each, bf16, blocks scattered over the pool in random order (8B shapes)."""
+    num_heads, num_kv_heads, head_dim = ATTENTION_SHAPE.values()
+    blocks_per_seq = context // BLOCK_SIZE
+    k_cache = torch.randn(batch * blocks_per_seq, BLOCK_SIZE, num_kv_heads, head_dim, dtype=torch.bfloat16, device=device)
+    v_cache = torch.randn_like(k_cache)
+    tables = torch.randperm(batch * blocks_per_seq, device=device, dtype=torch.int32).view(batch, blocks_per_seq)
+    lens = torch.full((batch,), context, dtype=torch.int32, device=device)
+    q = torch.randn(batch, num_heads, head_dim, dtype=torch.bfloat16, device=device)
+    return q, k_cache, v_cache, tables, lens
 
 
 def sweep(configs: list[dict], run, device: torch.device) -> list[dict]:
@@ -669,7 +688,8 @@ def sweep(configs: list[dict], run, device: torch.device) -> list[dict]:
 
 def kernels_scenario(device: torch.device) -> dict:
     """Prefill attention: Triton paged kernel (launch configs swept) vs torch SDPA; decode
-    attention bandwidth (configs swept at batch 256)."""
+    attention bandwidth at batch 1, 16 and 256 (configs swept at batch 1; batch 256 is swept
+    by decode_config_sweep)."""
     if device.type != "cuda":
         return {}
     import torch.nn.functional as F
@@ -677,7 +697,7 @@ def kernels_scenario(device: torch.device) -> dict:
     from llmserve.inference.kernels.paged_decode import decode_num_splits, paged_decode_attention
     from llmserve.inference.kernels.paged_prefill import paged_prefill_attention
 
-    num_heads, num_kv_heads, head_dim = 32, 8, 128
+    num_heads, num_kv_heads, head_dim = ATTENTION_SHAPE.values()
     result = {}
     for num_tokens in (1024, 4096):
         num_blocks = num_tokens // BLOCK_SIZE
@@ -713,12 +733,7 @@ def kernels_scenario(device: torch.device) -> dict:
             "configs": configs,
         }
     batch, context = 256, 2048
-    blocks_per_seq = context // BLOCK_SIZE
-    k_cache = torch.randn(batch * blocks_per_seq, BLOCK_SIZE, num_kv_heads, head_dim, dtype=torch.bfloat16, device=device)
-    v_cache = torch.randn_like(k_cache)
-    tables = torch.randperm(batch * blocks_per_seq, device=device, dtype=torch.int32).view(batch, blocks_per_seq)
-    lens = torch.full((batch,), context, dtype=torch.int32, device=device)
-    q = torch.randn(batch, num_heads, head_dim, dtype=torch.bfloat16, device=device)
+    q, k_cache, v_cache, tables, lens = decode_attention_inputs(device, batch, context)
     num_sms = torch.cuda.get_device_properties(device).multi_processor_count
     for b in (1, 16, batch):
         splits = decode_num_splits(b, num_kv_heads, num_sms)
@@ -728,7 +743,7 @@ def kernels_scenario(device: torch.device) -> dict:
         result[f"decode_batch_{b}_ctx_{context}"] = {
             "ms": round(ms, 4), "splits": splits, "kv_bytes": kv_bytes, "GBps": round(kv_bytes / ms / 1e6, 1),
         }
-        if b in (1, batch):
+        if b == 1:
             result[f"decode_batch_{b}_ctx_{context}"]["configs"] = sweep(DECODE_CONFIGS, lambda c: paged_decode_attention(
                 q[:b], k_cache, v_cache, tables[:b], lens[:b], head_dim**-0.5, num_splits=splits, config=c), device)
     return result
@@ -803,39 +818,21 @@ def linears_scenario(device: torch.device, num_tokens: tuple[int, ...] = (1, 16,
     return result
 
 
-# Swept on both caches; the fastest (within accuracy) becomes the process's default per cache.
-DECODE_SWEEP_CONFIGS = [
-    {"block_n": 64, "num_warps": 4, "num_stages": 3},
-    {"block_n": 64, "num_warps": 4, "num_stages": 2},
-    {"block_n": 128, "num_warps": 4, "num_stages": 2},
-    {"block_n": 32, "num_warps": 2, "num_stages": 4},
-    {"block_n": 64, "num_warps": 4, "num_stages": 4},
-    {"block_n": 128, "num_warps": 8, "num_stages": 2},
-]
-CONFIG_KEYS = ("block_n", "num_warps", "num_stages")
-
-
 def decode_config_sweep(device: torch.device, batch: int = 256, context: int = 2048) -> dict:
     """Decode attention at batch x context (8B shapes) on a bfloat16 and on a float8 cache over
-    DECODE_SWEEP_CONFIGS; the fastest config whose output stays within 1e-2 of the reference
+    DECODE_CONFIGS; the fastest config whose output stays within 1e-2 of the reference
     becomes paged_decode.DEFAULT_CONFIG / FP8_CONFIG for the rest of this process."""
     from llmserve.inference.kernels import paged_decode
 
-    num_heads, num_kv_heads, head_dim = 32, 8, 128
-    blocks_per_seq = context // BLOCK_SIZE
-    k_cache = torch.randn(batch * blocks_per_seq, BLOCK_SIZE, num_kv_heads, head_dim, dtype=torch.bfloat16, device=device)
-    v_cache = torch.randn_like(k_cache)
+    q, k_cache, v_cache, tables, lens = decode_attention_inputs(device, batch, context)
     k8, v8 = k_cache.to(torch.float8_e4m3fn), v_cache.to(torch.float8_e4m3fn)
-    tables = torch.randperm(batch * blocks_per_seq, device=device, dtype=torch.int32).view(batch, blocks_per_seq)
-    lens = torch.full((batch,), context, dtype=torch.int32, device=device)
-    q = torch.randn(batch, num_heads, head_dim, dtype=torch.bfloat16, device=device)
     run = lambda k, v, c: paged_decode_attention_call(paged_decode, q, k, v, tables, lens, c)  # noqa: E731
     result = {"batch": batch, "context": context}
     for label, (k, v), attribute in (("bf16", (k_cache, v_cache), "DEFAULT_CONFIG"), ("fp8", (k8, v8), "FP8_CONFIG")):
-        kv_bytes = 2 * batch * context * num_kv_heads * head_dim * k.element_size()
-        reference = run(k.to(torch.bfloat16), v.to(torch.bfloat16), {"block_n": 64, "num_warps": 4, "num_stages": 3}).float()
+        kv_bytes = 2 * k.numel() * k.element_size()  # K and V, every block read once
+        reference = run(k.to(torch.bfloat16), v.to(torch.bfloat16), DECODE_CONFIGS[0]).float()
         rows = []
-        for config in DECODE_SWEEP_CONFIGS:
+        for config in DECODE_CONFIGS:
             try:
                 out = run(k, v, config).float()
                 ms = time_gpu_ms(lambda: run(k, v, config), device, repeats=10)

@@ -49,7 +49,8 @@ def make_seq(seq_id: int, num_tokens: int, priority: int = 0, first_token: int |
 def run_step(scheduler: Scheduler) -> ScheduledBatch:
     batch = scheduler.schedule()
     sampling = [seq for i, seq in enumerate(batch.seqs) if batch.samples(i)]
-    scheduler.on_executed(batch)
+    scheduler.advance(batch)  # what the engine does once the batch is launched ...
+    scheduler.register_computed_blocks(batch)  # ... and once its tokens are known
     for seq in sampling:
         seq.token_ids.append(SAMPLED_TOKEN)
     return batch

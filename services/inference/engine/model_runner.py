@@ -58,9 +58,7 @@ class ModelRunner:
         if config.quantization != "none":
             # Before sizing the KV pool: the freed bf16 matrices become KV blocks.
             log.info("quantizing the linear layers: %s", config.quantization)
-            quantize_linears(self.model, config.quantization)
-            if self.device.type == "cuda":
-                torch.cuda.empty_cache()
+            quantize_linears(self.model, config.quantization)  # also empties the CUDA allocator's cache
         spec = KVCacheSpec(
             num_layers=self.model_config.num_layers,
             block_size=self.block_size,

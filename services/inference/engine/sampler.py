@@ -135,17 +135,13 @@ def _copy_to_host_async(tensor: torch.Tensor) -> torch.Tensor:
 
 
 def needs_token_history(sampling: SamplingParams) -> bool:
-    """Sampling that reads the sequence's earlier tokens on the host (penalties)."""
-    return _needs_penalty(sampling)
-
-
-def _needs_penalty(sampling: SamplingParams) -> bool:
+    """Sampling that reads the sequence's earlier tokens on the host: the penalties."""
     return sampling.repetition_penalty != 1.0 or sampling.frequency_penalty != 0.0 or sampling.presence_penalty != 0.0
 
 
 def _apply_penalties(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
     """Penalties are rare: build token counts only for the rows that ask for them."""
-    rows = [i for i, seq in enumerate(seqs) if _needs_penalty(seq.sampling)]
+    rows = [i for i, seq in enumerate(seqs) if needs_token_history(seq.sampling)]
     if not rows:
         return logits
     logits = logits.clone()

@@ -153,11 +153,6 @@ class Scheduler:
             self._admit_waiting(budget, batch)
         return batch
 
-    def on_executed(self, batch: ScheduledBatch) -> None:
-        """The batch's K/V are in the cache: advance progress and cache the full blocks."""
-        self.advance(batch)
-        self.register_computed_blocks(batch)
-
     def advance(self, batch: ScheduledBatch) -> None:
         """The batch is launched: its tokens count as computed for scheduling the next step
         (the device runs the steps in order)."""

@@ -42,7 +42,14 @@ from llmserve.inference.engine.model_runner import ModelRunner
 from llmserve.inference.engine.sampler import PendingSample, Sampler, needs_token_history
 from llmserve.inference.engine.scheduler import ScheduledBatch, Scheduler, SchedulerConfig
 from llmserve.inference.engine.sequence import PENDING_TOKEN, Sequence
-from llmserve.inference.engine.types import EngineLoad, EngineOutput, EngineRequest, ModelInfo, finish_at_token
+from llmserve.inference.engine.types import (
+    EngineLoad,
+    EngineOutput,
+    EngineRequest,
+    ModelInfo,
+    finish_at_token,
+    reaches_length_limit,
+)
 from llmserve.model_files import ModelFiles
 from llmserve.sampling import FinishReason, TokenLogprob
 
@@ -155,6 +162,7 @@ class TorchEngineCore:
             else:
                 outputs += self._process(launched)
         return outputs
+
     def load(self) -> EngineLoad:
         """Counts are sequences for num_running / num_waiting; requests for the totals (a request
         finished by abort counts in both num_aborted_total and num_finished_total)."""
@@ -265,8 +273,9 @@ class TorchEngineCore:
         return output
 
     def _ends_by_length(self, seq: Sequence) -> bool:
-        """The sequence's last token (just sampled) reaches max_tokens or the length limit."""
-        return seq.num_output_tokens >= seq.sampling.max_tokens or seq.num_tokens >= self.scheduler.config.max_seq_tokens
+        """The sequence's last token (just sampled) ends it by length, whatever its value."""
+        return reaches_length_limit(seq.num_output_tokens, seq.num_tokens, seq.sampling,
+                                    self.scheduler.config.max_seq_tokens)
 
     def _fill_final(self, output: EngineOutput, seq: Sequence, now_ns: int) -> None:
         output.num_prompt_tokens = seq.num_prompt_tokens

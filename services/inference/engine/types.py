@@ -80,9 +80,14 @@ def finish_at_token(
     max_tokens or the sequence length limit -> LENGTH."""
     if num_output_tokens >= sampling.min_tokens and token_id in stop_token_ids:
         return FinishReason.STOP, token_id
-    if num_output_tokens >= sampling.max_tokens or num_tokens >= max_seq_tokens:
+    if reaches_length_limit(num_output_tokens, num_tokens, sampling, max_seq_tokens):
         return FinishReason.LENGTH, None
     return None, None
+
+
+def reaches_length_limit(num_output_tokens: int, num_tokens: int, sampling: SamplingParams, max_seq_tokens: int) -> bool:
+    """The LENGTH rule: max_tokens generated, or the sequence at its length limit."""
+    return num_output_tokens >= sampling.max_tokens or num_tokens >= max_seq_tokens
 
 
 @dataclass(frozen=True, slots=True)
