@@ -61,6 +61,7 @@ import contextlib
 import copy
 import gc
 import json
+import math
 import statistics
 import sys
 import tempfile
@@ -332,6 +333,13 @@ def run_all(engine: TorchEngineCore, requests: list[EngineRequest], deadline: fl
     return {"outputs": outputs, "num_steps": num_steps}
 
 
+def significant(value: float, digits: int = 4) -> float:
+    """`value` rounded to `digits` significant digits: a measured rate never rounds to zero."""
+    if value == 0 or not math.isfinite(value):
+        return value
+    return round(value, digits - 1 - math.floor(math.log10(abs(value))))
+
+
 def requests_for(prompts: list[list[int]], max_tokens: int, prefix: str) -> list[EngineRequest]:
     now = time.monotonic_ns()
     return [EngineRequest(f"{prefix}{i}", p, greedy(max_tokens), now) for i, p in enumerate(prompts)]
@@ -352,10 +360,11 @@ def baselines(device: torch.device, small: bool) -> dict:
     result = {
         "copy_bytes": num_bytes,
         "copy_ms": round(copy_ms, 4),
-        "copy_bandwidth_GBps": round(2 * num_bytes / copy_ms / 1e6, 1),  # read + write
+        "copy_bandwidth_GBps": significant(2 * num_bytes / copy_ms / 1e6),  # read + write
         "gemm_size": size,
         "gemm_ms": round(gemm_ms, 4),
-        "gemm_TFLOPs": round(2 * size**3 / gemm_ms / 1e9, 1),
+        # A loaded CPU reaches ~1 GFLOP/s: decimals would round it to 0 and every floor to inf.
+        "gemm_TFLOPs": significant(2 * size**3 / gemm_ms / 1e9),
         "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
     }
     del src, dst, a, b
@@ -862,8 +871,8 @@ def summary_rows(report: dict) -> list[tuple[str, str, str, str]]:
     report = {k: v for k, v in report.items() if not (isinstance(v, dict) and "error" in v)}
     base = report.get("baselines", {})
     if base:
-        rows.append(("copy bandwidth (read+write)", f"{base['copy_bandwidth_GBps']:.0f} GB/s", "-", "baseline"))
-        rows.append(("bf16 GEMM 8192^3", f"{base['gemm_TFLOPs']:.0f} TFLOP/s", "-", "baseline"))
+        rows.append(("copy bandwidth (read+write)", f"{base['copy_bandwidth_GBps']:.4g} GB/s", "-", "baseline"))
+        rows.append(("bf16 GEMM 8192^3", f"{base['gemm_TFLOPs']:.3g} TFLOP/s", "-", "baseline"))
     for key, target in (("decode_small", 1.5), ("decode_large", 1.15)):
         d = report.get(key)
         if d and "graph_replay_ms" in d:
