@@ -47,7 +47,7 @@ class ThroughputResult:
     backend: str
     num_requests: int
     num_prompt_tokens: int
-    num_output_tokens: int
+    num_completion_tokens: int
     wall_s: float
     output_tokens_per_s: float
     total_tokens_per_s: float
@@ -149,7 +149,7 @@ def run_requests(engine, requests: list[EngineRequest]) -> tuple[dict[str, list[
             outputs[output.request_id].extend(output.new_token_ids)
             if output.error_message:
                 raise SystemExit(f"request {output.request_id} failed: {output.error_message}")
-            if output.finished:
+            if output.is_finished:
                 ttft_ns[output.request_id] = output.time_to_first_token_ns
     return outputs, ttft_ns, num_steps
 
@@ -166,7 +166,7 @@ def throughput(args, engine, backend: str, prompts: list[list[int]]) -> tuple[Th
         backend=backend,
         num_requests=len(prompts),
         num_prompt_tokens=num_prompt,
-        num_output_tokens=num_output,
+        num_completion_tokens=num_output,
         wall_s=round(wall_s, 3),
         output_tokens_per_s=round(num_output / wall_s, 1),
         total_tokens_per_s=round((num_output + num_prompt) / wall_s, 1),

@@ -260,7 +260,7 @@ def engine_weights_from(hf_model):
 def engine_on(hf_model, model_dir: Path, device: str, **overrides) -> TorchEngineCore:
     settings = dict(
         model_path=model_dir, model_name=model_dir.name, device=device, dtype="bfloat16",
-        max_model_len=MAX_MODEL_LEN, enable_prefix_caching=True,
+        max_context_tokens=MAX_MODEL_LEN, enable_prefix_caching=True,
     )
     settings.update(overrides)
     # If graph capture or the kernels fail on this machine, still measure what does work

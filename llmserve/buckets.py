@@ -15,7 +15,7 @@ DEFAULT_BUCKET_BOUNDS = (128, 512, 2048, 8192, 32768, 131072)
 # plus max_num_seqs itself). A decode step of n sequences replays the smallest graph >= n with
 # the spare rows padded: dense at small sizes, where a step is latency-bound, and every 32-64
 # above, where padding costs a few percent of a weight-bandwidth-bound step.
-DECODE_BATCH_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 224, 256, 320, 384, 448, 512)
+DECODE_GRAPH_BATCH_SIZES = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 224, 256, 320, 384, 448, 512)
 
 
 @dataclass(frozen=True, slots=True)

@@ -77,7 +77,7 @@ async def test_concurrent_requests_all_complete(engine, tiny_model_dir):
 
 async def test_n_sequences_each_end_once(engine):
     outputs = await collect(engine, make_request("n", n=2, temperature=1.0, seed=5, max_tokens=3, ignore_eos=True))
-    finals = [(o.sequence_index, o.finish_reason) for o in outputs if o.finished]
+    finals = [(o.sequence_index, o.finish_reason) for o in outputs if o.is_finished]
     assert finals == [(0, FinishReason.LENGTH), (1, FinishReason.LENGTH)]
 
 

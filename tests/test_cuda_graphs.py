@@ -13,7 +13,7 @@ from tests.triton_cpu import HAS_CUDA, HAS_TRITON  # noqa: I001  (before any ker
 import pytest
 import torch
 
-from llmserve.buckets import DECODE_BATCH_BUCKETS
+from llmserve.buckets import DECODE_GRAPH_BATCH_SIZES
 from llmserve.inference.engine.cuda_graphs import PADDING_SLOT, graph_batch_sizes, graph_size_for, pad_decode_step
 from llmserve.inference.engine.scheduler import ScheduledBatch
 from llmserve.inference.engine.sequence import Sequence
@@ -29,7 +29,7 @@ needs_cuda = pytest.mark.skipif(not (HAS_CUDA and HAS_TRITON), reason="needs CUD
 
 
 def test_graph_batch_sizes_cover_every_batch_up_to_max_num_seqs():
-    assert graph_batch_sizes(256) == tuple(b for b in DECODE_BATCH_BUCKETS if b < 256) + (256,)
+    assert graph_batch_sizes(256) == tuple(b for b in DECODE_GRAPH_BATCH_SIZES if b < 256) + (256,)
     assert graph_batch_sizes(100) == (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 100)
     assert graph_batch_sizes(1) == (1,)
     assert graph_batch_sizes(3, (1, 2, 4, 8)) == (1, 2, 3)

@@ -39,7 +39,7 @@ def tokens(outputs: list[EngineOutput], request_id: str = "r", sequence_index: i
 
 
 def final(outputs: list[EngineOutput], request_id: str = "r", sequence_index: int = 0) -> EngineOutput:
-    [last] = [o for o in outputs if o.request_id == request_id and o.sequence_index == sequence_index and o.finished]
+    [last] = [o for o in outputs if o.request_id == request_id and o.sequence_index == sequence_index and o.is_finished]
     return last
 
 
@@ -83,7 +83,7 @@ def test_greedy_matches_transformers_generate(core, hf_model):
     assert tokens(outputs) == expected
     assert len(outputs) == 32  # one output per token
     last = final(outputs)
-    assert (last.finish_reason, last.num_prompt_tokens, last.num_output_tokens) == (FinishReason.LENGTH, 8, 32)
+    assert (last.finish_reason, last.num_prompt_tokens, last.num_completion_tokens) == (FinishReason.LENGTH, 8, 32)
 
 
 def test_repetition_penalty_matches_transformers_generate(core, hf_model):
@@ -167,7 +167,7 @@ def test_stop_token_id_stops_with_stop(core, first_greedy_token):
     outputs = run(core, make_request(temperature=0.0, stop_token_ids=(first_greedy_token,)))
     assert tokens(outputs) == [first_greedy_token]
     last = final(outputs)
-    assert (last.finish_reason, last.stop_token_id, last.num_output_tokens) == (
+    assert (last.finish_reason, last.stop_token_id, last.num_completion_tokens) == (
         FinishReason.STOP, first_greedy_token, 1,
     )
 
@@ -199,7 +199,7 @@ def test_max_tokens_gives_length(core):
 
 
 def test_context_limit_gives_length(tiny_model_dir):
-    core = HFEngineCore(hf_config(tiny_model_dir, max_model_len=len(PROMPT) + 4))
+    core = HFEngineCore(hf_config(tiny_model_dir, max_context_tokens=len(PROMPT) + 4))
     assert core.model_info.max_context_tokens == len(PROMPT) + 4
     outputs = run(core, make_request(temperature=0.0, max_tokens=100, ignore_eos=True))
     assert (len(tokens(outputs)), final(outputs).finish_reason) == (4, FinishReason.LENGTH)
@@ -232,7 +232,7 @@ def test_eos_stops_unless_ignore_eos(eos_model_dir, first_greedy_token):
 def test_n_sequences_run_one_after_another(core):
     outputs = run(core, make_request(temperature=1.0, seed=11, n=3, max_tokens=4, ignore_eos=True))
     assert [o.sequence_index for o in outputs] == [0] * 4 + [1] * 4 + [2] * 4
-    assert [final(outputs, sequence_index=i).num_output_tokens for i in range(3)] == [4, 4, 4]
+    assert [final(outputs, sequence_index=i).num_completion_tokens for i in range(3)] == [4, 4, 4]
     # The request's one random stream continues across its sequences: they differ.
     assert len({tuple(tokens(outputs, sequence_index=i)) for i in range(3)}) == 3
 

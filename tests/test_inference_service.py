@@ -138,7 +138,7 @@ async def test_streaming_generate_matches_the_engine_core(service, tiny_model_di
         for got, want in zip(response.logprobs, output.logprobs or []):
             assert got.logprob == pytest.approx(want.logprob, abs=1e-5)
             assert [t.token_id for t in got.top_logprobs] == [t.token_id for t in want.top_logprobs]
-        assert response.HasField("usage") == output.finished
+        assert response.HasField("usage") == output.is_finished
     finals = [r for r in responses if r.finish_reason != common_pb2.FINISH_REASON_UNSPECIFIED]
     assert [(r.sequence_index, r.finish_reason) for r in finals] == [
         (i, common_pb2.FINISH_REASON_LENGTH) for i in range(sampling.get("n", 1))

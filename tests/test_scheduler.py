@@ -80,7 +80,7 @@ def test_decodes_go_first_and_a_long_prompt_is_chunked_around_them():
     assert plan(run_step(scheduler)) == [(1, 1), (2, 7)]
     batch = run_step(scheduler)
     assert plan(batch) == [(1, 1), (2, 6)]
-    assert [batch.seqs[1].num_output_tokens] == [1]  # the last chunk sampled a token
+    assert [batch.seqs[1].num_completion_tokens] == [1]  # the last chunk sampled a token
     assert plan(run_step(scheduler)) == [(1, 1), (2, 1)]
     finish_all(scheduler)
     assert_pool_full(scheduler)

@@ -56,7 +56,7 @@ class Result:
         self.token_ids.setdefault(output.sequence_index, []).extend(output.new_token_ids)
         if output.logprobs:
             self.logprobs.setdefault(output.sequence_index, []).extend(lp.logprob for lp in output.logprobs)
-        if output.finished:
+        if output.is_finished:
             assert output.sequence_index not in self.finals, "two final outputs for one sequence"
             self.finals[output.sequence_index] = output
 
@@ -304,7 +304,7 @@ def test_stop_token_ids_max_tokens_and_min_tokens(tiny_model_dirs, oracle):
     stopped = run(engine, [request("stop", prompt, greedy(stop_token_ids=(stop_id,)))])["stop"]
     assert stopped.token_ids[0] == expected[: stop_at + 1]  # the stop token is included
     assert (stopped.finals[0].finish_reason, stopped.finals[0].stop_token_id) == (FinishReason.STOP, stop_id)
-    assert stopped.finals[0].num_output_tokens == stop_at + 1
+    assert stopped.finals[0].num_completion_tokens == stop_at + 1
     short = run(engine, [request("short", prompt, greedy(max_tokens=3))])["short"]
     assert short.token_ids[0] == expected[:3] and short.finals[0].finish_reason is FinishReason.LENGTH
     late = run(engine, [request("late", prompt, greedy(stop_token_ids=(stop_id,), min_tokens=stop_at + 2))])["late"]
@@ -329,7 +329,7 @@ def test_eos_stops_unless_ignored(tiny_model_dirs):
 
 
 def test_context_limit_ends_with_length(tiny_model_dirs):
-    engine = make_engine(tiny_model_dirs["llama"], max_model_len=40)
+    engine = make_engine(tiny_model_dirs["llama"], max_context_tokens=40)
     assert engine.model_info.max_context_tokens == 40
     result = run(engine, [request("ctx", make_prompt(30, seed=12), greedy(max_tokens=100))])["ctx"]
     assert len(result.token_ids[0]) == 10 and result.finals[0].finish_reason is FinishReason.LENGTH
@@ -446,7 +446,7 @@ def outcome(results: dict[str, Result]) -> dict:
         request_id: (
             result.token_ids,
             {i: [round(v, 4) for v in values] for i, values in result.logprobs.items()},
-            {i: (f.finish_reason, f.stop_token_id, f.num_output_tokens, f.num_prompt_tokens) for i, f in result.finals.items()},
+            {i: (f.finish_reason, f.stop_token_id, f.num_completion_tokens, f.num_prompt_tokens) for i, f in result.finals.items()},
         )
         for request_id, result in results.items()
     }
@@ -481,7 +481,7 @@ def test_async_scheduling_overlaps_one_step(tiny_model_dirs):
     assert [o.finish_reason for o in engine.step()] == [None]  # decode 2 launched: token 3 is the last
     assert seq.is_finishing and seq.has_pending_token
     final = engine.step()  # nothing left to launch: only processes
-    assert [o.finish_reason for o in final] == [FinishReason.LENGTH] and final[0].num_output_tokens == 3
+    assert [o.finish_reason for o in final] == [FinishReason.LENGTH] and final[0].num_completion_tokens == 3
     assert_pool_full(engine)
 
 

@@ -69,7 +69,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--dtype", choices=DTYPES, help="weights and activations (default: float32 on cpu, bfloat16 on cuda)"
     )
     model.add_argument(
-        "--max-model-len", type=int, help="largest prompt + output in tokens (default: the model's context)"
+        "--max-context-tokens", "--max-model-len", type=int,
+        help="largest prompt + output in tokens (default: the model's context; --max-model-len is vLLM's name)",
     )
     model.add_argument("--seed", type=int, default=defaults.seed, help="engine seed for requests that bring none")
 
@@ -119,7 +120,7 @@ def config_from_args(args: argparse.Namespace) -> InferenceConfig:
         kv_memory_fraction=args.kv_memory_fraction,
         max_num_seqs=args.max_num_seqs,
         max_batched_tokens=args.max_batched_tokens,
-        max_model_len=args.max_model_len,
+        max_context_tokens=args.max_context_tokens,
         enable_prefix_caching=not args.no_prefix_caching,
         enforce_eager=args.enforce_eager,
         attention_backend=args.attention_backend,

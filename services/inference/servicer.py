@@ -162,11 +162,11 @@ def output_to_pb(output: EngineOutput) -> inference_pb2.GenerateTokensResponse:
         response.logprobs.extend(pb.logprobs_to_pb(output.logprobs))
     if output.stop_token_id is not None:
         response.stop_token_id = output.stop_token_id
-    if output.finished:
+    if output.is_finished:
         response.usage.CopyFrom(
             common_pb2.Usage(
                 prompt_tokens=output.num_prompt_tokens,
-                completion_tokens=output.num_output_tokens,
+                completion_tokens=output.num_completion_tokens,
                 cached_tokens=output.num_cached_tokens,
             )
         )

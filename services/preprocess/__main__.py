@@ -68,7 +68,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--max-context-tokens", type=_positive_int, metavar="TOKENS",
         help="prompt + output limit; may only lower the model's own context, e.g. to match an engine "
-        "started with a shorter max model length (default: the model's context)",
+        "started with a shorter --max-context-tokens (default: the model's context)",
     )
     parser.add_argument(
         "--workers", type=_positive_int, default=DEFAULT_NUM_WORKERS, metavar="N",

@@ -24,7 +24,7 @@ class PreprocessConfig:
     buckets: BucketConfig = field(default_factory=BucketConfig)
     max_output_tokens: int = DEFAULT_MAX_OUTPUT_TOKENS
     # None: the model's own context length. Lower it to match an engine started with a
-    # shorter max model length.
+    # shorter --max-context-tokens.
     max_context_tokens: int | None = None
     num_workers: int = DEFAULT_NUM_WORKERS  # threads that run tokenization off the event loop
 

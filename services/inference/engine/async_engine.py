@@ -134,7 +134,7 @@ class AsyncEngine:
         try:
             while num_finished_sequences < request.sampling.n:
                 output = await stream.outputs.get()
-                num_finished_sequences += int(output.finished)
+                num_finished_sequences += int(output.is_finished)
                 yield output
         finally:
             if num_finished_sequences < request.sampling.n:
@@ -170,7 +170,7 @@ class AsyncEngine:
                 continue
             if not stream.is_detached:
                 stream.outputs.put_nowait(output)
-            if output.finished:
+            if output.is_finished:
                 stream.num_unfinished_sequences -= 1
                 if stream.num_unfinished_sequences == 0:
                     del self._streams[output.request_id]
@@ -258,7 +258,7 @@ class AsyncEngine:
             message = _describe(exc, "engine step")
             return [out for rid in failed_ids for out in self._abort(rid, FinishReason.ERROR, message)]
         for output in outputs:
-            if output.finished:
+            if output.is_finished:
                 self._retire_sequence(output.request_id, output.sequence_index)
         return outputs
 

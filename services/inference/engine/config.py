@@ -38,7 +38,7 @@ class EngineConfig:
     kv_cpu_memory_bytes: int = 2 * 1024**3
     max_num_seqs: int = 256  # sequences running at once
     max_batched_tokens: int = 2048  # per-step token budget (prefill chunks + decodes)
-    max_model_len: int | None = None  # None: the model's context length
+    max_context_tokens: int | None = None  # None: the model's context length
     enable_prefix_caching: bool = True
     enable_chunked_prefill: bool = True
     enforce_eager: bool = False  # CUDA: skip CUDA-graph capture

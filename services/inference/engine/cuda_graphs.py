@@ -1,7 +1,7 @@
 """CUDA graphs for decode steps: one graph per batch-size bucket, replayed over static buffers.
 
 A decode-only step (every sequence computes one token) of n sequences replays the graph of the
-smallest captured size b >= n (sizes: llmserve.buckets.DECODE_BATCH_BUCKETS up to
+smallest captured size b >= n (sizes: llmserve.buckets.DECODE_GRAPH_BATCH_SIZES up to
 max_num_seqs, plus max_num_seqs). Its inputs are copied into static device buffers whose first
 b rows the graph reads: the n real rows, then b - n padding rows (token 0, position 0, slot -1
 so nothing is written to the cache, context length 0 so attention reads nothing). The graph
@@ -26,7 +26,7 @@ from dataclasses import dataclass
 
 import torch
 
-from llmserve.buckets import DECODE_BATCH_BUCKETS
+from llmserve.buckets import DECODE_GRAPH_BATCH_SIZES
 from llmserve.inference.engine.step_inputs import StepInputs, pad_rows
 from llmserve.inference.models.attention import KernelAttentionMetadata
 
@@ -38,7 +38,7 @@ PADDING_SLOT = -1  # the KV write kernel skips negative slots
 ForwardLogits = Callable[[torch.Tensor, torch.Tensor, KernelAttentionMetadata], torch.Tensor]
 
 
-def graph_batch_sizes(max_num_seqs: int, buckets: tuple[int, ...] = DECODE_BATCH_BUCKETS) -> tuple[int, ...]:
+def graph_batch_sizes(max_num_seqs: int, buckets: tuple[int, ...] = DECODE_GRAPH_BATCH_SIZES) -> tuple[int, ...]:
     """The bucket sizes below max_num_seqs, then max_num_seqs itself: every decode batch fits one."""
     return tuple(b for b in buckets if b < max_num_seqs) + (max_num_seqs,)
 

@@ -82,8 +82,8 @@ class HFEngineCore:
         self._cache_kwarg, self._logits_kwargs = _forward_kwargs(self._model)
         vocab_size = self._model.get_output_embeddings().weight.shape[0]
         max_context_tokens = files.max_context_tokens
-        if config.max_model_len is not None:
-            max_context_tokens = min(max_context_tokens, config.max_model_len)
+        if config.max_context_tokens is not None:
+            max_context_tokens = min(max_context_tokens, config.max_context_tokens)
         self.model_info = ModelInfo(
             model_name=config.model_name or files.model_name,
             architecture=files.architecture,
@@ -210,13 +210,13 @@ class HFEngineCore:
         sequence.output_token_ids.append(token_id)
         if len(sequence.output_token_ids) == 1:
             sequence.first_token_ns = now_ns
-        num_output_tokens = len(sequence.output_token_ids)
+        num_completion_tokens = len(sequence.output_token_ids)
         finish = finish_at_token(
-            token_id, num_output_tokens, len(sequence.owner.request.prompt_token_ids) + num_output_tokens,
+            token_id, num_completion_tokens, len(sequence.owner.request.prompt_token_ids) + num_completion_tokens,
             sequence.sampling, self._stop_ids(sequence.sampling), self.model_info.max_context_tokens,
         )
         output = EngineOutput.for_token(sequence.request_id, sequence.index, token_id, logprob, finish)
-        if output.finished:
+        if output.is_finished:
             self._fill_final(output, sequence, now_ns)
             self._advance(sequence)
         return output
@@ -228,7 +228,7 @@ class HFEngineCore:
     def _fill_final(self, output: EngineOutput, sequence: _Sequence, now_ns: int) -> None:
         request = sequence.owner.request
         output.num_prompt_tokens = len(request.prompt_token_ids)
-        output.num_output_tokens = len(sequence.output_token_ids)
+        output.num_completion_tokens = len(sequence.output_token_ids)
         output.queue_time_ns = max(0, sequence.owner.first_scheduled_ns - request.arrival_ns)
         output.time_to_first_token_ns = max(0, sequence.first_token_ns - request.arrival_ns)
         output.total_time_ns = max(0, now_ns - request.arrival_ns)

@@ -45,7 +45,7 @@ def resolve_attention_backend(requested: str, device: torch.device) -> str:
 
 
 class ModelRunner:
-    def __init__(self, config: EngineConfig, files: ModelFiles, max_model_len: int):
+    def __init__(self, config: EngineConfig, files: ModelFiles, max_context_tokens: int):
         self.device = torch.device(config.device)
         self.dtype = torch_dtype(config.dtype)
         self.block_size = config.block_size_tokens
@@ -72,7 +72,7 @@ class ModelRunner:
             num_blocks=config.num_kv_blocks,
             cpu_memory_bytes=config.kv_cpu_memory_bytes,
             memory_fraction=config.kv_memory_fraction,
-            max_useful_blocks=config.max_num_seqs * -(-max_model_len // self.block_size),
+            max_useful_blocks=config.max_num_seqs * -(-max_context_tokens // self.block_size),
         )
         self.kv_cache = KVCache(spec, num_blocks, self.device)
         log.info(
@@ -88,7 +88,7 @@ class ModelRunner:
             if not config.enforce_eager:
                 # Off CUDA (the Triton interpreter in tests) the static-buffer path runs uncaptured.
                 is_cuda = self.device.type == "cuda"
-                self.decode_graphs = self._decode_graphs(config.max_num_seqs, max_model_len, capture=is_cuda)
+                self.decode_graphs = self._decode_graphs(config.max_num_seqs, max_context_tokens, capture=is_cuda)
         log.info(
             "attention: %s; decode CUDA graphs: %s",
             "triton kernels" if self.use_kernels else "torch (gather)",
@@ -106,7 +106,7 @@ class ModelRunner:
         pending input tokens of this batch are read from. Queues the work; does not wait."""
         self.kv_cache.copy_blocks(batch.block_copies)
         step = build_step_inputs(batch, self.block_size)
-        fill = self._deferred_filler(step, pending_tokens)
+        fill = self._pending_filler(step, pending_tokens)
         if self.decode_graphs is not None and self.decode_graphs.can_run(step):
             return self._sampled_rows(self.decode_graphs.run(step, fill), step.logits_indices)
         if self.use_kernels:
@@ -119,16 +119,16 @@ class ModelRunner:
         hidden = self.model(input_ids, self._to_device(step.positions), self.kv_cache.layers, meta)
         return self.model.compute_logits(hidden[self._to_device(step.logits_indices)])
 
-    def _deferred_filler(self, step: StepInputs, pending_tokens: torch.Tensor | None):
+    def _pending_filler(self, step: StepInputs, pending_tokens: torch.Tensor | None):
         """A function that writes the step's pending input ids into a device ids tensor, or None."""
-        if not step.deferred_rows:
+        if not step.pending_rows:
             return None
         assert pending_tokens is not None, "a pending input token without the step that samples it"
-        num_rows = len(step.deferred_rows)
-        if step.deferred_rows == step.deferred_source_rows == list(range(num_rows)):
+        num_rows = len(step.pending_rows)
+        if step.pending_rows == step.pending_source_rows == list(range(num_rows)):
             # Steady decoding: the same sequences in the same order as the step before.
             return lambda input_ids: input_ids[:num_rows].copy_(pending_tokens[:num_rows])
-        rows, source_rows = self._to_device(step.deferred_rows), self._to_device(step.deferred_source_rows)
+        rows, source_rows = self._to_device(step.pending_rows), self._to_device(step.pending_source_rows)
         return lambda input_ids: input_ids.index_copy_(0, rows, pending_tokens[source_rows].to(input_ids.dtype))
 
     @torch.inference_mode()
@@ -147,11 +147,11 @@ class ModelRunner:
 
     # --- decode graphs -----------------------------------------------------------------------
 
-    def _decode_graphs(self, max_num_seqs: int, max_model_len: int, capture: bool) -> DecodeGraphs:
+    def _decode_graphs(self, max_num_seqs: int, max_context_tokens: int, capture: bool) -> DecodeGraphs:
         return DecodeGraphs(
             forward_logits=self._forward_logits,
             sizes=graph_batch_sizes(max_num_seqs),
-            max_blocks_per_seq=-(-max_model_len // self.block_size),
+            max_blocks_per_seq=-(-max_context_tokens // self.block_size),
             num_splits_for=self._decode_num_splits,
             device=self.device,
             capture=capture,

@@ -114,7 +114,7 @@ class Sampler:
         masked = [
             (row, token_id)
             for row, seq in enumerate(seqs)
-            if seq.num_output_tokens < seq.sampling.min_tokens
+            if seq.num_completion_tokens < seq.sampling.min_tokens
             for token_id in self.stop_token_ids(seq.sampling)
             if token_id < vocab_size
         ]

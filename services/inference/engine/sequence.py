@@ -70,7 +70,7 @@ class Sequence:
         return len(self.token_ids)
 
     @property
-    def num_output_tokens(self) -> int:
+    def num_completion_tokens(self) -> int:
         return len(self.token_ids) - self.num_prompt_tokens
 
     @property

@@ -9,9 +9,9 @@ the gather path whether the chunk's context is just the chunk. `logits_indices` 
 whose logits are sampled: the last token of each sequence that samples, in batch order.
 
 Async scheduling: a sequence's last input token may still be pending (sampled by the step in
-flight, not yet on the host). Its row gets id 0 here and is listed in `deferred_rows`, with the
+flight, not yet on the host). Its row gets id 0 here and is listed in `pending_rows`, with the
 row of the in-flight step's sampled tokens to read it from on the device in
-`deferred_source_rows` (ModelRunner fills them before the forward).
+`pending_source_rows` (ModelRunner fills them before the forward).
 """
 
 from __future__ import annotations
@@ -34,8 +34,8 @@ class StepInputs:
     prefill_block_tables: list[list[int]] = field(default_factory=list)
     prefill_has_cached_prefix: list[bool] = field(default_factory=list)
     logits_indices: list[int] = field(default_factory=list)
-    deferred_rows: list[int] = field(default_factory=list)
-    deferred_source_rows: list[int] = field(default_factory=list)
+    pending_rows: list[int] = field(default_factory=list)
+    pending_source_rows: list[int] = field(default_factory=list)
 
     @property
     def num_tokens(self) -> int:
@@ -63,8 +63,8 @@ def build_step_inputs(batch: ScheduledBatch, block_size: int) -> StepInputs:
         step.input_ids.extend(seq.token_ids[start:end])
         if end == seq.num_tokens and seq.has_pending_token:
             step.input_ids[-1] = 0
-            step.deferred_rows.append(len(step.input_ids) - 1)
-            step.deferred_source_rows.append(seq.pending_token_row)
+            step.pending_rows.append(len(step.input_ids) - 1)
+            step.pending_source_rows.append(seq.pending_token_row)
         step.positions.extend(range(start, end))
         step.slot_mapping.extend(block_ids[p // block_size] * block_size + p % block_size for p in range(start, end))
         last_rows[i] = query_start + num_new - 1

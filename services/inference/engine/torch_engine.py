@@ -71,15 +71,15 @@ class TorchEngineCore:
     def __init__(self, config: EngineConfig):
         self.config = config
         files = ModelFiles.load(config.model_path, config.model_name)
-        max_model_len = files.max_context_tokens
-        if config.max_model_len is not None:
-            max_model_len = min(max_model_len, config.max_model_len)
-        self.runner = ModelRunner(config, files, max_model_len)
+        max_context_tokens = files.max_context_tokens
+        if config.max_context_tokens is not None:
+            max_context_tokens = min(max_context_tokens, config.max_context_tokens)
+        self.runner = ModelRunner(config, files, max_context_tokens)
         num_blocks = self.runner.kv_cache.num_blocks
         self.block_manager = BlockManager(num_blocks, config.block_size_tokens, config.enable_prefix_caching)
-        max_seq_tokens = min(max_model_len, num_blocks * config.block_size_tokens)
-        if max_seq_tokens < max_model_len:
-            log.warning("the KV pool holds %d tokens, less than the context limit %d", max_seq_tokens, max_model_len)
+        max_seq_tokens = min(max_context_tokens, num_blocks * config.block_size_tokens)
+        if max_seq_tokens < max_context_tokens:
+            log.warning("the KV pool holds %d tokens, less than the context limit %d", max_seq_tokens, max_context_tokens)
         self.scheduler = Scheduler(
             SchedulerConfig(
                 max_num_seqs=config.max_num_seqs,
@@ -93,7 +93,7 @@ class TorchEngineCore:
         self.model_info = ModelInfo(
             model_name=config.model_name or files.model_name,
             architecture=files.architecture,
-            max_context_tokens=max_model_len,
+            max_context_tokens=max_context_tokens,
             vocab_size=self.runner.vocab_size,
             eos_token_ids=files.eos_token_ids,
             block_size_tokens=config.block_size_tokens,
@@ -264,7 +264,7 @@ class TorchEngineCore:
             self.sampler.stop_token_ids(seq.sampling), self.scheduler.config.max_seq_tokens,
         )
         output = EngineOutput.for_token(seq.request_id, seq.sequence_index, token_id, logprob, finish)
-        if output.finished:
+        if output.is_finished:
             del seq.token_ids[index + 1 :]  # a token launched after this one is discarded
             seq.pending_token_row = -1
             self.scheduler.finish(seq, output.finish_reason)
@@ -274,12 +274,12 @@ class TorchEngineCore:
 
     def _ends_by_length(self, seq: Sequence) -> bool:
         """The sequence's last token (just sampled) ends it by length, whatever its value."""
-        return reaches_length_limit(seq.num_output_tokens, seq.num_tokens, seq.sampling,
+        return reaches_length_limit(seq.num_completion_tokens, seq.num_tokens, seq.sampling,
                                     self.scheduler.config.max_seq_tokens)
 
     def _fill_final(self, output: EngineOutput, seq: Sequence, now_ns: int) -> None:
         output.num_prompt_tokens = seq.num_prompt_tokens
-        output.num_output_tokens = seq.num_output_tokens
+        output.num_completion_tokens = seq.num_completion_tokens
         output.num_cached_tokens = seq.num_cached_tokens
         if seq.first_scheduled_ns:
             output.queue_time_ns = max(0, seq.first_scheduled_ns - seq.arrival_ns)

@@ -104,7 +104,7 @@ class TrtllmEngine:
             dtype={"float32": "float32", "bfloat16": "bfloat16", "float16": "float16"}[config.dtype],
             max_batch_size=config.max_num_seqs,
             max_num_tokens=config.max_batched_tokens,
-            max_seq_len=config.max_model_len or files.max_context_tokens,
+            max_seq_len=config.max_context_tokens or files.max_context_tokens,
             enable_chunked_prefill=config.enable_chunked_prefill,
             kv_cache_config=kv_cache_config_cls(
                 free_gpu_memory_fraction=config.kv_memory_fraction,
@@ -115,7 +115,7 @@ class TrtllmEngine:
         self.model_info = ModelInfo(
             model_name=files.model_name,
             architecture=files.architecture,
-            max_context_tokens=config.max_model_len or files.max_context_tokens,
+            max_context_tokens=config.max_context_tokens or files.max_context_tokens,
             vocab_size=files.vocab_size,
             eos_token_ids=files.eos_token_ids,
             block_size_tokens=config.block_size_tokens,
@@ -170,7 +170,7 @@ class TrtllmEngine:
                         finish_reason=finish,
                         stop_token_id=completion.stop_reason if isinstance(completion.stop_reason, int) else None,
                         num_prompt_tokens=len(request.prompt_token_ids) if finish else 0,
-                        num_output_tokens=len(completion.token_ids) if finish else 0,
+                        num_completion_tokens=len(completion.token_ids) if finish else 0,
                         time_to_first_token_ns=(first_token_ns - request.arrival_ns) if finish and first_token_ns else 0,
                         total_time_ns=(now_ns - request.arrival_ns) if finish else 0,
                     )

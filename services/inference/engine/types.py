@@ -44,14 +44,14 @@ class EngineOutput:
     stop_token_id: int | None = None
     error_message: str = ""
     num_prompt_tokens: int = 0
-    num_output_tokens: int = 0
+    num_completion_tokens: int = 0
     num_cached_tokens: int = 0
     queue_time_ns: int = 0
     time_to_first_token_ns: int = 0
     total_time_ns: int = 0
 
     @property
-    def finished(self) -> bool:
+    def is_finished(self) -> bool:
         return self.finish_reason is not None
 
     @classmethod
@@ -71,23 +71,23 @@ class EngineOutput:
 
 
 def finish_at_token(
-    token_id: int, num_output_tokens: int, num_tokens: int, sampling: SamplingParams,
+    token_id: int, num_completion_tokens: int, num_tokens: int, sampling: SamplingParams,
     stop_token_ids: frozenset[int], max_seq_tokens: int,
 ) -> tuple[FinishReason | None, int | None]:
     """(finish_reason, stop_token_id) once a sequence holds `num_tokens` tokens, the last of them
-    `token_id`, the `num_output_tokens`-th generated. A stop token (not before min_tokens) ->
+    `token_id`, the `num_completion_tokens`-th generated. A stop token (not before min_tokens) ->
     STOP, and it wins over LENGTH when the last allowed token is also a stop token; then
     max_tokens or the sequence length limit -> LENGTH."""
-    if num_output_tokens >= sampling.min_tokens and token_id in stop_token_ids:
+    if num_completion_tokens >= sampling.min_tokens and token_id in stop_token_ids:
         return FinishReason.STOP, token_id
-    if reaches_length_limit(num_output_tokens, num_tokens, sampling, max_seq_tokens):
+    if reaches_length_limit(num_completion_tokens, num_tokens, sampling, max_seq_tokens):
         return FinishReason.LENGTH, None
     return None, None
 
 
-def reaches_length_limit(num_output_tokens: int, num_tokens: int, sampling: SamplingParams, max_seq_tokens: int) -> bool:
+def reaches_length_limit(num_completion_tokens: int, num_tokens: int, sampling: SamplingParams, max_seq_tokens: int) -> bool:
     """The LENGTH rule: max_tokens generated, or the sequence at its length limit."""
-    return num_output_tokens >= sampling.max_tokens or num_tokens >= max_seq_tokens
+    return num_completion_tokens >= sampling.max_tokens or num_tokens >= max_seq_tokens
 
 
 @dataclass(frozen=True, slots=True)
