@@ -28,7 +28,8 @@ from typing import Any
 import torch
 
 from llmserve.inference.engine.config import EngineConfig
-from llmserve.inference.engine.types import EngineLoad, EngineOutput, EngineRequest, ModelInfo, finish_at_token
+from llmserve.inference.engine.stop import finish_at_token, stop_token_ids
+from llmserve.inference.engine.types import EngineLoad, EngineOutput, EngineRequest, ModelInfo
 from llmserve.model_files import ModelFiles
 from llmserve.sampling import SamplingParams, TokenLogprob, TopLogprob
 
@@ -222,8 +223,7 @@ class HFEngineCore:
         return output
 
     def _stop_ids(self, sampling: SamplingParams) -> frozenset[int]:
-        stop_ids = frozenset(sampling.stop_token_ids)
-        return stop_ids if sampling.ignore_eos else stop_ids | self._eos_token_ids
+        return stop_token_ids(sampling, self._eos_token_ids)
 
     def _fill_final(self, output: EngineOutput, sequence: _Sequence, now_ns: int) -> None:
         request = sequence.owner.request

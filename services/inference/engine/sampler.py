@@ -27,6 +27,7 @@ import torch
 
 from llmserve.inference.engine.kv_cache import device_tensor
 from llmserve.inference.engine.sequence import Sequence
+from llmserve.inference.engine.stop import stop_token_ids
 from llmserve.sampling import SamplingParams, TokenLogprob, TopLogprob
 
 
@@ -87,8 +88,7 @@ class Sampler:
         self.eos_token_ids = frozenset(eos_token_ids)
 
     def stop_token_ids(self, sampling: SamplingParams) -> frozenset[int]:
-        stop_ids = frozenset(sampling.stop_token_ids)
-        return stop_ids if sampling.ignore_eos else stop_ids | self.eos_token_ids
+        return stop_token_ids(sampling, self.eos_token_ids)
 
     def sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> SamplerOutput:
         """launch + result: one token per sequence, on the host."""

@@ -20,10 +20,8 @@ which is discarded; a sequence whose last token is in flight by length is not sc
 (`Sequence.is_finishing`). Penalties read the token history on the host, so a step that
 samples with them processes the step before it first. Off: launch and process in one call.
 
-Stop conditions, checked after each token: a stop token (EOS unless ignore_eos, or one of
-stop_token_ids; not before min_tokens) -> STOP, the token is included in the output and named
-in stop_token_id; then max_tokens -> LENGTH; then the sequence reaching `max_seq_tokens`
-(the context limit, or the whole KV pool if smaller) -> LENGTH. Stop strings are the gateway's.
+Stop conditions: engine/stop.py (`max_seq_tokens` is the context limit, or the whole KV pool if
+smaller).
 """
 
 from __future__ import annotations
@@ -42,13 +40,12 @@ from llmserve.inference.engine.model_runner import ModelRunner
 from llmserve.inference.engine.sampler import PendingSample, Sampler, needs_token_history
 from llmserve.inference.engine.scheduler import ScheduledBatch, Scheduler, SchedulerConfig
 from llmserve.inference.engine.sequence import PENDING_TOKEN, Sequence
+from llmserve.inference.engine.stop import finish_at_token, reaches_length_limit
 from llmserve.inference.engine.types import (
     EngineLoad,
     EngineOutput,
     EngineRequest,
     ModelInfo,
-    finish_at_token,
-    reaches_length_limit,
 )
 from llmserve.model_files import ModelFiles
 from llmserve.sampling import FinishReason, TokenLogprob

@@ -70,26 +70,6 @@ class EngineOutput:
         )
 
 
-def finish_at_token(
-    token_id: int, num_completion_tokens: int, num_tokens: int, sampling: SamplingParams,
-    stop_token_ids: frozenset[int], max_seq_tokens: int,
-) -> tuple[FinishReason | None, int | None]:
-    """(finish_reason, stop_token_id) once a sequence holds `num_tokens` tokens, the last of them
-    `token_id`, the `num_completion_tokens`-th generated. A stop token (not before min_tokens) ->
-    STOP, and it wins over LENGTH when the last allowed token is also a stop token; then
-    max_tokens or the sequence length limit -> LENGTH."""
-    if num_completion_tokens >= sampling.min_tokens and token_id in stop_token_ids:
-        return FinishReason.STOP, token_id
-    if reaches_length_limit(num_completion_tokens, num_tokens, sampling, max_seq_tokens):
-        return FinishReason.LENGTH, None
-    return None, None
-
-
-def reaches_length_limit(num_completion_tokens: int, num_tokens: int, sampling: SamplingParams, max_seq_tokens: int) -> bool:
-    """The LENGTH rule: max_tokens generated, or the sequence at its length limit."""
-    return num_completion_tokens >= sampling.max_tokens or num_tokens >= max_seq_tokens
-
-
 @dataclass(frozen=True, slots=True)
 class ModelInfo:
     model_name: str
