@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import importlib.util
 import os
 import queue
 import shutil
@@ -17,7 +16,6 @@ import grpc
 import pytest
 
 from llmserve.cli import main
-from llmserve.launcher import choose_backend
 from llmserve.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc
 
 SERVE_START_TIMEOUT_S = 180.0
@@ -188,17 +186,6 @@ def test_children_exit_when_serve_is_killed(private_model_dir, tmp_path):
     while pids_with_argument(str(private_model_dir)) and time.monotonic() < deadline:
         time.sleep(0.1)
     assert pids_with_argument(str(private_model_dir)) == set(), serve.log()
-
-
-def test_torch_backend_falls_back_to_hf_when_missing(monkeypatch, caplog):
-    real_find_spec = importlib.util.find_spec
-    monkeypatch.setattr(
-        importlib.util, "find_spec",
-        lambda name, *a: None if name == "llmserve.inference.engine.torch_engine" else real_find_spec(name, *a),
-    )
-    assert choose_backend("torch") == "hf"
-    assert "using --backend hf" in caplog.text
-    assert choose_backend("trtllm") == "trtllm"
 
 
 def test_fetch_model_resolves_a_local_checkpoint(tiny_model_dir, capsys):

@@ -15,17 +15,10 @@ from pathlib import Path
 from llmserve.errors import ServiceError
 from llmserve.gateway.app import start_gateway
 from llmserve.gateway.config import GatewayConfig
-from llmserve.server import (
-    add_server_arguments,
-    configure_logging,
-    exit_with_parent,
-    serve_until_signal,
-    write_port_file,
-)
+from llmserve.server import configure_logging, exit_with_parent, serve_until_signal, write_port_file
+from llmserve.server_flags import GATEWAY_PORT, add_server_arguments
 
 log = logging.getLogger("llmserve.gateway")
-
-DEFAULT_PORT = 50051
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -34,7 +27,7 @@ def build_parser() -> argparse.ArgumentParser:
         description="llmserve gateway: the public gRPC API (llmserve.v1.Gateway). It mints request "
         "ids, sends each request through preprocess and inference, and streams text back.",
     )
-    add_server_arguments(parser, default_port=DEFAULT_PORT)
+    add_server_arguments(parser, default_port=GATEWAY_PORT)
     parser.add_argument("--preprocess", required=True, metavar="HOST:PORT", help="preprocess service address")
     parser.add_argument(
         "--inference",

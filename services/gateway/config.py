@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
+from llmserve.server_flags import DEFAULT_GRACE_PERIOD_S, GATEWAY_PORT
+
 
 @dataclass(frozen=True, slots=True)
 class GatewayConfig:
@@ -13,10 +15,10 @@ class GatewayConfig:
     model_path: Path  # checkpoint dir whose tokenizer.json detokenizes the output
     model_name: str | None = None  # None: the name the inference replica reports
     host: str = "127.0.0.1"
-    port: int = 50051  # 0 = any free port
+    port: int = GATEWAY_PORT  # 0 = any free port
     port_file: str | None = None
     log_level: str = "INFO"
-    grace_period_s: float = 10.0  # drain time for in-flight requests on SIGTERM
+    grace_period_s: float = DEFAULT_GRACE_PERIOD_S
     # How long to wait at start for preprocess and inference to report SERVING (they may still
     # be loading weights).
     downstream_ready_timeout_s: float = 600.0

@@ -5,8 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from llmserve.inference.engine.config import EngineConfig
-
-DEFAULT_GRACE_PERIOD_S = 10.0
+from llmserve.server_flags import DEFAULT_GRACE_PERIOD_S
 
 
 @dataclass(frozen=True, slots=True)
@@ -15,7 +14,6 @@ class InferenceConfig:
     host: str = "127.0.0.1"
     port: int = 0  # 0: any free port
     port_file: str | None = None  # written with the bound port once the engine is loaded
-    # SIGTERM: how long running streams may take to finish before they are aborted.
     grace_period_s: float = DEFAULT_GRACE_PERIOD_S
     # Stable routing key of this replica. None: "<hostname>-<bound port>", resolved at start-up
     # (the bound port is only known then), so it is passed to the servicer, not stored here.

@@ -7,6 +7,7 @@ from pathlib import Path
 
 from llmserve.block_hash import DEFAULT_BLOCK_SIZE
 from llmserve.buckets import BucketConfig
+from llmserve.server_flags import DEFAULT_GRACE_PERIOD_S
 
 DEFAULT_MAX_OUTPUT_TOKENS = 4096
 DEFAULT_NUM_WORKERS = 4
@@ -19,7 +20,7 @@ class PreprocessConfig:
     host: str = "127.0.0.1"
     port: int = 0  # 0: any free port
     port_file: str | None = None  # written with the bound port once serving
-    grace_period_s: float = 10.0
+    grace_period_s: float = DEFAULT_GRACE_PERIOD_S
     block_size_tokens: int = DEFAULT_BLOCK_SIZE
     buckets: BucketConfig = field(default_factory=BucketConfig)
     max_output_tokens: int = DEFAULT_MAX_OUTPUT_TOKENS
