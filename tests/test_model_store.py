@@ -18,12 +18,9 @@ import numpy as np
 import pytest
 import torch
 
-from llmserve.gguf_convert import (
-    UnsupportedGGUFError,
-    build_tokenizer,
-    convert_gguf_to_hf,
-    reverse_rope_permutation,
-)
+from llmserve.gguf_convert import convert_gguf_to_hf, reverse_rope_permutation
+from llmserve.gguf_metadata import UnsupportedGGUFError
+from llmserve.gguf_tokenizer import build_tokenizer
 from llmserve.model_files import ModelFiles
 from llmserve.model_store import (
     COMPLETE_MARKER,
@@ -308,7 +305,7 @@ def test_tokenizer_config_and_model_files(tiny_gguf, tiny_converted):
 def test_smollm_pre_tokenizer_splits_digits_one_by_one(tmp_path):
     from gguf import GGUFReader
 
-    from llmserve.gguf_convert import read_metadata
+    from llmserve.gguf_metadata import read_metadata
 
     tokenizers = {}
     for pre_tokenizer in ("gpt2", "smollm"):
