@@ -291,13 +291,12 @@ def test_tokenizer_config_and_model_files(tiny_gguf, tiny_converted):
     files = ModelFiles.load(tiny_converted)
 
     assert files.chat_template == CHATML_TEMPLATE
-    assert files.bos_token == "<|im_start|>"
-    assert files.eos_token == "<|im_end|>"
     assert files.eos_token_ids == (vocab["<|im_end|>"],)
     assert files.max_context_tokens == 256
     assert files.vocab_size == len(vocab)
     assert files.architecture == "LlamaForCausalLM"
     tokenizer_config = json.loads((tiny_converted / "tokenizer_config.json").read_text())
+    assert (tokenizer_config["bos_token"], tokenizer_config["eos_token"]) == ("<|im_start|>", "<|im_end|>")
     assert (tokenizer_config["unk_token"], tokenizer_config["pad_token"]) == ("<|endoftext|>", "<|im_end|>")
     assert tokenizer_config["add_bos_token"] is False
 
