@@ -175,17 +175,17 @@ def test_serve_passes_nothing_extra_by_default(tiny_model_dir):
 
 def test_serve_flags_reach_the_inference_engine_config(tiny_model_dir):
     serve_flags = [
-        "--attention-backend", "torch", "--kv-cache-dtype", "fp8", "--quantization", "int8",
+        "--attention-backend", "triton", "--kv-cache-dtype", "fp8", "--quantization", "int8",
         "--no-async-scheduling",
     ]  # fmt: skip
     command = inference_command(serve_config(*serve_flags), tiny_model_dir)
     assert command[-7:] == [
-        "--no-async-scheduling", "--attention-backend", "torch", "--kv-cache-dtype", "fp8", "--quantization", "int8",
+        "--no-async-scheduling", "--attention-backend", "triton", "--kv-cache-dtype", "fp8", "--quantization", "int8",
     ]  # fmt: skip
 
     engine = config_from_args(parse_args(command)).engine
     assert (engine.attention_backend, engine.kv_cache_dtype, engine.quantization, engine.async_scheduling) == (
-        "torch", "fp8", "int8", False,
+        "triton", "fp8", "int8", False,
     )  # fmt: skip
     assert engine.model_path == tiny_model_dir.resolve()
 

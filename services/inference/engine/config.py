@@ -13,10 +13,20 @@ from pathlib import Path
 from llmserve.block_hash import DEFAULT_BLOCK_SIZE
 
 BACKENDS = ("torch", "hf", "trtllm")
-DTYPES = ("float32", "bfloat16", "float16")
+# torch backend attention/small-op implementation: "auto" = Triton kernels on CUDA when triton
+# imports, else the portable torch path; "triton" requires them; "torch" forces the portable path.
 ATTENTION_BACKENDS = ("auto", "torch", "triton")
+# KV-cache element type: "auto" = the model dtype; "fp8" = float8 e4m3 with scale 1 (half the
+# bytes attention reads per step; needs the triton backend).
 KV_CACHE_DTYPES = ("auto", "fp8")
+# Linear-layer weights (the lm_head and embeddings stay in the model dtype):
+#   none  the model dtype;
+#   fp8   W8A8: float8 e4m3 weights with per-output-channel scales, activations quantized per
+#         token at run time, float8 tensor-core GEMMs (CUDA, compute capability >= 8.9);
+#   int8  W8A16 weight-only: int8 weights with per-output-channel scales, dequantized inside
+#         the GEMM (halves the bytes a decode step streams).
 QUANTIZATIONS = ("none", "fp8", "int8")
+DTYPES = ("float32", "bfloat16", "float16")
 
 # The groups flags are listed under in --help.
 MODEL_GROUP = "model"
