@@ -14,7 +14,7 @@ from pathlib import Path
 
 from llmserve.errors import ServiceError
 from llmserve.gateway.app import start_gateway
-from llmserve.gateway.config import GatewayConfig
+from llmserve.gateway.config import DEFAULT_DOWNSTREAM_READY_TIMEOUT_S, GatewayConfig
 from llmserve.server import configure_logging, exit_with_parent, serve_until_signal, write_port_file
 from llmserve.server_flags import GATEWAY_PORT, add_server_arguments
 
@@ -45,7 +45,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--downstream-ready-timeout-s",
         type=float,
-        default=600.0,
+        default=DEFAULT_DOWNSTREAM_READY_TIMEOUT_S,
         metavar="SECONDS",
         help="at start, how long to wait for preprocess and inference to report SERVING (default: %(default)s)",
     )

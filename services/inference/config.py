@@ -5,13 +5,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from llmserve.inference.engine.config import EngineConfig
-from llmserve.server_flags import DEFAULT_GRACE_PERIOD_S
+from llmserve.server_flags import DEFAULT_GRACE_PERIOD_S, DEFAULT_HOST
 
 
 @dataclass(frozen=True, slots=True)
 class InferenceConfig:
     engine: EngineConfig
-    host: str = "127.0.0.1"
+    host: str = DEFAULT_HOST
     port: int = 0  # 0: any free port
     port_file: str | None = None  # written with the bound port once the engine is loaded
     grace_period_s: float = DEFAULT_GRACE_PERIOD_S

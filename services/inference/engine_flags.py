@@ -57,7 +57,8 @@ def add_engine_arguments(
     made = dict(groups or {})
     for field in flagged_fields():
         flag = flag_of(field)
-        group = made.get(flag.group) or made.setdefault(flag.group, parser.add_argument_group(flag.group))
+        if flag.group not in made:
+            made[flag.group] = parser.add_argument_group(flag.group)
         if value_type(field) is bool:
             options = {"action": "store_false" if field.default else "store_true", "help": flag.help}
         else:
@@ -68,7 +69,7 @@ def add_engine_arguments(
                 "metavar": flag.metavar,
                 "help": _help_with_default(flag, parsed_default(field)),
             }
-        group.add_argument(flag.name, *flag.aliases, dest=field.name, **options)
+        made[flag.group].add_argument(flag.name, *flag.aliases, dest=field.name, **options)
 
 
 def _help_with_default(flag: EngineFlag, default: Any) -> str:
