@@ -14,6 +14,16 @@ Invariants:
   every computed token is known (not PENDING_TOKEN) once its step's results are processed;
   block_ids covers at least num_computed_tokens slots (block_size each);
   the first num_registered_blocks blocks are full, computed and known to the prefix cache.
+
+Who writes which field (one writer each; the others only read):
+  the engine, at construction (engine/sequence_factory.py): the identity, prompt, sampling and
+    random-stream fields, and for a forked sibling its copies of the parent's progress;
+  Sequence.block_hash: block_hashes (extended lazily from token_ids);
+  BlockManager: block_ids, num_registered_blocks (the block table and its prefix-cache progress);
+  Scheduler: everything else - status, num_computed_tokens, num_cached_tokens, was_admitted,
+    token_ids after construction (placeholders, their values, truncation at a stop),
+    pending_token_row, is_finishing, first_scheduled_ns, first_token_ns, finish_reason,
+    error_message.
 """
 
 from __future__ import annotations
@@ -53,10 +63,10 @@ class Sequence:
     num_computed_tokens: int = 0  # tokens whose K/V are in the cache
     num_registered_blocks: int = 0
     num_cached_tokens: int = 0  # prompt tokens the prefix cache served at first admission
-    num_siblings_to_fork: int = 0  # n - 1 on the first sequence until its prompt is computed
     was_admitted: bool = False
     rng: Any = None  # the sampler's per-sequence random stream (a torch.Generator)
-    # Row of the last token in the in-flight step's sampled tokens, -1 when no token is pending.
+    # Row of the last token in the sampled tokens of the launched, not yet processed step;
+    # -1 when no token is pending.
     pending_token_row: int = -1
     # Its pending token ends it (max_tokens or the length limit): not scheduled again.
     is_finishing: bool = False
@@ -84,6 +94,12 @@ class Sequence:
     @property
     def has_pending_token(self) -> bool:
         return self.pending_token_row >= 0
+
+    @property
+    def forks_siblings(self) -> bool:
+        """Sampling its first token now starts the request's other n - 1 sequences: only the
+        first sequence does, once (later samples have a completion token before them)."""
+        return self.sequence_index == 0 and self.sampling.n > 1 and self.num_completion_tokens == 0
 
     @property
     def is_finished(self) -> bool:
