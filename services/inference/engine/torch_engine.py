@@ -66,10 +66,13 @@ class TorchEngineCore:
         config: EngineConfig,
         weights: Iterable[tuple[str, torch.Tensor]] | None = None,
         step_stats: StepStatsLog | None = None,
+        sampler: Sampler | None = None,
     ):
         """`weights`: (HF name, tensor) pairs to serve instead of the checkpoint's safetensors
         (e.g. a transformers model's state_dict().items()); `step_stats`: where each step's
-        measurements go (none are taken without it)."""
+        measurements go (none are taken while it is None; it may be set between steps);
+        `sampler`: one built on the model's EOS ids instead of the default (benchmarks
+        observe the logits through it)."""
         self.config = config
         files = ModelFiles.load(config.model_path, config.model_name)
         max_context_tokens = files.max_context_tokens
@@ -91,7 +94,7 @@ class TorchEngineCore:
             ),
             self.block_manager,
         )
-        self.sampler = Sampler(files.eos_token_ids)
+        self.sampler = sampler if sampler is not None else Sampler(files.eos_token_ids)
         self.model_info = ModelInfo(
             model_name=config.model_name or files.model_name,
             architecture=files.architecture,
@@ -105,7 +108,7 @@ class TorchEngineCore:
         )
         self._sequences = SequenceFactory(config, self.runner.device)
         self._requests = RequestTracker()
-        self._step_stats = step_stats
+        self.step_stats = step_stats
         self._unprocessed_step: _UnprocessedStep | None = None
 
     # --- EngineCore interface ----------------------------------------------------------------
@@ -126,7 +129,7 @@ class TorchEngineCore:
         return self._requests.has_unfinished
 
     def step(self) -> list[EngineOutput]:
-        timer = StepTimer(self._step_stats, self.runner.device) if self._step_stats is not None else UNTIMED
+        timer = StepTimer(self.step_stats, self.runner.device) if self.step_stats is not None else UNTIMED
         batch = timer.measure("schedule_s", self.scheduler.schedule)
         previous, self._unprocessed_step = self._unprocessed_step, None
         outputs: list[EngineOutput] = []
