@@ -43,7 +43,7 @@ from llmserve.inference.engine.sampler import PendingSample, Sampler, SamplerOut
 from llmserve.inference.engine.scheduler import Scheduler, SchedulerConfig
 from llmserve.inference.engine.sequence_factory import SequenceFactory
 from llmserve.inference.engine.step_output import LaunchedBatch, SampledTokens, StepUpdate
-from llmserve.inference.engine.step_stats import UNTIMED, StepStatsLog, StepTimer
+from llmserve.inference.engine.step_stats import UNTIMED, StepStatsLog, StepTimer, Untimed
 from llmserve.inference.engine.types import EngineLoad, EngineOutput, EngineRequest, ModelInfo
 from llmserve.model_files import ModelFiles
 
@@ -129,6 +129,8 @@ class TorchEngineCore:
         return self._requests.has_unfinished
 
     def step(self) -> list[EngineOutput]:
+        """schedule -> execute -> update; with async scheduling the update also carries the
+        tokens of the step the previous call launched."""
         timer = StepTimer(self.step_stats, self.runner.device) if self.step_stats is not None else UNTIMED
         batch = timer.measure("schedule_s", self.scheduler.schedule)
         previous, self._unprocessed_step = self._unprocessed_step, None
@@ -172,7 +174,7 @@ class TorchEngineCore:
     # --- update ------------------------------------------------------------------------------
 
     def _update(
-        self, timer, launched: _UnprocessedStep | None = None, sampled: _UnprocessedStep | None = None
+        self, timer: StepTimer | Untimed, launched: _UnprocessedStep | None = None, sampled: _UnprocessedStep | None = None
     ) -> list[EngineOutput]:
         """Tell the scheduler that `launched` is queued and `sampled`'s tokens (waited for here)
         are known; the outputs of what that finished or produced."""
