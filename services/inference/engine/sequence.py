@@ -4,7 +4,7 @@ A request with n sequences starts as one Sequence (index 0); the engine forks th
 once the prompt is computed, sharing the prompt's blocks (see BlockManager.fork).
 
 With async scheduling a sampled token is known on the device before the host sees it: the
-engine appends PENDING_TOKEN and notes the token's row in that step's sampled-token tensor
+scheduler appends PENDING_TOKEN and notes the token's row in that step's sampled-token tensor
 (pending_token_row), the next step reads its input id from that tensor on the device, and the
 placeholder is overwritten once the step's results reach the host. Only the last token can be
 pending, and only for one step.
@@ -16,14 +16,14 @@ Invariants:
   the first num_registered_blocks blocks are full, computed and known to the prefix cache.
 
 Who writes which field (one writer each; the others only read):
-  the engine, at construction (engine/sequence_factory.py): the identity, prompt, sampling and
-    random-stream fields, and for a forked sibling its copies of the parent's progress;
+  SequenceFactory, at construction only: the identity, prompt, sampling and random-stream
+    fields, and a forked sibling's copies of its parent's (prompt, block hashes,
+    num_cached_tokens, was_admitted, first_scheduled_ns);
   Sequence.block_hash: block_hashes (extended lazily from token_ids);
   BlockManager: block_ids, num_registered_blocks (the block table and its prefix-cache progress);
   Scheduler: everything else - status, num_computed_tokens, num_cached_tokens, was_admitted,
-    token_ids after construction (placeholders, their values, truncation at a stop),
-    pending_token_row, is_finishing, first_scheduled_ns, first_token_ns, finish_reason,
-    error_message.
+    token_ids after construction (placeholders and their values), pending_token_row,
+    is_finishing, first_scheduled_ns, first_token_ns, finish_reason, error_message.
 """
 
 from __future__ import annotations
