@@ -17,6 +17,7 @@ Two attention paths, chosen once (EngineConfig.attention_backend):
 from __future__ import annotations
 
 import logging
+from collections.abc import Iterable
 
 import torch
 
@@ -45,7 +46,8 @@ def resolve_attention_backend(requested: str, device: torch.device) -> str:
 
 
 class ModelRunner:
-    def __init__(self, config: EngineConfig, files: ModelFiles, max_context_tokens: int):
+    def __init__(self, config: EngineConfig, files: ModelFiles, max_context_tokens: int,
+                 weights: Iterable[tuple[str, torch.Tensor]] | None = None):
         self.device = torch.device(config.device)
         self.dtype = torch_dtype(config.dtype)
         self.block_size = config.block_size_tokens
@@ -54,7 +56,7 @@ class ModelRunner:
         self.use_kernels = resolve_attention_backend(config.attention_backend, self.device) == "triton"
         if config.kv_cache_dtype == "fp8" and not self.use_kernels:
             raise ValueError("kv_cache_dtype 'fp8' needs the triton attention backend")
-        self.model = load_model(files.path, self.model_config, self.device, self.dtype)
+        self.model = load_model(files.path, self.model_config, self.device, self.dtype, weights)
         if config.quantization != "none":
             # Before sizing the KV pool: the freed bf16 matrices become KV blocks.
             log.info("quantizing the linear layers: %s", config.quantization)

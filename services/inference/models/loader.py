@@ -43,8 +43,14 @@ def safetensors_files(model_dir: Path) -> list[Path]:
     return files
 
 
-def load_model(model_dir: Path, config: DecoderConfig, device: torch.device, dtype: torch.dtype) -> LlamaForCausalLM:
-    return build_model(config, device, dtype, _checkpoint_tensors(safetensors_files(Path(model_dir))))
+def load_model(
+    model_dir: Path, config: DecoderConfig, device: torch.device, dtype: torch.dtype,
+    weights: Iterable[tuple[str, torch.Tensor]] | None = None,
+) -> LlamaForCausalLM:
+    """`weights`: (HF name, tensor) pairs to load instead of the directory's safetensors."""
+    if weights is None:
+        weights = _checkpoint_tensors(safetensors_files(Path(model_dir)))
+    return build_model(config, device, dtype, weights)
 
 
 def build_model(
