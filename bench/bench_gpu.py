@@ -247,8 +247,8 @@ def engine_weights_from(hf_model):
     reading safetensors: the random weights never touch the disk."""
     original = model_runner_module.load_model
 
-    def load(path, config, device, dtype):
-        return build_model(config, device, dtype, hf_model.state_dict().items())
+    def load(path, config, device, dtype, attention):
+        return build_model(config, device, dtype, hf_model.state_dict().items(), attention)
 
     model_runner_module.load_model = load
     try:
@@ -265,7 +265,7 @@ def engine_on(hf_model, model_dir: Path, device: str, **overrides) -> TorchEngin
     settings.update(overrides)
     # If graph capture or the kernels fail on this machine, still measure what does work
     # (reported as engine.fallback).
-    attempts = [({}, None), ({"enforce_eager": True}, "eager"), ({"attention_backend": "torch"}, "torch-attention")]
+    attempts = [({}, None), ({"enforce_eager": True}, "eager"), ({"attention_backend": "portable"}, "portable-attention")]
     for extra, fallback in attempts:
         start = time.perf_counter()
         try:

@@ -15,7 +15,7 @@ from llmserve.cli import main as cli_main
 from llmserve.cli import serve_config_from_args
 from llmserve.gateway.__main__ import build_parser as build_gateway_parser
 from llmserve.inference.__main__ import config_from_args, parse_args
-from llmserve.inference.engine.model_runner import resolve_attention_backend
+from llmserve.inference.models.attention_backend import resolve_attention_backend
 from llmserve.launcher import ServeConfig, _common_args, _inference_args
 from llmserve.preprocess.__main__ import build_parser as build_preprocess_parser
 
@@ -92,7 +92,7 @@ def test_new_inference_flags_default_to_the_engine_defaults(tiny_model_dir):
     ("flags", "expected"),
     [
         (["--attention-backend", "triton"], {"attention_backend": "triton"}),
-        (["--attention-backend", "torch"], {"attention_backend": "torch"}),
+        (["--attention-backend", "portable"], {"attention_backend": "portable"}),
         (["--kv-cache-dtype", "fp8"], {"kv_cache_dtype": "fp8"}),
         (["--quantization", "fp8"], {"quantization": "fp8"}),
         (["--quantization", "int8"], {"quantization": "int8"}),
@@ -113,7 +113,7 @@ def test_new_inference_flags_reach_engine_config(tiny_model_dir, flags, expected
 @pytest.mark.parametrize(
     ("flag", "value", "choices"),
     [
-        ("--attention-backend", "cuda", "'auto', 'torch', 'triton'"),
+        ("--attention-backend", "cuda", "'auto', 'portable', 'triton'"),
         ("--kv-cache-dtype", "fp16", "'auto', 'fp8'"),
         ("--quantization", "int4", "'none', 'fp8', 'int8'"),
     ],
@@ -132,14 +132,14 @@ def test_inference_help_explains_the_new_flags(capsys):
     text = " ".join(capsys.readouterr().out.split())
     for flag in NEW_FLAGS:
         assert flag in text
-    assert "auto = triton on CUDA when triton imports, torch otherwise (always torch on CPU)" in text
+    assert "auto = triton on CUDA when triton imports, portable otherwise (always portable on CPU)" in text
     assert "(needs the triton attention backend, so CUDA)" in text
     assert "(CUDA, compute capability >= 8.9)" in text
 
 
-def test_auto_attention_is_torch_on_cpu_whether_or_not_triton_imports():
-    assert resolve_attention_backend("auto", torch.device("cpu")) == "torch"
-    assert resolve_attention_backend("torch", torch.device("cpu")) == "torch"
+def test_auto_attention_is_portable_on_cpu_whether_or_not_triton_imports():
+    assert resolve_attention_backend("auto", torch.device("cpu")) == "portable"
+    assert resolve_attention_backend("portable", torch.device("cpu")) == "portable"
 
 
 # --- `llmserve serve` → launcher → inference ---------------------------------------------------
@@ -163,21 +163,21 @@ def test_serve_passes_nothing_extra_by_default(tiny_model_dir):
 
 def test_serve_flags_reach_the_inference_engine_config(tiny_model_dir):
     serve_flags = [
-        "--attention-backend", "torch", "--kv-cache-dtype", "fp8", "--quantization", "int8",
+        "--attention-backend", "portable", "--kv-cache-dtype", "fp8", "--quantization", "int8",
         "--no-async-scheduling",
     ]  # fmt: skip
     config = serve_config_from_args(build_cli_parser().parse_args(["serve", *serve_flags]))
     assert (config.attention_backend, config.kv_cache_dtype, config.quantization, config.async_scheduling) == (
-        "torch", "fp8", "int8", False,
+        "portable", "fp8", "int8", False,
     )  # fmt: skip
     command = _inference_args(config, _common_args(config, tiny_model_dir, None), "torch")
     assert command[-7:] == [
-        "--no-async-scheduling", "--attention-backend", "torch", "--kv-cache-dtype", "fp8", "--quantization", "int8",
+        "--no-async-scheduling", "--attention-backend", "portable", "--kv-cache-dtype", "fp8", "--quantization", "int8",
     ]  # fmt: skip
 
     engine = config_from_args(parse_args(command)).engine
     assert (engine.attention_backend, engine.kv_cache_dtype, engine.quantization, engine.async_scheduling) == (
-        "torch", "fp8", "int8", False,
+        "portable", "fp8", "int8", False,
     )  # fmt: skip
     assert engine.model_path == tiny_model_dir.resolve()
 

@@ -18,8 +18,8 @@ def add_kernel_arguments(p: argparse.ArgumentParser) -> None:
         "--attention-backend", choices=ATTENTION_BACKENDS, default=defaults.attention_backend,
         help="attention and the small fused ops: triton = Triton kernels reading the paged KV cache "
         "in place, decode steps replayed as CUDA graphs unless --enforce-eager (CUDA; needs the "
-        "triton package); torch = the portable path, any device; auto = triton on CUDA when triton "
-        "imports, torch otherwise (always torch on CPU)",
+        "triton package); portable = the portable path, any device; auto = triton on CUDA when "
+        "triton imports, portable otherwise (always portable on CPU)",
     )
     kernels.add_argument(
         "--kv-cache-dtype", choices=KV_CACHE_DTYPES, default=defaults.kv_cache_dtype,

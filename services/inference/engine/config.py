@@ -8,9 +8,10 @@ from pathlib import Path
 from llmserve.block_hash import DEFAULT_BLOCK_SIZE
 
 BACKENDS = ("torch", "hf", "trtllm")
-# torch backend attention/small-op implementation: "auto" = Triton kernels on CUDA when triton
-# imports, else the portable torch path; "triton" requires them; "torch" forces the portable path.
-ATTENTION_BACKENDS = ("auto", "torch", "triton")
+# torch backend attention/small-op implementation (models/attention_backend.py): "auto" = the
+# Triton kernels on CUDA when triton imports, else the portable path; "triton" requires them;
+# "portable" forces the portable path (any device).
+ATTENTION_BACKENDS = ("auto", "portable", "triton")
 # KV-cache element type: "auto" = the model dtype; "fp8" = float8 e4m3 with scale 1 (half the
 # bytes attention reads per step; needs the triton backend).
 KV_CACHE_DTYPES = ("auto", "fp8")
