@@ -1,4 +1,5 @@
-"""Weight quantization (models/quantization.py) and its kernels (fp8_quant, w8a16_matmul).
+"""Weight quantization (models/quant_codes.py, models/quantization.py) and its kernels (fp8_quant,
+w8a16_matmul).
 
 CPU: pack/unpack round trips against their error bounds, the reference forward of each module
 against F.linear on the dequantized weights (tight) and on the original weights (loose, the
@@ -26,17 +27,14 @@ from llmserve.inference.models.attention_backend import create_attention_backend
 from llmserve.inference.models.decoder_config import DecoderConfig
 from llmserve.inference.models.layers import MergedLinear
 from llmserve.inference.models.loader import load_model
-from llmserve.inference.models.quantization import (
+from llmserve.inference.models.quant_codes import (
     FP8_E4M3_MAX,
-    QUANTIZED_LINEAR_NAMES,
-    Fp8Linear,
-    Int8Linear,
     dequantize,
-    quantize_linears,
     quantize_per_token_fp8,
     quantize_weight_fp8,
     quantize_weight_int8,
 )
+from llmserve.inference.models.quantization import QUANTIZED_LINEAR_NAMES, Fp8Linear, Int8Linear, quantize_linears
 
 needs_triton = pytest.mark.skipif(not HAS_TRITON, reason="triton is not installed")
 needs_cuda = pytest.mark.skipif(not HAS_CUDA, reason="needs CUDA")

@@ -47,7 +47,7 @@ class ModelRunner:
         attention_name = resolve_attention_backend(config.attention_backend, self.device)
         self.attention = create_attention_backend(attention_name, self.model_config, self.block_size, self.device)
         if config.kv_cache_dtype == "fp8" and not self.attention.supports_fp8_kv_cache:
-            raise ValueError(f"kv_cache_dtype 'fp8' needs the triton attention backend, not {attention_name!r}")
+            raise ValueError(f"kv_cache_dtype 'fp8' needs the triton attention backend, not {self.attention.name!r}")
         self.model = load_model(files.path, self.model_config, self.device, self.dtype, self.attention)
         if config.quantization != "none":
             # Before sizing the KV pool: the freed bf16 matrices become KV blocks.
@@ -82,7 +82,7 @@ class ModelRunner:
             is_cuda = self.device.type == "cuda"
             self.decode_graphs = self._decode_graphs(config.max_num_seqs, max_context_tokens, capture=is_cuda)
         log.info(
-            "attention backend: %s; decode CUDA graphs: %s", attention_name,
+            "attention backend: %s; decode CUDA graphs: %s", self.attention.name,
             "off" if self.decode_graphs is None else ",".join(map(str, self.decode_graphs.sizes)),
         )
 

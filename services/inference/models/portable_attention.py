@@ -169,17 +169,8 @@ class PortableAttention(AttentionBackend[PortableAttentionMetadata]):
     def rope_tables(self, positions: torch.Tensor, inv_freq: torch.Tensor, dtype: torch.dtype) -> RopeTables:
         return full_width_tables(positions, inv_freq, dtype)
 
-    def attend(
-        self,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        rope: RopeTables,
-        kv_cache: KVLayer,
-        meta: PortableAttentionMetadata,
-        scale: float,
-        sliding_window: int | None,
-    ) -> torch.Tensor:
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rope: RopeTables, kv_cache: KVLayer,
+               meta: PortableAttentionMetadata, scale: float, sliding_window: int | None) -> torch.Tensor:
         cos, sin = rope
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         return paged_attention(q, k, v, *kv_cache, meta, scale, sliding_window)

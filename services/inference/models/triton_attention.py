@@ -89,17 +89,8 @@ class TritonAttention(AttentionBackend[TritonAttentionMetadata]):
     def rope_tables(self, positions: torch.Tensor, inv_freq: torch.Tensor, dtype: torch.dtype) -> RopeTables:
         return half_width_tables(positions, inv_freq)
 
-    def attend(
-        self,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        rope: RopeTables,
-        kv_cache: KVLayer,
-        meta: TritonAttentionMetadata,
-        scale: float,
-        sliding_window: int | None,
-    ) -> torch.Tensor:
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rope: RopeTables, kv_cache: KVLayer,
+               meta: TritonAttentionMetadata, scale: float, sliding_window: int | None) -> torch.Tensor:
         cos, sin = rope
         k_cache, v_cache = kv_cache
         q = rope_and_write_kv(q, k, v, cos, sin, k_cache, v_cache, meta.slot_mapping)
