@@ -10,15 +10,24 @@ from __future__ import annotations
 
 from tests.triton_cpu import HAS_CUDA, HAS_TRITON  # noqa: I001  (before any kernel import)
 
+import json
+
 import pytest
 import torch
 
 from llmserve.buckets import DECODE_GRAPH_BATCH_SIZES
+from llmserve.inference.engine.config import ATTENTION_BACKENDS
 from llmserve.inference.engine.cuda_graphs import graph_batch_sizes, graph_size_for, pad_decode_step
 from llmserve.inference.engine.scheduler import ScheduledBatch
 from llmserve.inference.engine.sequence import Sequence
 from llmserve.inference.engine.step_inputs import build_step_inputs
-from llmserve.inference.models.attention_backend import PADDING_SLOT
+from llmserve.inference.models.attention_backend import (
+    BACKENDS,
+    PADDING_SLOT,
+    create_attention_backend,
+    resolve_attention_backend,
+)
+from llmserve.inference.models.decoder_config import DecoderConfig
 from llmserve.sampling import SamplingParams
 from tests.test_torch_engine import greedy, make_engine, make_prompt, request, run
 
@@ -119,6 +128,18 @@ def assert_same_generations(results: dict, expected: dict, tolerance: float) -> 
         assert result.token_ids == expected[request_id].token_ids, request_id
         for index, logprobs in result.logprobs.items():
             assert logprobs == pytest.approx(expected[request_id].logprobs[index], abs=tolerance), request_id
+
+
+@pytest.mark.parametrize("name", [n for n in ATTENTION_BACKENDS if n != "auto"])
+def test_every_attention_backend_choice_has_an_implementation(name, tiny_model_dir):
+    """A choice of --attention-backend without an entry in the registry would fail only at start."""
+    entry = BACKENDS[name]
+    if entry.package is not None:
+        pytest.importorskip(entry.package)
+    config = DecoderConfig.from_hf(json.loads((tiny_model_dir / "config.json").read_text()))
+    backend = create_attention_backend(resolve_attention_backend(name, torch.device("cpu")), config, 16,
+                                       torch.device("cpu"))
+    assert backend.name == name
 
 
 @needs_triton

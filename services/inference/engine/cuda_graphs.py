@@ -6,8 +6,8 @@ max_num_seqs, plus max_num_seqs). Its inputs are copied into static device buffe
 b rows the graph reads: the n real rows, then b - n padding rows (token 0, position 0, slot -1
 so nothing is written to the cache, context length 0 so attention reads nothing). The graph
 covers the whole forward and the lm_head; the step reads the logits of its real rows. The
-attention metadata over the static buffers comes from the attention backend
-(AttentionBackend.decode_graph_metadata), built once per size, so it is captured as is.
+attention metadata comes from the attention backend (AttentionBackend.decode_graph_metadata),
+built over views of the static buffers: a replay reads each step's values through it.
 
 Why: a decode step launches ~10 kernels per layer, most of them tiny at small batches; replayed
 as one graph they run back to back without Python or launch gaps.

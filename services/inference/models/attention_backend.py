@@ -38,7 +38,9 @@ from llmserve.inference.engine.step_inputs import StepInputs, pad_rows
 from llmserve.inference.models.decoder_config import DecoderConfig
 from llmserve.inference.models.layer_ops import LayerOps
 
-PADDING_SLOT = -1  # the slot of a padding row: a backend writes nothing to the cache for it
+# The slot of a padding row (decode-graph spare rows, the warm-up prefill): a backend that takes
+# them (supports_decode_graphs, needs_warm_up) writes nothing to the cache for it.
+PADDING_SLOT = -1
 MetadataT = TypeVar("MetadataT")
 RopeTables = tuple[torch.Tensor, torch.Tensor]  # (cos, sin) of the step's positions
 KVLayer = tuple[torch.Tensor, torch.Tensor]  # (k, v) [num_blocks, block_size, num_kv_heads, head_dim]
