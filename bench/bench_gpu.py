@@ -264,7 +264,7 @@ def engine_on(hf_model, model_dir: Path, device: str, **overrides) -> TorchEngin
     settings.update(overrides)
     # If graph capture or the kernels fail on this machine, still measure what does work
     # (reported as engine.fallback).
-    attempts = [({}, None), ({"enforce_eager": True}, "eager"), ({"attention_backend": "torch"}, "torch-attention")]
+    attempts = [({}, None), ({"enforce_eager": True}, "eager"), ({"attention_backend": "portable"}, "portable-attention")]
     for extra, fallback in attempts:
         start = time.perf_counter()
         try:

@@ -15,7 +15,7 @@ from llmserve.cli import main as cli_main
 from llmserve.gateway.__main__ import build_parser as build_gateway_parser
 from llmserve.inference.__main__ import config_from_args, parse_args
 from llmserve.inference.engine.config import EngineConfig
-from llmserve.inference.engine.model_runner import resolve_attention_backend
+from llmserve.inference.models.attention_backend import resolve_attention_backend
 from llmserve.inference.engine_flags import flag_of, flagged_fields, parsed_default, value_type
 from llmserve.launcher import PREPROCESS_ENGINE_OPTIONS, _common_args, _inference_args, _preprocess_args
 from llmserve.preprocess.__main__ import build_parser as build_preprocess_parser
@@ -95,7 +95,7 @@ def test_new_inference_flags_default_to_the_engine_defaults(tiny_model_dir):
     ("flags", "expected"),
     [
         (["--attention-backend", "triton"], {"attention_backend": "triton"}),
-        (["--attention-backend", "torch"], {"attention_backend": "torch"}),
+        (["--attention-backend", "portable"], {"attention_backend": "portable"}),
         (["--kv-cache-dtype", "fp8"], {"kv_cache_dtype": "fp8"}),
         (["--quantization", "fp8"], {"quantization": "fp8"}),
         (["--quantization", "int8"], {"quantization": "int8"}),
@@ -116,7 +116,7 @@ def test_new_inference_flags_reach_engine_config(tiny_model_dir, flags, expected
 @pytest.mark.parametrize(
     ("flag", "value", "choices"),
     [
-        ("--attention-backend", "cuda", "'auto', 'torch', 'triton'"),
+        ("--attention-backend", "cuda", "'auto', 'portable', 'triton'"),
         ("--kv-cache-dtype", "fp16", "'auto', 'fp8'"),
         ("--quantization", "int4", "'none', 'fp8', 'int8'"),
     ],
@@ -135,14 +135,14 @@ def test_inference_help_explains_the_new_flags(capsys):
     text = " ".join(capsys.readouterr().out.split())
     for flag in NEW_FLAGS:
         assert flag in text
-    assert "auto = triton on CUDA when triton imports, torch otherwise (always torch on CPU)" in text
+    assert "auto = triton on CUDA when triton imports, portable otherwise (always portable on CPU)" in text
     assert "(needs the triton attention backend, so CUDA)" in text
     assert "(CUDA, compute capability >= 8.9)" in text
 
 
-def test_auto_attention_is_torch_on_cpu_whether_or_not_triton_imports():
-    assert resolve_attention_backend("auto", torch.device("cpu")) == "torch"
-    assert resolve_attention_backend("torch", torch.device("cpu")) == "torch"
+def test_auto_attention_is_portable_on_cpu_whether_or_not_triton_imports():
+    assert resolve_attention_backend("auto", torch.device("cpu")) == "portable"
+    assert resolve_attention_backend("portable", torch.device("cpu")) == "portable"
 
 
 # --- `llmserve serve` → launcher → inference ---------------------------------------------------

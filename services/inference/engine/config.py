@@ -13,9 +13,10 @@ from pathlib import Path
 from llmserve.block_hash import DEFAULT_BLOCK_SIZE
 
 BACKENDS = ("torch", "hf", "trtllm")
-# torch backend attention/small-op implementation: "auto" = Triton kernels on CUDA when triton
-# imports, else the portable torch path; "triton" requires them; "torch" forces the portable path.
-ATTENTION_BACKENDS = ("auto", "torch", "triton")
+# torch backend attention/small-op implementation (models/attention_backend.py): "auto" = the
+# Triton kernels on CUDA when triton imports, else the portable path; "triton" requires them;
+# "portable" forces the portable path (any device).
+ATTENTION_BACKENDS = ("auto", "portable", "triton")
 # KV-cache element type: "auto" = the model dtype; "fp8" = float8 e4m3 with scale 1 (half the
 # bytes attention reads per step; needs the triton backend).
 KV_CACHE_DTYPES = ("auto", "fp8")
@@ -115,8 +116,8 @@ class EngineConfig:
     attention_backend: str = _flagged(
         "auto", "--attention-backend", "attention and the small fused ops: triton = Triton kernels "
         "reading the paged KV cache in place, decode steps replayed as CUDA graphs unless "
-        "--enforce-eager (CUDA; needs the triton package); torch = the portable path, any device; "
-        "auto = triton on CUDA when triton imports, torch otherwise (always torch on CPU)",
+        "--enforce-eager (CUDA; needs the triton package); portable = the portable path, any device; "
+        "auto = triton on CUDA when triton imports, portable otherwise (always portable on CPU)",
         group=KERNELS_GROUP, choices=ATTENTION_BACKENDS,
     )  # fmt: skip
     kv_cache_dtype: str = _flagged(
