@@ -70,6 +70,7 @@ class HFEngineCore:
             backend="hf",
             device=str(self._model.device),
         )
+        self._eos_token_ids = frozenset(files.eos_token_ids)
         self._sampler = Sampler(files.eos_token_ids)
         self._waiting: deque[_Request] = deque()
         self._running: _Running | None = None
@@ -162,7 +163,7 @@ class HFEngineCore:
             sequence.first_token_ns = now_ns
         finish = finish_at_token(
             token_id, sequence.num_completion_tokens, sequence.num_tokens, sequence.sampling,
-            stop_token_ids(sequence.sampling, self._sampler.eos_token_ids), self.model_info.max_context_tokens,
+            stop_token_ids(sequence.sampling, self._eos_token_ids), self.model_info.max_context_tokens,
         )
         output = EngineOutput.for_token(sequence.request_id, sequence.sequence_index, token_id, logprob, finish)
         if output.is_finished:

@@ -20,8 +20,9 @@ class HFModel:
         from transformers import AutoModelForCausalLM
 
         self.device = _resolve_device(device)
+        weights_dtype = torch_dtype(dtype)  # a ValueError naming the choices before any loading
         log.info("loading %s (%s) with transformers on %s as %s", files.path, files.architecture, self.device, dtype)
-        model = AutoModelForCausalLM.from_pretrained(files.path, dtype=torch_dtype(dtype))
+        model = AutoModelForCausalLM.from_pretrained(files.path, dtype=weights_dtype)
         self._model = model.to(self.device).eval()
         self.vocab_size: int = self._model.get_output_embeddings().weight.shape[0]
         self._cache_kwarg, self._logits_kwargs = _forward_kwargs(self._model)
