@@ -51,7 +51,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     defaults = EngineConfig(model_path=Path("."), model_name="")
     p = argparse.ArgumentParser(
         prog="python -m llmserve.inference",
-        description="Inference service: token ids in, token ids out (llmserve.v1.Inference).",
+        description="Inference service: token ids in, token ids out (llmserve.v1.InferenceService).",
         formatter_class=_DefaultsFormatter,
     )
     server = add_server_arguments(p, default_grace_period_s=DEFAULT_GRACE_PERIOD_S)
@@ -150,7 +150,7 @@ async def serve(config: InferenceConfig) -> None:
     servicer = InferenceServicer(engine, replica_id=config.replica_id or "")
     running = await create_server(
         config.address,
-        lambda server: inference_pb2_grpc.add_InferenceServicer_to_server(servicer, server),
+        lambda server: inference_pb2_grpc.add_InferenceServiceServicer_to_server(servicer, server),
         [SERVICE_NAME],
     )
     if not servicer.replica_id:
