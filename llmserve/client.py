@@ -31,27 +31,28 @@ def run_chat(args: argparse.Namespace) -> int:
     if args.system is not None:
         messages.append(common_pb2.ChatMessage(role="system", content=args.system))
     messages.append(common_pb2.ChatMessage(role="user", content=args.message))
-    request = gateway_pb2.GenerateRequest(
+    params = gateway_pb2.GenerateParams(
         model=args.model, chat=common_pb2.ChatInput(messages=messages), sampling=_sampling_pb(args)
     )
-    return _stream_to_terminal(args, request)
+    return _stream_to_terminal(args, params)
 
 
 def run_generate(args: argparse.Namespace) -> int:
     from llmserve.v1 import gateway_pb2
 
-    request = gateway_pb2.GenerateRequest(model=args.model, prompt=args.prompt, sampling=_sampling_pb(args))
-    return _stream_to_terminal(args, request)
+    params = gateway_pb2.GenerateParams(model=args.model, prompt=args.prompt, sampling=_sampling_pb(args))
+    return _stream_to_terminal(args, params)
 
 
-def _stream_to_terminal(args: argparse.Namespace, request) -> int:
+def _stream_to_terminal(args: argparse.Namespace, params) -> int:
     """Write text deltas to stdout as they arrive (then a newline); usage on stderr."""
     import grpc
 
-    from llmserve.v1 import gateway_pb2_grpc
+    from llmserve.v1 import gateway_pb2, gateway_pb2_grpc
 
+    request = gateway_pb2.GenerateStreamRequest(params=params)
     with _channel(args.address) as channel:
-        call = gateway_pb2_grpc.GatewayStub(channel).GenerateStream(request, timeout=args.timeout_s)
+        call = gateway_pb2_grpc.GatewayServiceStub(channel).GenerateStream(request, timeout=args.timeout_s)
         last = None
         has_text = False
         try:
@@ -83,10 +84,11 @@ def _end_line(has_text: bool) -> None:
 def _usage_line(response) -> str:
     from llmserve.v1 import common_pb2
 
-    finish = common_pb2.FinishReason.Name(response.finish_reason).removeprefix("FINISH_REASON_").lower()
-    if response.HasField("matched_stop"):
-        finish += f" ({response.matched_stop!r})"
-    usage, timings = response.usage, response.timings
+    result = response.result
+    finish = common_pb2.FinishReason.Name(result.finish_reason).removeprefix("FINISH_REASON_").lower()
+    if result.HasField("matched_stop"):
+        finish += f" ({result.matched_stop!r})"
+    usage, timings = result.usage, result.timings
     return (
         f"[{response.request_id}] finish: {finish} | tokens: prompt {usage.prompt_tokens}, "
         f"completion {usage.completion_tokens}, cached {usage.cached_tokens} | "
@@ -101,13 +103,13 @@ def run_models(args: argparse.Namespace) -> int:
 
     with _channel(args.address) as channel:
         try:
-            response = gateway_pb2_grpc.GatewayStub(channel).ListModels(
+            response = gateway_pb2_grpc.GatewayServiceStub(channel).ListModels(
                 gateway_pb2.ListModelsRequest(), timeout=args.timeout_s
             )
         except grpc.RpcError as error:
             return _report_rpc_error(error, args.address)
-    for card in response.models:
-        print(f"{card.id}\t{card.architecture}\tcontext {card.max_context_tokens} tokens\tbackend {card.backend}")
+    for model in response.models:
+        print(f"{model.model_name}\t{model.architecture}\tcontext {model.max_context_tokens} tokens\tbackend {model.backend}")
     return 0
 
 

@@ -75,7 +75,7 @@ def print_banner(config: ServeConfig, port: int, model_dir: Path, out: IO[str]) 
         f"  try:     llmserve chat --address {address} \"Hello! Who are you?\"\n"
         f"           llmserve generate --address {address} \"The capital of France is\" --max-tokens 32\n"
         f"           llmserve models --address {address}\n"
-        f"  grpcurl: grpcurl -plaintext -d '{{\"prompt\": \"Hi\"}}' {address} llmserve.v1.Gateway/GenerateStream\n"
+        f"  grpcurl: grpcurl -plaintext -d '{{\"params\": {{\"prompt\": \"Hi\"}}}}' {address} llmserve.v1.GatewayService/GenerateStream\n"
         f"  Ctrl-C stops all services.\n"
     )
     out.flush()

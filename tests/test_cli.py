@@ -115,17 +115,18 @@ def test_serve_generate_chat_models_then_sigterm_stops_everything(private_model_
         address = serve.wait_for_address()
         child_pids = pids_with_argument(str(private_model_dir)) - {serve.process.pid}
         assert len(child_pids) == 3, serve.log()  # preprocess, inference, gateway
-        stub = gateway_pb2_grpc.GatewayStub(grpc.insecure_channel(address))
+        stub = gateway_pb2_grpc.GatewayServiceStub(grpc.insecure_channel(address))
         sampling = common_pb2.SamplingParams(temperature=0.0, max_tokens=16)
 
-        expected = stub.Generate(gateway_pb2.GenerateRequest(prompt="The capital of France is", sampling=sampling))
+        prompt = gateway_pb2.GenerateParams(prompt="The capital of France is", sampling=sampling)
+        expected = stub.Generate(gateway_pb2.GenerateRequest(params=prompt))
         result = run_client(
             "generate", "The capital of France is", "--address", address, "--temperature", "0", "--max-tokens", "16"
         )
         assert result.returncode == 0, result.stderr
         assert result.stdout == expected.text + "\n"
         assert "finish: length | tokens: prompt " in result.stderr
-        assert f"completion {expected.usage.completion_tokens}," in result.stderr
+        assert f"completion {expected.result.usage.completion_tokens}," in result.stderr
 
         chat = common_pb2.ChatInput(
             messages=[
@@ -133,7 +134,8 @@ def test_serve_generate_chat_models_then_sigterm_stops_everything(private_model_
                 common_pb2.ChatMessage(role="user", content="Hi there"),
             ]
         )
-        expected_chat = stub.Generate(gateway_pb2.GenerateRequest(chat=chat, sampling=sampling))
+        chat_params = gateway_pb2.GenerateParams(chat=chat, sampling=sampling)
+        expected_chat = stub.Generate(gateway_pb2.GenerateRequest(params=chat_params))
         result = run_client(
             "chat", "Hi there", "--system", "Be brief.",
             "--address", address, "--temperature", "0", "--max-tokens", "16",

@@ -24,7 +24,7 @@ log = logging.getLogger("llmserve.gateway")
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="python -m llmserve.gateway",
-        description="llmserve gateway: the public gRPC API (llmserve.v1.Gateway). It mints request "
+        description="llmserve gateway: the public gRPC API (llmserve.v1.GatewayService). It mints request "
         "ids, sends each request through preprocess and inference, and streams text back.",
     )
     add_server_arguments(parser, default_port=GATEWAY_PORT)
@@ -40,7 +40,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--model", required=True, metavar="DIR", help="model checkpoint dir (its tokenizer.json detokenizes output)"
     )
     parser.add_argument(
-        "--model-name", default=None, help="name clients pass as GenerateRequest.model (default: inference's)"
+        "--model-name", default=None, help="name clients pass as GenerateParams.model (default: inference's)"
     )
     parser.add_argument(
         "--downstream-ready-timeout-s",

@@ -29,7 +29,7 @@ log = logging.getLogger("llmserve.inference")
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(
         prog="python -m llmserve.inference",
-        description="Inference service: token ids in, token ids out (llmserve.v1.Inference).",
+        description="Inference service: token ids in, token ids out (llmserve.v1.InferenceService).",
     )
     server = add_server_arguments(p)
     server.add_argument("--replica-id", help="stable routing key of this replica (default: <hostname>-<bound port>)")
@@ -64,7 +64,7 @@ async def serve(config: InferenceConfig) -> None:
     servicer = InferenceServicer(engine, replica_id=config.replica_id or "")
     running = await create_server(
         config.address,
-        lambda server: inference_pb2_grpc.add_InferenceServicer_to_server(servicer, server),
+        lambda server: inference_pb2_grpc.add_InferenceServiceServicer_to_server(servicer, server),
         [SERVICE_NAME],
     )
     if not servicer.replica_id:

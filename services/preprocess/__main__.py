@@ -47,7 +47,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="HF checkpoint directory; tokenizer.json, tokenizer_config.json (chat template, special "
         "tokens) and config.json (context length, EOS) are read from it once at start",
     )
-    parser.add_argument("--model-name", metavar="NAME", help="name reported by GetInfo (default: the checkpoint's own name)")
+    parser.add_argument("--model-name", metavar="NAME", help="name reported by GetPreprocessInfo (default: the checkpoint's own name)")
     add_server_arguments(parser, default_port=PREPROCESS_PORT)
     parser.add_argument(
         "--block-size", type=_positive_int, default=DEFAULT_BLOCK_SIZE, metavar="TOKENS",
