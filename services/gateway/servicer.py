@@ -2,7 +2,7 @@
 
 Every request gets a request id (uuid4 hex) sent back in the `x-request-id` initial metadata
 and in the response. Sampling parameters are validated here, at the edge; errors from the hops
-come through as the statuses `clients.error_from_rpc` chose.
+come through as the statuses `hop_errors.error_from_rpc` chose.
 """
 
 from __future__ import annotations
