@@ -3,6 +3,11 @@
 Servicers raise these (or let them propagate from validation); `ErrorMappingInterceptor` turns
 them into a precise status code with the message, so no handler repeats try/except blocks.
 Anything unexpected becomes INTERNAL with the request id logged, and the server stays up.
+
+Besides the human message, every status carries a `google.rpc.Status` in the trailing metadata
+(the gRPC ecosystem's rich error model, read with `grpc_status.rpc_status.from_call`): a
+`BadRequest` field violation for INVALID_ARGUMENT and a `RetryInfo` where a retry makes sense.
+Callers (our gateway included) read the field and the retry delay from there, never from prose.
 """
 
 from __future__ import annotations
@@ -11,11 +16,11 @@ import logging
 from typing import Any, Awaitable, Callable
 
 import grpc
+from google.protobuf import any_pb2, duration_pb2
+from google.rpc import error_details_pb2, status_pb2
+from grpc_status import rpc_status
 
 log = logging.getLogger(__name__)
-
-# Trailing-metadata key carrying a retry hint (milliseconds) on RESOURCE_EXHAUSTED/UNAVAILABLE.
-RETRY_AFTER_MS_KEY = "retry-after-ms"
 
 
 class ServiceError(Exception):
@@ -26,51 +31,61 @@ class ServiceError(Exception):
     def __init__(self, message: str, *, retry_after_ms: int | None = None):
         super().__init__(message)
         self.message = message
-        self.retry_after_ms = retry_after_ms
+        self.retry_after_ms = retry_after_ms  # sent as RetryInfo when set
 
 
 class InvalidArgument(ServiceError):
-    """User input is wrong; the message names the field and, where one applies, the limit."""
+    """User input is wrong; `field` names it and `problem` says why (with the limit, where one
+    applies). The message is "field: problem"; the field travels as a BadRequest violation."""
 
     code = grpc.StatusCode.INVALID_ARGUMENT
 
     def __init__(self, field: str, problem: str):
         super().__init__(f"{field}: {problem}")
         self.field = field
-
-
-class ResourceExhausted(ServiceError):
-    """The server is full right now; retry after the hint."""
-
-    code = grpc.StatusCode.RESOURCE_EXHAUSTED
+        self.problem = problem
 
 
 class NotFound(ServiceError):
     code = grpc.StatusCode.NOT_FOUND
 
 
+# A draining server or a restarting hop is back, or replaced, within about this long.
+UNAVAILABLE_RETRY_AFTER_MS = 1000
+
+
 class Unavailable(ServiceError):
-    """The service is draining or a dependency is down."""
+    """The service is draining or a dependency is down; worth retrying after the hint."""
 
     code = grpc.StatusCode.UNAVAILABLE
 
+    def __init__(self, message: str, *, retry_after_ms: int | None = UNAVAILABLE_RETRY_AFTER_MS):
+        super().__init__(message, retry_after_ms=retry_after_ms)
 
-class FailedPrecondition(ServiceError):
-    code = grpc.StatusCode.FAILED_PRECONDITION
+
+def _packed(message) -> any_pb2.Any:
+    packed = any_pb2.Any()
+    packed.Pack(message)
+    return packed
 
 
-def trailing_metadata_for(error: ServiceError) -> tuple[tuple[str, str], ...]:
-    if error.retry_after_ms is None:
-        return ()
-    return ((RETRY_AFTER_MS_KEY, str(error.retry_after_ms)),)
+def rich_status_for(error: ServiceError) -> status_pb2.Status:
+    """The google.rpc.Status of `error`: code, message and its structured details."""
+    status = status_pb2.Status(code=error.code.value[0], message=error.message)
+    if isinstance(error, InvalidArgument):
+        violation = error_details_pb2.BadRequest.FieldViolation(field=error.field, description=error.problem)
+        status.details.append(_packed(error_details_pb2.BadRequest(field_violations=[violation])))
+    if error.retry_after_ms is not None:
+        delay = duration_pb2.Duration()
+        delay.FromMilliseconds(error.retry_after_ms)
+        status.details.append(_packed(error_details_pb2.RetryInfo(retry_delay=delay)))
+    return status
 
 
 async def abort_with(context: grpc.aio.ServicerContext, error: ServiceError) -> None:
-    """Abort the RPC with the error's status; never returns (grpc raises)."""
-    metadata = trailing_metadata_for(error)
-    if metadata:
-        context.set_trailing_metadata(metadata)
-    await context.abort(error.code, error.message)
+    """Abort the RPC with the error's status and details; never returns (grpc raises)."""
+    status = rpc_status.to_status(rich_status_for(error))
+    await context.abort(status.code, status.details, trailing_metadata=status.trailing_metadata)
 
 
 async def _map_exception(exc: BaseException, context: grpc.aio.ServicerContext, method: str) -> None:

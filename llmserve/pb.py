@@ -41,11 +41,11 @@ def _check_range(name: str, value: float, low: float, high: float) -> None:
         raise InvalidArgument(f"sampling.{name}", f"must be in [{low:g}, {high:g}], got {value:g}")
 
 
-def sampling_from_pb(pb: common_pb2.SamplingParams, *, default_max_tokens: int) -> SamplingParams:
-    """Validate and resolve defaults. `default_max_tokens` applies when max_tokens is unset."""
+def sampling_from_pb(pb: common_pb2.SamplingParams) -> SamplingParams:
+    """Validate and resolve defaults; max_tokens stays None when unset (preprocess resolves it)."""
     if pb.HasField("max_tokens") and pb.max_tokens < 1:
         raise InvalidArgument("sampling.max_tokens", f"must be at least 1, got {pb.max_tokens}")
-    max_tokens = pb.max_tokens if pb.HasField("max_tokens") else default_max_tokens
+    max_tokens = pb.max_tokens if pb.HasField("max_tokens") else None
     temperature = pb.temperature if pb.HasField("temperature") else 1.0
     _check_range("temperature", temperature, 0.0, 100.0)
     top_p = pb.top_p if pb.HasField("top_p") else 1.0
@@ -99,7 +99,6 @@ def sampling_from_pb(pb: common_pb2.SamplingParams, *, default_max_tokens: int) 
 
 def sampling_to_pb(params: SamplingParams) -> common_pb2.SamplingParams:
     pb = common_pb2.SamplingParams(
-        max_tokens=params.max_tokens,
         temperature=params.temperature,
         top_p=params.top_p,
         top_k=params.top_k,
@@ -113,6 +112,8 @@ def sampling_to_pb(params: SamplingParams) -> common_pb2.SamplingParams:
         frequency_penalty=params.frequency_penalty,
         n=params.n,
     )
+    if params.max_tokens is not None:
+        pb.max_tokens = params.max_tokens
     if params.seed is not None:
         pb.seed = params.seed
     if params.logprobs is not None:

@@ -19,9 +19,14 @@ class FinishReason(enum.Enum):
 
 @dataclass(frozen=True, slots=True)
 class SamplingParams:
-    """Sampling settings with every default resolved. temperature == 0 means greedy."""
+    """Sampling settings with every default resolved. temperature == 0 means greedy.
 
-    max_tokens: int
+    `max_tokens` is resolved once, by preprocess (it knows the prompt length and the context):
+    None only in the gateway, between the client's request (max_tokens unset) and preprocess's
+    answer. Every EngineRequest carries it set (the inference servicer refuses None).
+    """
+
+    max_tokens: int | None
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = 0  # 0 = no limit

@@ -6,6 +6,7 @@ import pytest
 from tokenizers import Tokenizer
 
 from llmserve.gateway.detokenizer import REPLACEMENT_CHAR, Detokenizer
+from llmserve.text_decoder import TextDecoder
 from tests.factories import build_tokenizer
 
 MULTI_BYTE_TEXTS = [
@@ -27,7 +28,7 @@ def tokenizer(tmp_path_factory) -> Tokenizer:
 
 @pytest.fixture(scope="module")
 def detokenizer(tokenizer) -> Detokenizer:
-    return Detokenizer(tokenizer)
+    return Detokenizer(TextDecoder(tokenizer, {}))
 
 
 def byte_token_ids(tokenizer: Tokenizer, text: str) -> list[int]:
@@ -62,7 +63,7 @@ def stream_deltas(detokenizer: Detokenizer, token_ids: list[int], chunk_size: in
 def test_bpe_tokens_deltas_add_up_and_never_split_a_character(tokenizer, detokenizer, text, chunk_size):
     token_ids = tokenizer.encode(text).ids
     deltas = stream_deltas(detokenizer, token_ids, chunk_size)
-    assert "".join(deltas) == detokenizer.decode(token_ids) == text
+    assert "".join(deltas) == detokenizer.decoder.decode(token_ids, skip_special_tokens=True) == text
     assert all(REPLACEMENT_CHAR not in d for d in deltas)
 
 
@@ -133,4 +134,5 @@ def test_invalid_utf8_is_not_held_back_forever(tokenizer, detokenizer):
 def test_from_model_dir(tmp_path):
     build_tokenizer(tmp_path)
     detokenizer = Detokenizer.from_model_dir(tmp_path)
-    assert detokenizer.decode(Tokenizer.from_file(str(tmp_path / "tokenizer.json")).encode("東京").ids) == "東京"
+    token_ids = Tokenizer.from_file(str(tmp_path / "tokenizer.json")).encode("東京").ids
+    assert detokenizer.decoder.decode(token_ids, skip_special_tokens=True) == "東京"

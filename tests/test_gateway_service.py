@@ -16,6 +16,7 @@ from pathlib import Path
 import grpc
 import pytest
 
+from llmserve.errors import UNAVAILABLE_RETRY_AFTER_MS
 from llmserve.v1 import (
     common_pb2,
     gateway_pb2,
@@ -26,6 +27,7 @@ from llmserve.v1 import (
     preprocess_pb2_grpc,
 )
 from tests.procs import start_service, stop_service
+from tests.rich_status import field_violation, retry_delay_ms
 
 LONG_CONTEXT_TOKENS = 4096
 LONG_MAX_TOKENS = 4000  # with ignore_eos: seconds of generation, so it is still running when stopped
@@ -234,11 +236,16 @@ def test_stop_string_absent_keeps_full_text(gateway):
     assert not response.result.HasField("matched_stop")
 
 
-def assert_rpc_error(call, code: grpc.StatusCode, details_start: str) -> None:
+def assert_rpc_error(call, code: grpc.StatusCode, details_start: str) -> grpc.RpcError:
     with pytest.raises(grpc.RpcError) as info:
         call()
     assert info.value.code() == code, info.value.details()
     assert info.value.details().startswith(details_start), info.value.details()
+    if code == grpc.StatusCode.INVALID_ARGUMENT:
+        # The field travels as a structured BadRequest violation, the message is built from it.
+        field, problem = field_violation(info.value)
+        assert info.value.details() == f"{field}: {problem}"
+    return info.value
 
 
 INVALID = grpc.StatusCode.INVALID_ARGUMENT
@@ -267,6 +274,14 @@ BAD_REQUESTS = [
         "model: unknown model 'other'",
     ),
 ]
+
+
+def test_a_preprocess_field_is_renamed_to_the_client_field_in_the_details(gateway):
+    error = assert_rpc_error(
+        lambda: generate(gateway, prompt_params("Hello", max_tokens=LONG_CONTEXT_TOKENS + 10)), INVALID, "sampling."
+    )
+    # Preprocess names it max_tokens; the client set sampling.max_tokens.
+    assert field_violation(error) == ("sampling.max_tokens", "4106 exceeds the server limit of 4095 output tokens")
 
 
 @pytest.mark.parametrize(("params", "code", "details_start"), BAD_REQUESTS)
@@ -353,8 +368,9 @@ def test_inference_down_is_unavailable(services, model_dir, tmp_path):
         stub = gateway_pb2_grpc.GatewayServiceStub(grpc.insecure_channel(gateway.address))
         request = prompt_params("Hello", max_tokens=2)
         unavailable = grpc.StatusCode.UNAVAILABLE
-        assert_rpc_error(lambda: generate(stub, request), unavailable, "inference unavailable: ")
-        assert_rpc_error(lambda: collect_stream(stub, request), unavailable, "inference unavailable: ")
+        for call in (lambda: generate(stub, request), lambda: collect_stream(stub, request)):
+            error = assert_rpc_error(call, unavailable, "inference unavailable: ")
+            assert retry_delay_ms(error) == UNAVAILABLE_RETRY_AFTER_MS
     finally:
         if gateway is not None:
             assert stop_service(gateway) == 0, gateway.log_tail()

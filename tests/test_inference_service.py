@@ -16,6 +16,7 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
+from llmserve.block_hash import HASH_VERSION
 from llmserve.inference.backends import BackendUnavailable, create_engine, create_engine_core
 from llmserve.inference.engine.async_engine import AsyncEngine
 from llmserve.inference.engine.config import EngineConfig
@@ -25,6 +26,7 @@ from llmserve.inference.servicer import SERVICE_NAME, InferenceServicer
 from llmserve.sampling import SamplingParams
 from llmserve.server import CHANNEL_OPTIONS, RunningServer, create_server
 from llmserve.v1 import common_pb2, inference_pb2, inference_pb2_grpc
+from tests.rich_status import field_violation
 
 pytestmark = pytest.mark.asyncio(loop_scope="session")
 
@@ -191,16 +193,45 @@ def _invalid_cases(vocab_size: int):
             f"sampling.stop_token_ids[1]: token id {vocab_size + 7} is not below the vocab size {vocab_size}",
         ),
         (
-            inference_pb2.GenerateTokensRequest(request_id="x", prompt_token_ids=PROMPT, block_hashes=[1]),
-            "block_size_tokens: must be positive when block_hashes are given",
+            generate_request("x", temperature=0.0),
+            "sampling.max_tokens: must be set (preprocess resolves it for the prompt); at most 248 for this prompt",
         ),
         (
-            inference_pb2.GenerateTokensRequest(
-                request_id="x", prompt_token_ids=PROMPT, block_hashes=[1], block_size_tokens=16
-            ),
-            "block_hashes: 1 hashes but the prompt has only 0 full blocks of 16 tokens",
+            hashed_request(block_size_tokens=0),
+            "block_size_tokens: must be this replica's block size of 16 tokens when block_hashes are given, got 0",
+        ),
+        (
+            hashed_request(block_size_tokens=32),
+            "block_size_tokens: must be this replica's block size of 16 tokens when block_hashes are given, got 32",
+        ),
+        (
+            hashed_request(block_hash_version=HASH_VERSION + 1),
+            f"block_hash_version: must be this replica's version {HASH_VERSION} when block_hashes are given, "
+            f"got {HASH_VERSION + 1}",
+        ),
+        (
+            hashed_request(block_hashes=[1, 2]),
+            "block_hashes: 2 hashes but the prompt has only 1 full blocks of 16 tokens",
         ),
     ]
+
+
+def hashed_request(**fields) -> inference_pb2.GenerateTokensRequest:
+    """A 20-token prompt (one full block of 16) with one block hash, as preprocess sends it."""
+    request = inference_pb2.GenerateTokensRequest(
+        request_id="x",
+        prompt_token_ids=list(range(1, 21)),
+        sampling=common_pb2.SamplingParams(max_tokens=4),
+        block_hashes=[1],
+        block_size_tokens=16,
+        block_hash_version=HASH_VERSION,
+    )
+    for name, value in fields.items():
+        if name == "block_hashes":
+            request.block_hashes[:] = value
+        else:
+            setattr(request, name, value)
+    return request
 
 
 async def test_invalid_requests_get_precise_invalid_argument(service, vocab_size):
@@ -208,6 +239,8 @@ async def test_invalid_requests_get_precise_invalid_argument(service, vocab_size
         with pytest.raises(grpc.aio.AioRpcError) as error:
             await read_all(service.stub.GenerateTokens(request))
         assert (error.value.code(), error.value.details()) == (grpc.StatusCode.INVALID_ARGUMENT, message)
+        field, problem = field_violation(error.value)
+        assert message == f"{field}: {problem}"
     load = await service.stub.GetLoad(inference_pb2.GetLoadRequest())  # still healthy
     assert (load.num_running, load.num_waiting) == (0, 0)
 
@@ -285,6 +318,7 @@ async def test_get_model_info(service, vocab_size):
             dtype="float32",
             backend="hf",
             device="cpu",
+            block_hash_version=HASH_VERSION,
         ),
         replica_id="replica-under-test",
     )

@@ -21,15 +21,15 @@ from llmserve.v1 import common_pb2
 
 
 def test_unset_fields_take_server_defaults_not_proto_zeros():
-    params = sampling_from_pb(common_pb2.SamplingParams(), default_max_tokens=77)
-    assert params == SamplingParams(max_tokens=77)
+    params = sampling_from_pb(common_pb2.SamplingParams())
+    assert params == SamplingParams(max_tokens=None)  # unset: preprocess resolves it
     assert params.temperature == 1.0 and params.top_p == 1.0 and params.repetition_penalty == 1.0
     assert params.seed is None and params.logprobs is None and params.n == 1
 
 
 def test_explicit_zeros_are_kept():
     pb = common_pb2.SamplingParams(temperature=0.0, seed=0, logprobs=0, top_k=0)
-    params = sampling_from_pb(pb, default_max_tokens=5)
+    params = sampling_from_pb(pb)
     assert params.temperature == 0.0 and params.is_greedy
     assert params.seed == 0 and params.logprobs == 0
 
@@ -40,7 +40,7 @@ def test_sampling_round_trip():
         stop=("END", "\n\n"), stop_token_ids=(2, 7), ignore_eos=True, min_tokens=3,
         repetition_penalty=1.1, presence_penalty=0.5, frequency_penalty=-0.5, logprobs=3, n=2,
     )
-    back = sampling_from_pb(sampling_to_pb(params), default_max_tokens=1)
+    back = sampling_from_pb(sampling_to_pb(params))
     assert back.max_tokens == 9 and back.stop == ("END", "\n\n") and back.seed == 123
     assert back.n == 2 and back.logprobs == 3 and back.ignore_eos and back.top_k == 40
     for name in ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty"):
@@ -66,7 +66,7 @@ def test_sampling_round_trip():
 )
 def test_invalid_sampling_names_field_and_limit(pb, field, fragment):
     with pytest.raises(InvalidArgument) as info:
-        sampling_from_pb(pb, default_max_tokens=10)
+        sampling_from_pb(pb)
     assert info.value.field == field
     assert str(info.value).startswith(f"{field}: ")
     assert fragment in str(info.value)

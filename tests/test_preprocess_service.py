@@ -26,6 +26,7 @@ from llmserve.preprocess.config import PreprocessConfig
 from llmserve.preprocess.server import start_server
 from llmserve.server import CHANNEL_OPTIONS
 from llmserve.v1 import common_pb2, preprocess_pb2, preprocess_pb2_grpc
+from tests.rich_status import field_violation
 
 pytestmark = pytest.mark.asyncio(loop_scope="session")
 
@@ -91,7 +92,8 @@ async def stubs(tiny_model_dir, tmp_path_factory):
     for channel in channels:
         await channel.close()
     for server in servers:
-        await server.stop(grace_s=1.0)
+        await server.running.server.stop(1.0)
+        server.close()
 
 
 @pytest.fixture(scope="module")
@@ -122,6 +124,9 @@ async def _invalid_argument(call, request) -> str:
     with pytest.raises(grpc.aio.AioRpcError) as caught:
         await call(request)
     assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    # The structured detail names the same field as the message ("field: problem").
+    field, problem = field_violation(caught.value)
+    assert caught.value.details() == f"{field}: {problem}"
     return caught.value.details()
 
 

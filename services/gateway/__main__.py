@@ -1,7 +1,8 @@
 """`python -m llmserve.gateway`: the public API in front of preprocess and inference.
 
-Start-up: wait (bounded) for both hops to report SERVING → read the model card → bind → SERVING
-→ write the port file. SIGTERM/SIGINT: NOT_SERVING → drain in-flight requests → exit 0.
+Start-up: wait (bounded) for both hops to report SERVING → check that their block layouts agree
+(exit 1 naming both values if not) → read the model card → bind → SERVING → write the port file.
+SIGTERM/SIGINT: NOT_SERVING → drain in-flight requests → exit 0.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from pathlib import Path
 
 from llmserve.errors import ServiceError
 from llmserve.gateway.app import start_gateway
+from llmserve.gateway.block_layout import BlockLayoutMismatch
 from llmserve.gateway.config import DEFAULT_DOWNSTREAM_READY_TIMEOUT_S, GatewayConfig
 from llmserve.server import configure_logging, exit_with_parent, serve_until_signal, write_port_file
 from llmserve.server_flags import GATEWAY_PORT, add_server_arguments
@@ -84,6 +86,9 @@ def main(argv: list[str] | None = None) -> int:
         asyncio.run(serve(config))
     except ServiceError as error:  # a hop never became ready
         log.error("%s", error.message)
+        return 1
+    except BlockLayoutMismatch as error:  # preprocess and inference were started differently
+        log.error("cannot start: %s", error)
         return 1
     except KeyboardInterrupt:  # interrupted during start-up, before the signal handlers exist
         return 130

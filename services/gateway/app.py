@@ -1,8 +1,9 @@
 """Assembling a running gateway from its config: clients, tokenizer, servicer, server.
 
 `start_gateway` is what __main__ runs and what in-process tests call. Start-up order: wait
-(bounded) for preprocess and inference to report SERVING, read the model card once, bind,
-then report SERVING ourselves. Writing the port file is left to the caller (__main__), since
+(bounded) for preprocess and every inference replica to report SERVING, read their block
+layouts and refuse to start on a mismatch (BlockLayoutMismatch), keep the first replica's model
+card, bind, then report SERVING ourselves. Writing the port file is left to the caller (__main__), since
 it is the last step of start-up.
 """
 
@@ -12,10 +13,12 @@ import asyncio
 import logging
 from dataclasses import dataclass
 
-from llmserve.gateway.clients import InferenceClient, ModelCard, PreprocessClient
+from llmserve.gateway.block_layout import check_block_layouts
 from llmserve.gateway.config import GatewayConfig
 from llmserve.gateway.detokenizer import Detokenizer
 from llmserve.gateway.generation import GenerationPipeline
+from llmserve.gateway.inference_client import InferenceClient, ModelCard
+from llmserve.gateway.preprocess_client import PreprocessClient
 from llmserve.gateway.servicer import SERVICE_NAME, GatewayServicer
 from llmserve.server import RunningServer, create_server
 from llmserve.v1 import gateway_pb2_grpc
@@ -34,15 +37,31 @@ class RunningGateway:
     def port(self) -> int:
         return self.server.port
 
-    async def stop(self, grace_s: float | None = None) -> None:
-        """Stop serving (draining for `grace_s`) and close the downstream channels."""
-        await self.server.set_serving(False)
-        await self.server.server.stop(grace_s)
-        await self.close_clients()
-
     async def close_clients(self) -> None:
         await self.inference.close()
         await self.preprocess.close()
+
+
+async def _read_model_cards(config: GatewayConfig, inference: InferenceClient) -> list[ModelCard]:
+    """Every replica's model card once it serves (`inference` is the first replica's client)."""
+    others = [InferenceClient(address) for address in config.inference_addresses[1:]]
+    try:
+        replicas = [inference, *others]
+        await asyncio.gather(*(r.wait_until_serving(config.downstream_ready_timeout_s) for r in replicas))
+        return list(await asyncio.gather(*(r.get_model_card() for r in replicas)))
+    finally:
+        await asyncio.gather(*(r.close() for r in others))
+
+
+async def _check_hops(config: GatewayConfig, preprocess: PreprocessClient, inference: InferenceClient) -> ModelCard:
+    """Wait for the hops, check that their block layouts agree; the first replica's card."""
+    await preprocess.wait_until_serving(config.downstream_ready_timeout_s)
+    preprocess_layout, cards = await asyncio.gather(
+        preprocess.get_block_layout(), _read_model_cards(config, inference)
+    )
+    replica_layouts = dict(zip(config.inference_addresses, (card.block_layout for card in cards)))
+    check_block_layouts(preprocess_layout, replica_layouts)
+    return cards[0]
 
 
 async def start_gateway(config: GatewayConfig) -> RunningGateway:
@@ -54,11 +73,7 @@ async def start_gateway(config: GatewayConfig) -> RunningGateway:
     try:
         # Loading the tokenizer overlaps with waiting for the hops.
         detokenizer_task = asyncio.create_task(asyncio.to_thread(Detokenizer.from_model_dir, config.model_path))
-        await asyncio.gather(
-            preprocess.wait_until_serving(config.downstream_ready_timeout_s),
-            inference.wait_until_serving(config.downstream_ready_timeout_s),
-        )
-        model = await inference.get_model_card()
+        model = await _check_hops(config, preprocess, inference)
         detokenizer = await detokenizer_task
     except BaseException:
         await inference.close()

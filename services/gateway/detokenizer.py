@@ -12,6 +12,10 @@ own. The classic two-offset window fixes both:
 Each step decodes tokens[prefix_offset:] and tokens[prefix_offset:read_offset]; the difference is
 the new text. If the new text ends in U+FFFD (a character whose remaining bytes have not arrived
 yet) it is held back until a later token completes it. `flush` emits whatever is left at the end.
+
+The windows are decoded without transformers' space clean-up; where the model's rule has one
+(llmserve.text_decoder, shared with preprocess's Detokenize), it runs on the emitted stream, so
+the deltas add up to `tokenizer.decode` of the whole output.
 """
 
 from __future__ import annotations
@@ -20,7 +24,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Sequence
 
-from tokenizers import Tokenizer
+from llmserve.text_decoder import CleanUpStream, TextDecoder
 
 REPLACEMENT_CHAR = "\ufffd"
 # Prompt tokens used as decoding context for the first output tokens (so that a leading-space
@@ -33,18 +37,18 @@ MAX_PENDING_TOKENS = 4
 
 
 class Detokenizer:
-    """The model's tokenizer, loaded once and shared by all requests (it holds no request state)."""
+    """The model's decode rule, loaded once and shared by all requests (no request state)."""
 
-    def __init__(self, tokenizer: Tokenizer):
-        self._tokenizer = tokenizer
+    def __init__(self, decoder: TextDecoder):
+        self.decoder = decoder
 
     @classmethod
     def from_model_dir(cls, model_dir: str | Path) -> "Detokenizer":
-        return cls(Tokenizer.from_file(str(Path(model_dir) / "tokenizer.json")))
+        return cls(TextDecoder.from_model_dir(model_dir))
 
-    def decode(self, token_ids: Sequence[int]) -> str:
-        """Text of `token_ids` with special tokens (EOS, template markers) left out."""
-        return self._tokenizer.decode(list(token_ids), skip_special_tokens=True)
+    def decode_window(self, token_ids: Sequence[int]) -> str:
+        """Text of `token_ids`, special tokens (EOS, template markers) left out, not cleaned up."""
+        return self.decoder.decode_without_clean_up(token_ids, skip_special_tokens=True)
 
     def new_stream(self, prompt_token_ids: Sequence[int] = ()) -> "DetokenizerStream":
         """Per-request state; the prompt's last tokens serve as decoding context only."""
@@ -54,6 +58,7 @@ class Detokenizer:
             token_ids=context,
             prefix_offset=0,
             read_offset=len(context),
+            clean_up=self.decoder.new_clean_up(),
         )
 
 
@@ -67,32 +72,40 @@ class DetokenizerStream:
     # tokens[read_offset:] are not emitted yet.
     prefix_offset: int = 0
     read_offset: int = 0
+    clean_up: CleanUpStream | None = None  # the model's space clean-up, if its rule has one
 
     def push(self, new_token_ids: Sequence[int]) -> str:
         """Add tokens; return the newly completed text ("" while a character is incomplete)."""
         self.token_ids.extend(new_token_ids)
-        emitted_text, full_text = self._decode_window()
-        num_pending_tokens = len(self.token_ids) - self.read_offset
-        if full_text.endswith(REPLACEMENT_CHAR) and num_pending_tokens <= MAX_PENDING_TOKENS:
-            return ""
-        return self._advance(emitted_text, full_text)
+        text = self._completed_text()
+        return self.clean_up.push(text) if self.clean_up is not None else text
 
     def flush(self) -> str:
         """Emit whatever is held back; call once after the last token."""
-        emitted_text, full_text = self._decode_window()
-        return self._advance(emitted_text, full_text)
+        text = self._advance_to(len(self.token_ids))
+        return text + self.clean_up.flush() if self.clean_up is not None else text
 
-    def _decode_window(self) -> tuple[str, str]:
-        decode = self.detokenizer.decode
-        emitted_text = decode(self.token_ids[self.prefix_offset : self.read_offset])
-        full_text = decode(self.token_ids[self.prefix_offset :])
-        return emitted_text, full_text
+    def _completed_text(self) -> str:
+        end = len(self.token_ids)
+        if not self._decode(self.prefix_offset, end).endswith(REPLACEMENT_CHAR):
+            return self._advance_to(end)
+        if end - self.read_offset <= MAX_PENDING_TOKENS:
+            return ""  # the incomplete character's remaining bytes may still come
+        # A chunk of several tokens ending mid-character: the text before the last
+        # MAX_PENDING_TOKENS tokens is complete, unless the model emitted invalid UTF-8 there.
+        return self._advance_to(end - MAX_PENDING_TOKENS)
 
-    def _advance(self, emitted_text: str, full_text: str) -> str:
+    def _decode(self, start: int, end: int) -> str:
+        return self.detokenizer.decode_window(self.token_ids[start:end])
+
+    def _advance_to(self, end: int) -> str:
+        """Emit the text of tokens[read_offset:end] and move the window there."""
+        emitted_text = self._decode(self.prefix_offset, self.read_offset)
+        full_text = self._decode(self.prefix_offset, end)
         if len(full_text) <= len(emitted_text):
             # Special tokens (skipped) or tokens without text yet: nothing new to show, and the
             # window must not move past tokens whose text was never emitted.
             return ""
         self.prefix_offset = self.read_offset
-        self.read_offset = len(self.token_ids)
+        self.read_offset = end
         return full_text[len(emitted_text) :]

@@ -19,8 +19,9 @@ from dataclasses import dataclass, replace
 from typing import AsyncIterator, Callable
 
 from llmserve.errors import ServiceError
-from llmserve.gateway.clients import InferenceClient, PreparedPrompt, PreprocessClient, PromptInput, TokenChunk
 from llmserve.gateway.detokenizer import Detokenizer, DetokenizerStream
+from llmserve.gateway.inference_client import InferenceClient, TokenChunk
+from llmserve.gateway.preprocess_client import PreparedPrompt, PreprocessClient, PromptInput
 from llmserve.gateway.stop_strings import StopStringMatcher
 from llmserve.sampling import FinishReason, SamplingParams, TokenLogprob
 
@@ -32,13 +33,11 @@ TimeRemaining = Callable[[], float | None]
 
 @dataclass(frozen=True, slots=True)
 class GenerationRequest:
-    """A validated client request. `sampling.max_tokens` is a placeholder until preprocess
-    resolves it; `requested_max_tokens` is what the client asked for (None: unset)."""
+    """A validated client request; `sampling.max_tokens` is the client's (None: unset)."""
 
     request_id: str
     prompt_input: PromptInput
     sampling: SamplingParams
-    requested_max_tokens: int | None
     arrival_ns: int
 
 
@@ -68,7 +67,7 @@ class GenerationDelta:
 
 
 def sampling_for_inference(sampling: SamplingParams, max_tokens: int) -> SamplingParams:
-    """The inference request's sampling: max_tokens resolved, stop strings left out.
+    """The inference request's sampling: max_tokens as preprocess resolved it, stop strings left out.
 
     Stop strings are matched on text, which only the gateway has; inference stops on token ids.
     """
@@ -101,7 +100,7 @@ class GenerationPipeline:
         prompt = await self._preprocess.preprocess(
             request.request_id,
             request.prompt_input,
-            max_tokens=request.requested_max_tokens,
+            max_tokens=request.sampling.max_tokens,
             timeout_s=time_remaining(),
         )
         stream = self._inference.generate(

@@ -2,32 +2,25 @@
 
 Every request gets a request id (uuid4 hex) sent back in the `x-request-id` initial metadata
 and in the response. Sampling parameters are validated here, at the edge; errors from the hops
-come through as the statuses `clients.error_from_rpc` chose.
+come through as the statuses `hop_errors.error_from_rpc` chose.
 """
 
 from __future__ import annotations
 
 import time
-import uuid
 from contextlib import aclosing
 
 import grpc
 
 from llmserve.errors import InvalidArgument, NotFound
-from llmserve.gateway.clients import REQUEST_ID_METADATA_KEY, ModelCard, PromptInput
 from llmserve.gateway.generation import GenerationDelta, GenerationPipeline, GenerationRequest, GenerationResult
+from llmserve.gateway.inference_client import ModelCard
+from llmserve.gateway.preprocess_client import PromptInput
+from llmserve.gateway.request_id import REQUEST_ID_METADATA_KEY, new_request_id
 from llmserve.pb import chat_from_pb, finish_reason_to_pb, logprobs_to_pb, sampling_from_pb
 from llmserve.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc
 
 SERVICE_NAME = gateway_pb2.DESCRIPTOR.services_by_name["GatewayService"].full_name
-
-# sampling_from_pb needs a default for an unset max_tokens; the gateway does not resolve it
-# (preprocess does, knowing the prompt length), so this value is never sent anywhere.
-_UNRESOLVED_MAX_TOKENS = 1
-
-
-def new_request_id() -> str:
-    return uuid.uuid4().hex
 
 
 class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
@@ -85,7 +78,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
     ) -> GenerationRequest:
         if request.model and request.model != self._model_name:
             raise NotFound(f"model: unknown model {request.model!r}; this gateway serves {self._model_name!r}")
-        sampling = sampling_from_pb(request.sampling, default_max_tokens=_UNRESOLVED_MAX_TOKENS)
+        sampling = sampling_from_pb(request.sampling)
         if sampling.n != 1:
             raise InvalidArgument(
                 "sampling.n", f"the gateway returns one sequence per request: must be 1, got {sampling.n}"
@@ -94,9 +87,6 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
             request_id=request_id,
             prompt_input=_prompt_input_from_pb(request),
             sampling=sampling,
-            requested_max_tokens=(
-                request.sampling.max_tokens if request.sampling.HasField("max_tokens") else None
-            ),
             arrival_ns=arrival_ns,
         )
 

@@ -18,6 +18,7 @@ from typing import AsyncIterator
 import grpc
 
 from llmserve import pb
+from llmserve.block_hash import HASH_VERSION
 from llmserve.errors import InvalidArgument
 from llmserve.inference.backends import ServingEngine
 from llmserve.inference.engine.types import EngineOutput, EngineRequest, ModelInfo
@@ -61,6 +62,7 @@ class InferenceServicer(inference_pb2_grpc.InferenceServiceServicer):
             dtype=info.dtype,
             backend=info.backend,
             device=info.device,
+            block_hash_version=HASH_VERSION,
         )
         return inference_pb2.GetModelInfoResponse(model=model, replica_id=self.replica_id)
 
@@ -93,20 +95,14 @@ def request_from_pb(
         raise InvalidArgument("request_id", "must not be empty")
     prompt_token_ids = list(pb_request.prompt_token_ids)
     _check_prompt(prompt_token_ids, info)
-    num_room_tokens = info.max_context_tokens - len(prompt_token_ids)
-    sampling = pb.sampling_from_pb(pb_request.sampling, default_max_tokens=num_room_tokens)
-    if sampling.max_tokens > num_room_tokens:
-        raise InvalidArgument(
-            "sampling.max_tokens",
-            f"{sampling.max_tokens} tokens do not fit: the prompt has {len(prompt_token_ids)} tokens "
-            f"and the context is {info.max_context_tokens}, so at most {num_room_tokens}",
-        )
+    sampling = pb.sampling_from_pb(pb_request.sampling)
+    _check_max_tokens(sampling.max_tokens, len(prompt_token_ids), info)
     for i, token_id in enumerate(sampling.stop_token_ids):
         if token_id >= info.vocab_size:
             raise InvalidArgument(
                 f"sampling.stop_token_ids[{i}]", f"token id {token_id} is not below the vocab size {info.vocab_size}"
             )
-    _check_block_hashes(pb_request, len(prompt_token_ids))
+    _check_block_hashes(pb_request, len(prompt_token_ids), info)
     return EngineRequest(
         request_id=pb_request.request_id,
         prompt_token_ids=prompt_token_ids,
@@ -135,14 +131,44 @@ def _check_prompt(prompt_token_ids: list[int], info: ModelInfo) -> None:
         )
 
 
-def _check_block_hashes(pb_request: inference_pb2.GenerateTokensRequest, num_prompt_tokens: int) -> None:
-    """Hashes are optional hints, but a list longer than the prompt's full blocks is a bug upstream."""
+def _check_max_tokens(max_tokens: int | None, num_prompt_tokens: int, info: ModelInfo) -> None:
+    """An invariant, not a default: preprocess resolved max_tokens; a direct caller must set one
+    that fits."""
+    num_room_tokens = info.max_context_tokens - num_prompt_tokens
+    if max_tokens is None:
+        raise InvalidArgument(
+            "sampling.max_tokens",
+            f"must be set (preprocess resolves it for the prompt); at most {num_room_tokens} for this prompt",
+        )
+    if max_tokens > num_room_tokens:
+        raise InvalidArgument(
+            "sampling.max_tokens",
+            f"{max_tokens} tokens do not fit: the prompt has {num_prompt_tokens} tokens "
+            f"and the context is {info.max_context_tokens}, so at most {num_room_tokens}",
+        )
+
+
+def _check_block_hashes(
+    pb_request: inference_pb2.GenerateTokensRequest, num_prompt_tokens: int, info: ModelInfo
+) -> None:
+    """Hashes are optional hints, but hashes cut or computed unlike this replica's would miss the
+    prefix cache in silence, and more hashes than full blocks is a bug upstream."""
     num_hashes = len(pb_request.block_hashes)
     if not num_hashes:
         return
     block_size = pb_request.block_size_tokens
-    if block_size == 0:
-        raise InvalidArgument("block_size_tokens", "must be positive when block_hashes are given")
+    if block_size != info.block_size_tokens:
+        raise InvalidArgument(
+            "block_size_tokens",
+            f"must be this replica's block size of {info.block_size_tokens} tokens when block_hashes "
+            f"are given, got {block_size}",
+        )
+    if pb_request.block_hash_version != HASH_VERSION:
+        raise InvalidArgument(
+            "block_hash_version",
+            f"must be this replica's version {HASH_VERSION} when block_hashes are given, "
+            f"got {pb_request.block_hash_version}",
+        )
     num_full_blocks = num_prompt_tokens // block_size
     if num_hashes > num_full_blocks:
         raise InvalidArgument(

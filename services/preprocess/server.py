@@ -33,12 +33,6 @@ class PreprocessServer:
     def port(self) -> int:
         return self.running.port
 
-    async def stop(self, grace_s: float | None = None) -> None:
-        """NOT_SERVING, drain in-flight RPCs for up to `grace_s`, then stop the workers."""
-        await self.running.set_serving(False)
-        await self.running.server.stop(grace_s)
-        self.close()
-
     def close(self) -> None:
         """Stop the worker threads (after the gRPC server has stopped)."""
         self.executor.shutdown(wait=True, cancel_futures=True)

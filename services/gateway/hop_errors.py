@@ -1,0 +1,93 @@
+"""A hop's error status as the gateway's client sees it.
+
+The hop's `google.rpc.Status` details (llmserve.errors) are read, not its message text: a
+BadRequest field violation becomes an InvalidArgument naming the client's field (a hop may know
+the field under another name), a RetryInfo keeps its delay; the message is rebuilt from them.
+"""
+
+from __future__ import annotations
+
+from typing import Mapping
+
+import grpc
+from google.rpc import error_details_pb2, status_pb2
+from grpc_status import rpc_status
+
+from llmserve.errors import UNAVAILABLE_RETRY_AFTER_MS, InvalidArgument, ServiceError, Unavailable
+
+# Status codes that describe the request itself (bad input, full server, unknown model...): the
+# client gets them as the hop sent them, message included.
+_PASS_THROUGH_CODES = frozenset(
+    {
+        grpc.StatusCode.INVALID_ARGUMENT,
+        grpc.StatusCode.RESOURCE_EXHAUSTED,
+        grpc.StatusCode.FAILED_PRECONDITION,
+        grpc.StatusCode.NOT_FOUND,
+        grpc.StatusCode.OUT_OF_RANGE,
+        grpc.StatusCode.ALREADY_EXISTS,
+        grpc.StatusCode.ABORTED,
+        grpc.StatusCode.CANCELLED,
+        grpc.StatusCode.DEADLINE_EXCEEDED,
+        grpc.StatusCode.PERMISSION_DENIED,
+        grpc.StatusCode.UNAUTHENTICATED,
+    }
+)
+
+
+class DownstreamError(ServiceError):
+    """An error status from preprocess or inference, forwarded with its code."""
+
+    def __init__(self, code: grpc.StatusCode, message: str, *, retry_after_ms: int | None = None):
+        super().__init__(message, retry_after_ms=retry_after_ms)
+        self.code = code
+
+
+def _rich_status(error: grpc.aio.AioRpcError) -> status_pb2.Status:
+    try:
+        return rpc_status.from_call(error) or status_pb2.Status()
+    except ValueError:  # details that contradict the status: trust the status alone
+        return status_pb2.Status()
+
+
+def _detail(status: status_pb2.Status, message_type):
+    for packed in status.details:
+        if packed.Is(message_type.DESCRIPTOR):
+            detail = message_type()
+            packed.Unpack(detail)
+            return detail
+    return None
+
+
+def _retry_after_ms(status: status_pb2.Status) -> int | None:
+    retry_info = _detail(status, error_details_pb2.RetryInfo)
+    return retry_info.retry_delay.ToMilliseconds() if retry_info is not None else None
+
+
+def _invalid_argument(status: status_pb2.Status, client_fields: Mapping[str, str]) -> InvalidArgument | None:
+    bad_request = _detail(status, error_details_pb2.BadRequest)
+    if bad_request is None or not bad_request.field_violations:
+        return None
+    violation = bad_request.field_violations[0]
+    return InvalidArgument(client_fields.get(violation.field, violation.field), violation.description)
+
+
+def error_from_rpc(
+    service: str, error: grpc.aio.AioRpcError, client_fields: Mapping[str, str] | None = None
+) -> ServiceError:
+    """Map a hop's status to the one the gateway's client sees. `client_fields` renames the
+    hop's field names to the client's (e.g. preprocess's max_tokens → sampling.max_tokens)."""
+    code, details = error.code(), error.details() or ""
+    status = _rich_status(error)
+    retry_after_ms = _retry_after_ms(status)
+    if code == grpc.StatusCode.INVALID_ARGUMENT:
+        invalid = _invalid_argument(status, client_fields or {})
+        if invalid is not None:
+            return invalid
+    if code == grpc.StatusCode.UNAVAILABLE:
+        # A dead connection sends no hint: the client still gets the default one.
+        retry_after_ms = retry_after_ms if retry_after_ms is not None else UNAVAILABLE_RETRY_AFTER_MS
+        return Unavailable(f"{service} unavailable: {details}", retry_after_ms=retry_after_ms)
+    if code in _PASS_THROUGH_CODES:
+        return DownstreamError(code, details, retry_after_ms=retry_after_ms)
+    return ServiceError(f"{service} failed: {code.name}: {details}")
+

@@ -1,0 +1,159 @@
+"""The gateway's typed async client for one inference replica.
+
+Protobuf stops here: callers pass and receive the dataclasses below. A Generate call takes the
+time left on the client's deadline (`timeout_s`, None = no deadline); a gRPC error becomes a
+ServiceError (`hop_errors.error_from_rpc`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from dataclasses import dataclass
+from typing import AsyncIterator
+
+import grpc
+
+from llmserve.gateway.block_layout import BlockLayout
+from llmserve.gateway.health import wait_until_serving
+from llmserve.gateway.hop_errors import error_from_rpc
+from llmserve.gateway.preprocess_client import PreparedPrompt
+from llmserve.gateway.request_id import request_metadata
+from llmserve.pb import finish_reason_from_pb, logprobs_from_pb, sampling_to_pb
+from llmserve.sampling import FinishReason, SamplingParams, TokenLogprob
+from llmserve.server import CHANNEL_OPTIONS
+from llmserve.v1 import inference_pb2, inference_pb2_grpc
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class ModelCard:
+    """What the inference replica serves (read once at start-up)."""
+
+    model_name: str
+    architecture: str
+    max_context_tokens: int
+    eos_token_ids: tuple[int, ...]
+    backend: str
+    block_layout: BlockLayout
+
+
+@dataclass(slots=True)
+class TokenChunk:
+    """Tokens of one inference stream message; the last one has finish_reason and usage."""
+
+    token_ids: list[int]
+    logprobs: list[TokenLogprob] | None
+    finish_reason: FinishReason | None
+    error_message: str = ""
+    num_cached_tokens: int = 0
+    queue_time_ns: int = 0
+
+    @property
+    def is_finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+def _chunk_from_pb(response: inference_pb2.GenerateTokensResponse) -> TokenChunk:
+    return TokenChunk(
+        token_ids=list(response.token_ids),
+        logprobs=logprobs_from_pb(response.logprobs) if response.logprobs else None,
+        finish_reason=finish_reason_from_pb(response.finish_reason),
+        error_message=response.error_message,
+        num_cached_tokens=response.usage.cached_tokens,
+        queue_time_ns=response.timings.queue_time_ns,
+    )
+
+
+class TokenStream:
+    """One in-flight inference GenerateTokens call: iterate for TokenChunks, `cancel` to drop it."""
+
+    def __init__(self, call: grpc.aio.UnaryStreamCall):
+        self._call = call
+
+    async def __aiter__(self) -> AsyncIterator[TokenChunk]:
+        try:
+            async for response in self._call:
+                yield _chunk_from_pb(response)
+        except grpc.aio.AioRpcError as error:
+            raise error_from_rpc("inference", error) from None
+
+    def cancel(self) -> None:
+        """Cancel the call (inference aborts the request); harmless once it has ended."""
+        self._call.cancel()
+
+
+class InferenceClient:
+    def __init__(self, address: str, *, abort_timeout_s: float = 5.0):
+        self.address = address
+        self._abort_timeout_s = abort_timeout_s
+        self._channel = grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
+        self._stub = inference_pb2_grpc.InferenceServiceStub(self._channel)
+        # Aborts run in the background so an ending request never waits for them; kept here so
+        # they are not garbage-collected mid-flight and `close` can wait for them.
+        self._pending_aborts: set[asyncio.Task] = set()
+
+    async def wait_until_serving(self, timeout_s: float) -> None:
+        await wait_until_serving(self._channel, f"inference at {self.address}", timeout_s)
+
+    async def get_model_card(self, timeout_s: float | None = 10.0) -> ModelCard:
+        try:
+            response = await self._stub.GetModelInfo(inference_pb2.GetModelInfoRequest(), timeout=timeout_s)
+        except grpc.aio.AioRpcError as error:
+            raise error_from_rpc("inference", error) from None
+        info = response.model
+        return ModelCard(
+            model_name=info.model_name,
+            architecture=info.architecture,
+            max_context_tokens=info.max_context_tokens,
+            eos_token_ids=tuple(info.eos_token_ids),
+            backend=info.backend,
+            block_layout=BlockLayout(info.block_size_tokens, info.block_hash_version),
+        )
+
+    def generate(
+        self,
+        request_id: str,
+        prompt: PreparedPrompt,
+        sampling: SamplingParams,
+        *,
+        timeout_s: float | None,
+        priority: int = 0,
+    ) -> TokenStream:
+        """Start generating `prompt` with `sampling` (its max_tokens resolved by preprocess)."""
+        request = inference_pb2.GenerateTokensRequest(
+            request_id=request_id,
+            prompt_token_ids=prompt.token_ids,
+            sampling=sampling_to_pb(sampling),
+            block_hashes=prompt.block_hashes,
+            block_size_tokens=prompt.block_layout.block_size_tokens,
+            block_hash_version=prompt.block_layout.block_hash_version,
+            priority=priority,
+        )
+        call = self._stub.GenerateTokens(request, timeout=timeout_s, metadata=request_metadata(request_id))
+        return TokenStream(call)
+
+    async def abort(self, request_id: str) -> bool:
+        """Abort a request (idempotent); True if it was still running. Never raises."""
+        try:
+            response = await self._stub.Abort(
+                inference_pb2.AbortRequest(request_id=request_id),
+                timeout=self._abort_timeout_s,
+                metadata=request_metadata(request_id),
+            )
+        except grpc.aio.AioRpcError as error:
+            log.warning("abort of %s failed: %s: %s", request_id, error.code().name, error.details())
+            return False
+        return response.was_running
+
+    def abort_soon(self, request_id: str) -> None:
+        """Send Abort in the background (safe to call from a task that is being cancelled)."""
+        task = asyncio.get_running_loop().create_task(self.abort(request_id))
+        self._pending_aborts.add(task)
+        task.add_done_callback(self._pending_aborts.discard)
+
+    async def close(self) -> None:
+        if self._pending_aborts:
+            await asyncio.wait(self._pending_aborts, timeout=self._abort_timeout_s)
+        await self._channel.close()

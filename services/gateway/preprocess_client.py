@@ -1,0 +1,102 @@
+"""The gateway's typed async client for preprocess.
+
+Protobuf stops here: callers pass and receive the dataclasses below. Every call takes the time
+left on the client's deadline (`timeout_s`, None = no deadline) so a deadline set at the gateway
+bounds the whole chain; a gRPC error becomes a ServiceError (`hop_errors.error_from_rpc`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import grpc
+
+from llmserve.gateway.block_layout import BlockLayout
+from llmserve.gateway.health import wait_until_serving
+from llmserve.gateway.hop_errors import error_from_rpc
+from llmserve.gateway.request_id import request_metadata
+from llmserve.pb import chat_to_pb
+from llmserve.sampling import ChatMessage
+from llmserve.server import CHANNEL_OPTIONS
+from llmserve.v1 import preprocess_pb2, preprocess_pb2_grpc
+
+# Preprocess fields that the gateway's clients know under another name: a field violation from
+# preprocess is re-labelled so that the error names the field the client actually set.
+_PREPROCESS_FIELDS_AS_CLIENT_FIELDS = {"max_tokens": "sampling.max_tokens"}
+
+
+@dataclass(frozen=True, slots=True)
+class PromptInput:
+    """What to generate from: raw prompt text, or chat turns (exactly one is set)."""
+
+    prompt: str | None = None
+    chat: tuple[ChatMessage, ...] | None = None
+    add_generation_prompt: bool | None = None  # None: the service default (true)
+
+
+@dataclass(frozen=True, slots=True)
+class PreparedPrompt:
+    """A validated, tokenized prompt and the max_tokens preprocess resolved for it."""
+
+    token_ids: list[int]
+    block_hashes: list[int]
+    block_layout: BlockLayout
+    max_tokens: int
+    preprocess_time_ns: int
+
+
+def _request_to_pb(
+    request_id: str, prompt_input: PromptInput, max_tokens: int | None
+) -> preprocess_pb2.PreprocessRequest:
+    request = preprocess_pb2.PreprocessRequest(request_id=request_id)
+    if prompt_input.chat is not None:
+        request.chat.messages.extend(chat_to_pb(list(prompt_input.chat)))
+        if prompt_input.add_generation_prompt is not None:
+            request.chat.add_generation_prompt = prompt_input.add_generation_prompt
+    else:
+        request.prompt = prompt_input.prompt or ""
+    if max_tokens is not None:
+        request.max_tokens = max_tokens
+    return request
+
+
+class PreprocessClient:
+    def __init__(self, address: str):
+        self.address = address
+        self._channel = grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
+        self._stub = preprocess_pb2_grpc.PreprocessServiceStub(self._channel)
+
+    async def wait_until_serving(self, timeout_s: float) -> None:
+        await wait_until_serving(self._channel, f"preprocess at {self.address}", timeout_s)
+
+    async def get_block_layout(self, timeout_s: float | None = 10.0) -> BlockLayout:
+        try:
+            response = await self._stub.GetPreprocessInfo(preprocess_pb2.GetPreprocessInfoRequest(), timeout=timeout_s)
+        except grpc.aio.AioRpcError as error:
+            raise error_from_rpc("preprocess", error) from None
+        return BlockLayout(response.model.block_size_tokens, response.model.block_hash_version)
+
+    async def preprocess(
+        self,
+        request_id: str,
+        prompt_input: PromptInput,
+        *,
+        max_tokens: int | None,
+        timeout_s: float | None,
+    ) -> PreparedPrompt:
+        """Template, tokenize and validate; preprocess resolves `max_tokens` (None: unset)."""
+        request = _request_to_pb(request_id, prompt_input, max_tokens)
+        try:
+            response = await self._stub.Preprocess(request, timeout=timeout_s, metadata=request_metadata(request_id))
+        except grpc.aio.AioRpcError as error:
+            raise error_from_rpc("preprocess", error, _PREPROCESS_FIELDS_AS_CLIENT_FIELDS) from None
+        return PreparedPrompt(
+            token_ids=list(response.token_ids),
+            block_hashes=list(response.block_hashes),
+            block_layout=BlockLayout(response.block_size_tokens, response.block_hash_version),
+            max_tokens=response.max_tokens,
+            preprocess_time_ns=response.preprocess_time_ns,
+        )
+
+    async def close(self) -> None:
+        await self._channel.close()

@@ -1,0 +1,84 @@
+"""Preprocess and inference started with different --block-size: the gateway refuses to start
+and inference refuses the mismatched hashes from a direct caller (real servers, hf backend)."""
+
+from __future__ import annotations
+
+import grpc
+import pytest
+
+from llmserve.launcher import ServiceProcess
+from llmserve.v1 import common_pb2, inference_pb2, inference_pb2_grpc, preprocess_pb2, preprocess_pb2_grpc
+from tests.procs import start_service, stop_service
+from tests.rich_status import field_violation
+
+EXIT_TIMEOUT_S = 60.0
+
+
+@pytest.fixture(scope="module")
+def mismatched(tiny_model_dir, tmp_path_factory):
+    """Preprocess hashing 16-token blocks, inference caching 32-token blocks."""
+    log_dir = tmp_path_factory.mktemp("block-layout")
+    preprocess = start_service("preprocess", ["--model", str(tiny_model_dir), "--block-size", "16"], log_dir)
+    inference = None
+    try:
+        inference = start_service(
+            "inference", ["--model", str(tiny_model_dir), "--backend", "hf", "--block-size", "32"], log_dir
+        )
+        yield preprocess, inference
+    finally:
+        for service in (inference, preprocess):
+            if service is not None:
+                stop_service(service)
+
+
+def test_the_gateway_refuses_to_start_naming_both_block_sizes(mismatched, tiny_model_dir, tmp_path):
+    preprocess, inference = mismatched
+    gateway = ServiceProcess(
+        "gateway",
+        "llmserve.gateway",
+        [
+            "--host", "127.0.0.1", "--port", "0", "--model", str(tiny_model_dir),
+            "--preprocess", preprocess.address, "--inference", inference.address,
+        ],
+        port_file=tmp_path / "gateway.port",
+        log_path=tmp_path / "gateway.log",
+    )
+    gateway.start()
+    try:
+        assert gateway.wait(EXIT_TIMEOUT_S) == 1
+    finally:
+        gateway.kill()
+    assert not (tmp_path / "gateway.port").exists()
+    error_lines = [line for line in (tmp_path / "gateway.log").read_text().splitlines() if " ERROR " in line]
+    assert len(error_lines) == 1, error_lines
+    assert error_lines[0].endswith(
+        f"cannot start: block size mismatch: preprocess uses 16 tokens per block, inference at "
+        f"{inference.address} uses 32; start both with the same --block-size"
+    )
+
+
+def test_inference_refuses_hashes_of_another_block_size(mismatched):
+    preprocess, inference = mismatched
+    prompt = preprocess_pb2_grpc.PreprocessServiceStub(grpc.insecure_channel(preprocess.address)).Preprocess(
+        preprocess_pb2.PreprocessRequest(prompt="x" * 40, max_tokens=4)
+    )
+    assert prompt.block_size_tokens == 16 and len(prompt.block_hashes) >= 2
+    request = inference_pb2.GenerateTokensRequest(
+        request_id="direct",
+        prompt_token_ids=prompt.token_ids,
+        sampling=common_pb2.SamplingParams(max_tokens=prompt.max_tokens, ignore_eos=True),
+        block_hashes=prompt.block_hashes,
+        block_size_tokens=prompt.block_size_tokens,
+        block_hash_version=prompt.block_hash_version,
+    )
+    stub = inference_pb2_grpc.InferenceServiceStub(grpc.insecure_channel(inference.address))
+    with pytest.raises(grpc.RpcError) as info:
+        list(stub.GenerateTokens(request))
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert field_violation(info.value) == (
+        "block_size_tokens",
+        "must be this replica's block size of 32 tokens when block_hashes are given, got 16",
+    )
+    # Without the hashes the same request runs.
+    del request.block_hashes[:]
+    assert sum(len(r.token_ids) for r in stub.GenerateTokens(request)) == prompt.max_tokens
