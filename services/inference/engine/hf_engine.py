@@ -56,19 +56,8 @@ class HFEngineCore:
         self._config = config
         files = ModelFiles.load(config.model_path, config.model_name)
         self._model = HFModel(files, config.dtype, config.device)
-        max_context_tokens = files.max_context_tokens
-        if config.max_context_tokens is not None:
-            max_context_tokens = min(max_context_tokens, config.max_context_tokens)
-        self.model_info = ModelInfo(
-            model_name=config.model_name or files.model_name,
-            architecture=files.architecture,
-            max_context_tokens=max_context_tokens,
-            vocab_size=self._model.vocab_size,
-            eos_token_ids=files.eos_token_ids,
-            block_size_tokens=config.block_size_tokens,
-            dtype=config.dtype,
-            backend="hf",
-            device=str(self._model.device),
+        self.model_info = ModelInfo.describe(
+            config, files, vocab_size=self._model.vocab_size, backend="hf", device=str(self._model.device)
         )
         self._eos_token_ids = frozenset(files.eos_token_ids)
         self._sampler = Sampler(files.eos_token_ids)

@@ -44,7 +44,7 @@ from llmserve.inference.engine.scheduler import Scheduler, SchedulerConfig
 from llmserve.inference.engine.sequence_factory import SequenceFactory
 from llmserve.inference.engine.step_output import LaunchedBatch, SampledTokens, StepUpdate
 from llmserve.inference.engine.step_stats import UNTIMED, StepStatsLog, StepTimer, Untimed
-from llmserve.inference.engine.types import EngineLoad, EngineOutput, EngineRequest, ModelInfo
+from llmserve.inference.engine.types import EngineLoad, EngineOutput, EngineRequest, ModelInfo, served_context_tokens
 from llmserve.model_files import ModelFiles
 
 log = logging.getLogger(__name__)
@@ -75,9 +75,7 @@ class TorchEngineCore:
         observe the logits through it)."""
         self.config = config
         files = ModelFiles.load(config.model_path, config.model_name)
-        max_context_tokens = files.max_context_tokens
-        if config.max_context_tokens is not None:
-            max_context_tokens = min(max_context_tokens, config.max_context_tokens)
+        max_context_tokens = served_context_tokens(config, files)
         self.runner = ModelRunner(config, files, max_context_tokens, weights)
         num_blocks = self.runner.kv_cache.num_blocks
         self.block_manager = BlockManager(num_blocks, config.block_size_tokens, config.enable_prefix_caching)
@@ -95,16 +93,8 @@ class TorchEngineCore:
             self.block_manager,
         )
         self.sampler = sampler if sampler is not None else Sampler(files.eos_token_ids)
-        self.model_info = ModelInfo(
-            model_name=config.model_name or files.model_name,
-            architecture=files.architecture,
-            max_context_tokens=max_context_tokens,
-            vocab_size=self.runner.vocab_size,
-            eos_token_ids=files.eos_token_ids,
-            block_size_tokens=config.block_size_tokens,
-            dtype=config.dtype,
-            backend="torch",
-            device=str(self.runner.device),
+        self.model_info = ModelInfo.describe(
+            config, files, vocab_size=self.runner.vocab_size, backend="torch", device=str(self.runner.device)
         )
         self._sequences = SequenceFactory(config, self.runner.device)
         self._requests = RequestTracker()

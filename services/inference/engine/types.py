@@ -82,6 +82,28 @@ class ModelInfo:
     backend: str
     device: str
 
+    @classmethod
+    def describe(cls, config, files, *, vocab_size: int, backend: str, device: str) -> "ModelInfo":
+        """What an engine core built from `config` (EngineConfig) and `files` (ModelFiles) serves."""
+        return cls(
+            model_name=config.model_name or files.model_name,
+            architecture=files.architecture,
+            max_context_tokens=served_context_tokens(config, files),
+            vocab_size=vocab_size,
+            eos_token_ids=files.eos_token_ids,
+            block_size_tokens=config.block_size_tokens,
+            dtype=config.dtype,
+            backend=backend,
+            device=device,
+        )
+
+
+def served_context_tokens(config, files) -> int:
+    """The model's context, lowered by config.max_context_tokens when that is set."""
+    if config.max_context_tokens is None:
+        return files.max_context_tokens
+    return min(files.max_context_tokens, config.max_context_tokens)
+
 
 @dataclass(frozen=True, slots=True)
 class EngineLoad:
