@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Sequence
 
 from llmserve.inference.kernel_args import add_kernel_arguments
+from llmserve.loadgen.command import add_bench_parser
 
 if TYPE_CHECKING:
     from llmserve.launcher import ServeConfig
@@ -45,6 +46,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_generate(commands)
     _add_models(commands)
     _add_fetch_model(commands)
+    add_bench_parser(commands, _add_client_options)
     return parser
 
 
