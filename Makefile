@@ -4,10 +4,12 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 PROTO_SRC := $(wildcard protos/llmserve/v1/*.proto)
 PROTO_OUT := llmserve/v1
+# The Node.js client test's project (tests/test_node_client.py).
+NODE_DIR := tests/node
 # Where the launcher keeps the converted default model (see llmserve/model_store.py).
 export LLMSERVE_CACHE_DIR ?= $(HOME)/.cache/llmserve
 
-.PHONY: setup protos serve test test-fast bench clean help
+.PHONY: setup protos node-client proto-baseline serve test test-fast bench clean help
 
 help:  ## List the targets
 	@grep -E '^[a-z-]+:.*##' $(MAKEFILE_LIST) | sed 's/:.*##/\t/'
@@ -22,7 +24,15 @@ $(VENV)/.installed: pyproject.toml
 	$(PY) -m pip install -q --no-build-isolation -e '.[dev,redis,bench]'
 	touch $@
 
-setup: $(VENV)/.installed protos  ## Create .venv with everything installed and protos built
+setup: $(VENV)/.installed protos node-client  ## Create .venv with everything installed and protos built
+
+# Optional: without npm, `make serve` still works and the Node client test is skipped.
+node-client:  ## Install the Node.js client test's packages (npm ci, when npm is installed)
+	@if command -v npm >/dev/null; then $(MAKE) --no-print-directory $(NODE_DIR)/node_modules/.installed; \
+	else echo "npm not found: the Node.js client test will be skipped"; fi
+$(NODE_DIR)/node_modules/.installed: $(NODE_DIR)/package.json $(NODE_DIR)/package-lock.json
+	cd $(NODE_DIR) && npm ci --no-audit --no-fund
+	touch $@
 
 # Generated code is never committed: this target rebuilds it into llmserve/v1/.
 protos: $(PROTO_OUT)/.built  ## Generate Python code from protos/
@@ -30,6 +40,11 @@ $(PROTO_OUT)/.built: $(PROTO_SRC) $(VENV)/.installed
 	mkdir -p $(PROTO_OUT)
 	$(PY) -m grpc_tools.protoc -Iprotos --python_out=. --pyi_out=. --grpc_python_out=. $(PROTO_SRC)
 	touch $(PROTO_OUT)/__init__.py $@
+
+# The contract clients were given, for `buf breaking` (tests/test_buf.py): refresh it only when
+# a break is intended, and say so in the commit (buf.yaml).
+proto-baseline: $(VENV)/.installed  ## Refresh protos/buf-baseline.json from protos/ (an intended break)
+	$(VENV)/bin/buf build --exclude-source-info -o '-#format=json' | $(PY) -m json.tool --indent 1 > protos/buf-baseline.json
 
 serve: setup  ## Serve the default model (SmolLM2-135M-Instruct) on localhost:50051
 	$(VENV)/bin/llmserve serve $(SERVE_ARGS)
@@ -41,4 +56,4 @@ test-fast: setup  ## Tests that do not need the real default model
 	$(PY) -m pytest -q -m "not slow" $(PYTEST_ARGS)
 
 clean:  ## Remove generated code and the virtualenv
-	rm -rf $(PROTO_OUT) $(VENV) *.egg-info
+	rm -rf $(PROTO_OUT) $(VENV) *.egg-info $(NODE_DIR)/node_modules

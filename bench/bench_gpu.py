@@ -7,8 +7,8 @@
 
 Models: random weights with the real shapes of Llama-3.2-1B and Llama-3.1-8B, configs built in
 code from transformers' LlamaConfig, weights initialized directly on the GPU in bfloat16 by a
-transformers model. Nothing is downloaded and no checkpoint is written: the engine's loader
-reads that model's state dict (see `engine_on`).
+transformers model. Nothing is downloaded and no checkpoint is written: the engine is built on
+that model's state dict (`TorchEngineCore(config, weights=...)`, see `engine_on`).
 
 Every run first measures its own ceilings (`baselines`): device copy bandwidth (bytes read +
 written by a 4 GiB device-to-device copy) and a dense 8192^3 bfloat16 GEMM rate.
@@ -57,7 +57,6 @@ partial) so the whole command fits a time limit.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import copy
 import gc
 import json
@@ -73,12 +72,12 @@ import torch
 REPO_ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO_ROOT))
 
-from llmserve.inference.engine import model_runner as model_runner_module  # noqa: E402
-from llmserve.inference.engine import sampler as sampler_module  # noqa: E402
 from llmserve.inference.engine.config import EngineConfig  # noqa: E402
+from llmserve.inference.engine.sampler import Sampler  # noqa: E402
+from llmserve.inference.engine.step_stats import StepStatsLog  # noqa: E402
 from llmserve.inference.engine.torch_engine import TorchEngineCore  # noqa: E402
 from llmserve.inference.engine.types import EngineRequest  # noqa: E402
-from llmserve.inference.models.loader import build_model  # noqa: E402
+from llmserve.model_files import ModelFiles  # noqa: E402
 from llmserve.sampling import SamplingParams  # noqa: E402
 
 SCENARIOS = ("baselines", "correctness", "decode", "vs-hf", "kernels", "linears", "ttft", "throughput", "fp8", "quant")
@@ -241,23 +240,23 @@ def model_dir_for(shape: str, root: Path) -> Path:
     return path
 
 
-@contextlib.contextmanager
-def engine_weights_from(hf_model):
-    """While active, the engine's loader takes the weights of `hf_model` (HF names) instead of
-    reading safetensors: the random weights never touch the disk."""
-    original = model_runner_module.load_model
+class LogitsRecordingSampler(Sampler):
+    """Our Sampler, which also keeps a host copy of every logits row it samples from while
+    `rows` is a dict (request id -> rows in order); the correctness scenario scores them."""
 
-    def load(path, config, device, dtype):
-        return build_model(config, device, dtype, hf_model.state_dict().items())
+    def __init__(self, eos_token_ids: tuple[int, ...]):
+        super().__init__(eos_token_ids)
+        self.rows: dict[str, list[torch.Tensor]] | None = None
 
-    model_runner_module.load_model = load
-    try:
-        yield
-    finally:
-        model_runner_module.load_model = original
+    def launch(self, logits, seqs):
+        if self.rows is not None:
+            for seq, row in zip(seqs, logits):
+                self.rows.setdefault(seq.request_id, []).append(row.float().cpu())
+        return super().launch(logits, seqs)
 
 
 def engine_on(hf_model, model_dir: Path, device: str, **overrides) -> TorchEngineCore:
+    """Our engine serving `hf_model`'s weights (HF names: the random weights never touch the disk)."""
     settings = dict(
         model_path=model_dir, model_name=model_dir.name, device=device, dtype="bfloat16",
         max_context_tokens=MAX_MODEL_LEN, enable_prefix_caching=True,
@@ -265,12 +264,13 @@ def engine_on(hf_model, model_dir: Path, device: str, **overrides) -> TorchEngin
     settings.update(overrides)
     # If graph capture or the kernels fail on this machine, still measure what does work
     # (reported as engine.fallback).
-    attempts = [({}, None), ({"enforce_eager": True}, "eager"), ({"attention_backend": "torch"}, "torch-attention")]
+    attempts = [({}, None), ({"enforce_eager": True}, "eager"), ({"attention_backend": "portable"}, "portable-attention")]
     for extra, fallback in attempts:
         start = time.perf_counter()
         try:
-            with engine_weights_from(hf_model):
-                engine = TorchEngineCore(EngineConfig(**(settings | extra)))
+            sampler = LogitsRecordingSampler(ModelFiles.load(model_dir, model_dir.name).eos_token_ids)
+            engine = TorchEngineCore(EngineConfig(**(settings | extra)), weights=hf_model.state_dict().items(),
+                                     sampler=sampler)
         except Exception:
             import traceback
 
@@ -314,23 +314,31 @@ def greedy(max_tokens: int) -> SamplingParams:
     return SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
 
 
-def run_all(engine: TorchEngineCore, requests: list[EngineRequest], deadline: float | None = None) -> dict:
-    """Add, step until done (or the deadline: the rest is aborted); output ids per request."""
+def run_all(engine: TorchEngineCore, requests: list[EngineRequest], deadline: float | None = None,
+            profile_at_step: int | None = None) -> dict:
+    """Add, step until done (or the deadline: the rest is aborted); output ids per request, and
+    the top kernels of 5 steps from step `profile_at_step` on (CUDA)."""
     for request in requests:
         engine.add_request(request)
     outputs: dict[str, list[int]] = {r.request_id: [] for r in requests}
-    num_steps = 0
+    num_steps, profiled = 0, []
     while engine.has_unfinished_requests():
         if deadline is not None and time.perf_counter() > deadline:
-            for request_id in list(engine._num_unfinished_seqs):
-                engine.abort_request(request_id)
+            for request in requests:
+                engine.abort_request(request.request_id)
             break
         num_steps += 1
-        for output in engine.step():
+        step_outputs = []
+        if num_steps == profile_at_step:
+            profiled = top_kernels(lambda: step_outputs.extend(out for _ in range(5) for out in engine.step()),
+                                   engine.runner.device)
+        else:
+            step_outputs = engine.step()
+        for output in step_outputs:
             if output.error_message:
                 raise SystemExit(f"request {output.request_id} failed: {output.error_message}")
             outputs[output.request_id].extend(output.new_token_ids)
-    return {"outputs": outputs, "num_steps": num_steps}
+    return {"outputs": outputs, "num_steps": num_steps, "top_kernels": profiled}
 
 
 def significant(value: float, digits: int = 4) -> float:
@@ -443,68 +451,23 @@ def throughput_scenario(engine: TorchEngineCore, args, device: torch.device, dea
     if args.throughput_max_s:
         cap = time.perf_counter() + args.throughput_max_s
         deadline = cap if deadline is None else min(deadline, cap)
-    # Host seconds per part of a step, and GPU-busy time: CUDA events before each step's forward
-    # and after its sampling is queued; the device time between each pair is that step's span
-    # (read after the run, so the measurement adds no syncs). With async scheduling the host
-    # work of step N+1 overlaps step N, so the host parts can add up to more than the idle time.
-    host_s = {"schedule": 0.0, "execute_launch": 0.0, "sampler_launch": 0.0, "result_wait": 0.0}
-    step_events: list[tuple] = []
-    execute, schedule, launch = engine.runner.execute, engine.scheduler.schedule, engine.sampler.launch
-    result = sampler_module.PendingSample.result
-
-    def timed(fn, key):
-        def wrapper(*a, **kw):
-            begin = time.perf_counter()
-            try:
-                return fn(*a, **kw)
-            finally:
-                host_s[key] += time.perf_counter() - begin
-        return wrapper
-
-    def event():
-        e = torch.cuda.Event(enable_timing=True)
-        e.record()
-        return e
-
-    def execute_with_event(*a, **kw):
-        if device.type == "cuda":
-            step_events.append([event(), None])
-        return execute(*a, **kw)
-
-    def launch_with_event(*a, **kw):
-        out = launch(*a, **kw)
-        if device.type == "cuda" and step_events and step_events[-1][1] is None:
-            step_events[-1][1] = event()
-        return out
-
-    engine.runner.execute = timed(execute_with_event, "execute_launch")
-    engine.scheduler.schedule = timed(schedule, "schedule")
-    engine.sampler.launch = timed(launch_with_event, "sampler_launch")
-    sampler_module.PendingSample.result = timed(result, "result_wait")
-    profiled: list[dict] = []
-    step = engine.step
-    num_steps = [0]
-
-    def step_with_profile():
-        num_steps[0] += 1
-        if num_steps[0] == 400 and device.type == "cuda":  # mid-run, the batch is full
-            outputs = []
-            profiled.extend(top_kernels(lambda: outputs.extend(out for _ in range(5) for out in step()), device))
-            return outputs
-        return step()
-
-    engine.step = step_with_profile
+    # Host seconds per part of a step, and GPU-busy time (engine.step_stats: CUDA events before
+    # each step's forward and after its sampling is queued, read after the run, so the
+    # measurement adds no syncs). With async scheduling the host work of step N+1 overlaps step
+    # N, so the host parts can add up to more than the idle time.
+    engine.step_stats = StepStatsLog(measure_gpu=True)
     synchronize(device)
     start = time.perf_counter()
     try:
-        ran = run_all(engine, requests_for(prompts, args.throughput_output_tokens, "t"), deadline)
+        ran = run_all(engine, requests_for(prompts, args.throughput_output_tokens, "t"), deadline,
+                      profile_at_step=400)  # mid-run, the batch is full
+        synchronize(device)
     finally:
-        sampler_module.PendingSample.result = result
-        engine.step = step
-        del engine.runner.execute, engine.scheduler.schedule, engine.sampler.launch  # back to the methods
-    synchronize(device)
-    gpu_busy_ms = [sum(a.elapsed_time(b) for a, b in step_events if b is not None)]
+        steps, engine.step_stats = engine.step_stats.steps, None
     wall_s = time.perf_counter() - start
+    gpu_busy_s = sum(stats.gpu_busy_ms() for stats in steps) / 1e3
+    host_s = {part: sum(getattr(stats, f"{part}_s") for stats in steps)
+              for part in ("schedule", "execute_launch", "sampler_launch", "result_wait")}
     num_output = sum(len(o) for o in ran["outputs"].values())
     num_finished = sum(len(o) == args.throughput_output_tokens for o in ran["outputs"].values())
     return {
@@ -523,10 +486,10 @@ def throughput_scenario(engine: TorchEngineCore, args, device: torch.device, dea
         "kv_cache_dtype": engine.config.kv_cache_dtype,
         "quantization": engine.config.quantization,
         "async_scheduling": engine.config.async_scheduling,
-        "gpu_busy_s": round(gpu_busy_ms[0] / 1e3, 2),
-        "gpu_idle_s": round(wall_s - gpu_busy_ms[0] / 1e3, 2),
+        "gpu_busy_s": round(gpu_busy_s, 2),
+        "gpu_idle_s": round(wall_s - gpu_busy_s, 2),
         "host_s": {k: round(v, 2) for k, v in host_s.items()},
-        "top_kernels_5_steps_mid_run": profiled,
+        "top_kernels_5_steps_mid_run": ran["top_kernels"],
         "num_preemptions": engine.load().num_preemptions_total,
     }
 
@@ -591,23 +554,14 @@ def correctness_scenario(engine: TorchEngineCore, hf_model, device: torch.device
     base = random_prompts(4, 700, vocab_size, seed=51)
     prompts = [base[0][:37], base[1][:300], base[2], base[2][:512] + base[3][:100]]  # the last hits 32 cached blocks
     recorded: dict[str, list[torch.Tensor]] = {}
-    execute = engine.runner.execute
-
-    def recording_execute(batch, *args):
-        logits = execute(batch, *args)
-        sampling = [seq.request_id for i, seq in enumerate(batch.seqs) if batch.samples(i)]
-        for request_id, row in zip(sampling, logits):
-            recorded.setdefault(request_id, []).append(row.float().cpu())
-        return logits
-
-    engine.runner.execute = recording_execute
+    engine.sampler.rows = recorded
     hits_before = engine.load().prefix_cache_hit_tokens_total
     try:
         first = run_all(engine, requests_for(prompts[:3], num_new, "c"))["outputs"]
         hits_before = engine.load().prefix_cache_hit_tokens_total
         second = run_all(engine, requests_for(prompts[3:], num_new, "cached"))["outputs"]
     finally:
-        engine.runner.execute = execute
+        engine.sampler.rows = None
     generated = first | second
     request_prompts = {"c0": prompts[0], "c1": prompts[1], "c2": prompts[2], "cached0": prompts[3]}
     reference_model = copy.deepcopy(hf_model).float()  # the same bf16 values, float32 arithmetic

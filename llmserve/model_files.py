@@ -1,7 +1,7 @@
 """What a local HF checkpoint directory says about itself, read once.
 
 Every service that is handed `--model DIR` reads the same facts from here: name, architecture,
-context length, EOS ids, chat template and special tokens. DIR holds config.json, the weights
+context length, EOS ids and chat template. DIR holds config.json, the weights
 (*.safetensors), tokenizer.json and usually tokenizer_config.json / generation_config.json.
 """
 
@@ -40,13 +40,7 @@ class ModelFiles:
     vocab_size: int
     eos_token_ids: tuple[int, ...]
     chat_template: str | None
-    bos_token: str | None
-    eos_token: str | None
     config: dict  # config.json as read
-
-    @property
-    def tokenizer_path(self) -> Path:
-        return self.path / "tokenizer.json"
 
     @classmethod
     def load(cls, path: str | Path, model_name: str | None = None) -> "ModelFiles":
@@ -80,7 +74,5 @@ class ModelFiles:
             vocab_size=int(config.get("vocab_size", 0)),
             eos_token_ids=eos_ids,
             chat_template=chat_template,
-            bos_token=_token_text(tok_config.get("bos_token")),
-            eos_token=eos_token,
             config=config,
         )

@@ -7,7 +7,6 @@ and then drains: health NOT_SERVING → stop accepting → wait for in-flight RP
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import ctypes
 import logging
@@ -24,10 +23,6 @@ from grpc_reflection.v1alpha import reflection
 from llmserve.errors import ErrorMappingInterceptor
 
 log = logging.getLogger(__name__)
-
-LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
-DEFAULT_HOST = "127.0.0.1"
-DEFAULT_GRACE_PERIOD_S = 10.0
 
 # Message size limit for every server and channel: long prompts as packed token ids fit easily.
 MAX_MESSAGE_BYTES = 64 * 1024 * 1024
@@ -137,38 +132,6 @@ def exit_with_parent() -> None:
     ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
     if os.getppid() != int(parent_pid):  # the launcher died before prctl took effect
         os.kill(os.getpid(), signal.SIGTERM)
-
-
-def add_server_arguments(
-    parser: argparse.ArgumentParser,
-    *,
-    default_port: int = 0,
-    default_grace_period_s: float = DEFAULT_GRACE_PERIOD_S,
-) -> argparse._ArgumentGroup:
-    """Add the flags every service takes: --host, --port, --port-file, --log-level, --grace-period-s.
-
-    They are the launcher's contract with its children (see llmserve.launcher), so they are
-    defined once. Returns the "server" group, for service-specific server flags (--replica-id).
-    """
-    group = parser.add_argument_group("server")
-    group.add_argument("--host", default=DEFAULT_HOST, help="address to bind (default: %(default)s)")
-    group.add_argument(
-        "--port", type=int, default=default_port, help="port to bind; 0 picks a free one (default: %(default)s)"
-    )
-    group.add_argument(
-        "--port-file", metavar="PATH",
-        help="write the bound port here once loading is done and health is SERVING (for launchers and tests)",
-    )
-    group.add_argument(
-        "--log-level", default="INFO", type=str.upper, choices=LOG_LEVELS,
-        help="DEBUG logs one line per request (default: %(default)s)",
-    )
-    group.add_argument(
-        "--grace-period-s", type=float, default=default_grace_period_s, metavar="SECONDS",
-        help="on SIGTERM/SIGINT, how long in-flight requests may take to finish before they are "
-        "aborted (default: %(default)s)",
-    )
-    return group
 
 
 def configure_logging(service: str, level: str = "INFO") -> None:

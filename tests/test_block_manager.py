@@ -25,10 +25,13 @@ def make_seq(token_ids, seq_id: int = 1, block_hashes: list[int] | None = None) 
 
 
 def compute(manager: BlockManager, seq: Sequence, num_tokens: int | None = None) -> None:
-    """Allocate like the scheduler (adopting cache hits) and mark the tokens computed."""
+    """Allocate like the scheduler (adopting cache hits) and record the tokens computed, as the
+    scheduler does (it writes num_computed_tokens; the block manager only reads it)."""
     cached = manager.find_cached_blocks(seq) if not seq.block_ids else []
+    if cached:
+        seq.num_computed_tokens = len(cached) * BLOCK_SIZE
     if num_tokens is None:
-        num_tokens = seq.num_tokens - (len(cached) * BLOCK_SIZE if cached else seq.num_computed_tokens)
+        num_tokens = seq.num_tokens - seq.num_computed_tokens
     assert manager.allocate(seq, num_tokens, cached)
     seq.num_computed_tokens += num_tokens
     manager.register_computed_blocks(seq)
@@ -50,7 +53,7 @@ def test_allocates_lowest_free_ids_and_frees_everything(manager):
     assert ref_counts(manager) == [1, 1, 1, 0, 0, 0, 0, 0]
     assert (manager.num_used_blocks, manager.num_free_blocks) == (3, 5)
     manager.free(seq)
-    assert seq.block_ids == [] and seq.num_computed_tokens == 0
+    assert seq.block_ids == [] and seq.num_registered_blocks == 0
     assert manager.num_free_blocks == 8 and ref_counts(manager) == [0] * 8
 
 
@@ -163,7 +166,7 @@ def test_fork_shares_full_blocks_and_copies_the_partial_one(manager):
     compute(manager, parent)
     child = make_seq(range(6), seq_id=2)
     assert manager.fork(parent, child) == (1, 2)
-    assert child.block_ids == [0, 2] and child.num_computed_tokens == 6
+    assert child.block_ids == [0, 2] and child.num_registered_blocks == 1
     assert ref_counts(manager)[:3] == [2, 1, 1]
     aligned = make_seq(range(8), seq_id=3)
     compute(manager, aligned)

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import importlib.util
 import os
 import queue
 import shutil
@@ -17,7 +16,6 @@ import grpc
 import pytest
 
 from llmserve.cli import main
-from llmserve.launcher import choose_backend
 from llmserve.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc
 
 SERVE_START_TIMEOUT_S = 180.0
@@ -117,17 +115,18 @@ def test_serve_generate_chat_models_then_sigterm_stops_everything(private_model_
         address = serve.wait_for_address()
         child_pids = pids_with_argument(str(private_model_dir)) - {serve.process.pid}
         assert len(child_pids) == 3, serve.log()  # preprocess, inference, gateway
-        stub = gateway_pb2_grpc.GatewayStub(grpc.insecure_channel(address))
+        stub = gateway_pb2_grpc.GatewayServiceStub(grpc.insecure_channel(address))
         sampling = common_pb2.SamplingParams(temperature=0.0, max_tokens=16)
 
-        expected = stub.Generate(gateway_pb2.GenerateRequest(prompt="The capital of France is", sampling=sampling))
+        prompt = gateway_pb2.GenerateParams(prompt="The capital of France is", sampling=sampling)
+        expected = stub.Generate(gateway_pb2.GenerateRequest(params=prompt))
         result = run_client(
             "generate", "The capital of France is", "--address", address, "--temperature", "0", "--max-tokens", "16"
         )
         assert result.returncode == 0, result.stderr
         assert result.stdout == expected.text + "\n"
         assert "finish: length | tokens: prompt " in result.stderr
-        assert f"completion {expected.usage.completion_tokens}," in result.stderr
+        assert f"completion {expected.result.usage.completion_tokens}," in result.stderr
 
         chat = common_pb2.ChatInput(
             messages=[
@@ -135,7 +134,8 @@ def test_serve_generate_chat_models_then_sigterm_stops_everything(private_model_
                 common_pb2.ChatMessage(role="user", content="Hi there"),
             ]
         )
-        expected_chat = stub.Generate(gateway_pb2.GenerateRequest(chat=chat, sampling=sampling))
+        chat_params = gateway_pb2.GenerateParams(chat=chat, sampling=sampling)
+        expected_chat = stub.Generate(gateway_pb2.GenerateRequest(params=chat_params))
         result = run_client(
             "chat", "Hi there", "--system", "Be brief.",
             "--address", address, "--temperature", "0", "--max-tokens", "16",
@@ -188,17 +188,6 @@ def test_children_exit_when_serve_is_killed(private_model_dir, tmp_path):
     while pids_with_argument(str(private_model_dir)) and time.monotonic() < deadline:
         time.sleep(0.1)
     assert pids_with_argument(str(private_model_dir)) == set(), serve.log()
-
-
-def test_torch_backend_falls_back_to_hf_when_missing(monkeypatch, caplog):
-    real_find_spec = importlib.util.find_spec
-    monkeypatch.setattr(
-        importlib.util, "find_spec",
-        lambda name, *a: None if name == "llmserve.inference.engine.torch_engine" else real_find_spec(name, *a),
-    )
-    assert choose_backend("torch") == "hf"
-    assert "using --backend hf" in caplog.text
-    assert choose_backend("trtllm") == "trtllm"
 
 
 def test_fetch_model_resolves_a_local_checkpoint(tiny_model_dir, capsys):

@@ -1,5 +1,5 @@
-"""Decode CUDA graphs: bucket selection and padding (pure, CPU), and the kernel path of the
-engine against the torch path.
+"""Decode CUDA graphs: graph size selection and padding (pure, CPU), and the engine on the
+triton attention backend against the portable one.
 
 The engine-level tests run everywhere triton is installed: on CPU the Triton interpreter runs
 the kernels and the static-buffer decode path runs uncaptured (the same padding and buffers as
@@ -10,14 +10,24 @@ from __future__ import annotations
 
 from tests.triton_cpu import HAS_CUDA, HAS_TRITON  # noqa: I001  (before any kernel import)
 
+import json
+
 import pytest
 import torch
 
 from llmserve.buckets import DECODE_GRAPH_BATCH_SIZES
-from llmserve.inference.engine.cuda_graphs import PADDING_SLOT, graph_batch_sizes, graph_size_for, pad_decode_step
+from llmserve.inference.engine.config import ATTENTION_BACKENDS
+from llmserve.inference.engine.cuda_graphs import graph_batch_sizes, graph_size_for, pad_decode_step
 from llmserve.inference.engine.scheduler import ScheduledBatch
 from llmserve.inference.engine.sequence import Sequence
 from llmserve.inference.engine.step_inputs import build_step_inputs
+from llmserve.inference.models.attention_backend import (
+    BACKENDS,
+    PADDING_SLOT,
+    create_attention_backend,
+    resolve_attention_backend,
+)
+from llmserve.inference.models.decoder_config import DecoderConfig
 from llmserve.sampling import SamplingParams
 from tests.test_torch_engine import greedy, make_engine, make_prompt, request, run
 
@@ -25,7 +35,7 @@ needs_triton = pytest.mark.skipif(not HAS_TRITON, reason="triton is not installe
 needs_cuda = pytest.mark.skipif(not (HAS_CUDA and HAS_TRITON), reason="needs CUDA and triton")
 
 
-# --- buckets and padding (pure) -----------------------------------------------------------------
+# --- graph sizes and padding (pure) -----------------------------------------------------------------
 
 
 def test_graph_batch_sizes_cover_every_batch_up_to_max_num_seqs():
@@ -97,7 +107,7 @@ def test_decode_num_splits_fills_the_gpu_only_when_batches_are_small():
     assert decode_num_splits(256, 8, num_sms=132) == 1
 
 
-# --- the kernel path of the engine against the torch path ---------------------------------------
+# --- the triton attention backend against the portable one -------------------------------------
 
 
 def run_scenario(model_dir, device: str, **overrides) -> dict:
@@ -120,18 +130,30 @@ def assert_same_generations(results: dict, expected: dict, tolerance: float) -> 
             assert logprobs == pytest.approx(expected[request_id].logprobs[index], abs=tolerance), request_id
 
 
+@pytest.mark.parametrize("name", [n for n in ATTENTION_BACKENDS if n != "auto"])
+def test_every_attention_backend_choice_has_an_implementation(name, tiny_model_dir):
+    """A choice of --attention-backend without an entry in the registry would fail only at start."""
+    entry = BACKENDS[name]
+    if entry.package is not None:
+        pytest.importorskip(entry.package)
+    config = DecoderConfig.from_hf(json.loads((tiny_model_dir / "config.json").read_text()))
+    backend = create_attention_backend(resolve_attention_backend(name, torch.device("cpu")), config, 16,
+                                       torch.device("cpu"))
+    assert backend.name == name
+
+
 @needs_triton
 @pytest.mark.parametrize("arch", ["llama", "qwen3"])
-def test_kernel_path_matches_torch_path(arch, tiny_model_dirs):
-    expected = run_scenario(tiny_model_dirs[arch], "cpu", attention_backend="torch")
+def test_triton_backend_matches_portable_backend(arch, tiny_model_dirs):
+    expected = run_scenario(tiny_model_dirs[arch], "cpu", attention_backend="portable")
     device = "cuda" if HAS_CUDA else "cpu"
     results = run_scenario(tiny_model_dirs[arch], device, attention_backend="triton")
     assert_same_generations(results, expected, tolerance=1e-4)
 
 
-def test_float8_kv_cache_needs_the_kernel_path(tiny_model_dirs):
-    with pytest.raises(ValueError, match="fp8"):
-        make_engine(tiny_model_dirs["llama"], attention_backend="torch", kv_cache_dtype="fp8")
+def test_float8_kv_cache_needs_the_triton_backend(tiny_model_dirs):
+    with pytest.raises(ValueError, match="fp8' needs the triton attention backend, not 'portable'"):
+        make_engine(tiny_model_dirs["llama"], attention_backend="portable", kv_cache_dtype="fp8")
 
 
 @needs_triton

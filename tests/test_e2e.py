@@ -20,8 +20,8 @@ MAX_TOKENS = 24
 RPC_TIMEOUT_S = 120
 
 
-def _request() -> gateway_pb2.GenerateRequest:
-    return gateway_pb2.GenerateRequest(
+def _params() -> gateway_pb2.GenerateParams:
+    return gateway_pb2.GenerateParams(
         chat=common_pb2.ChatInput(messages=[common_pb2.ChatMessage(role="user", content=QUESTION)]),
         sampling=common_pb2.SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS),
         return_token_ids=True,
@@ -48,7 +48,7 @@ def gateway(request, default_model_dir, preprocess, tmp_path_factory):
         log_dir,
     )
     channel = grpc.insecure_channel(gateway.address)
-    yield request.param, gateway_pb2_grpc.GatewayStub(channel)
+    yield request.param, gateway_pb2_grpc.GatewayServiceStub(channel)
     channel.close()
     assert stop_service(gateway) == 0
     assert stop_service(inference) == 0
@@ -59,26 +59,27 @@ _answers: dict[str, str] = {}
 
 def test_greedy_answer_mentions_paris_and_stream_equals_unary(gateway, preprocess):
     backend, stub = gateway
-    unary = stub.Generate(_request(), timeout=RPC_TIMEOUT_S)
-    events = list(stub.GenerateStream(_request(), timeout=RPC_TIMEOUT_S))
+    unary = stub.Generate(gateway_pb2.GenerateRequest(params=_params()), timeout=RPC_TIMEOUT_S)
+    events = list(stub.GenerateStream(gateway_pb2.GenerateStreamRequest(params=_params()), timeout=RPC_TIMEOUT_S))
 
     assert "Paris" in unary.text, unary.text
     streamed_text = "".join(e.text for e in events)
     streamed_ids = [t for e in events for t in e.token_ids]
     assert streamed_text == unary.text
     assert streamed_ids == list(unary.token_ids)
-    final = events[-1]
-    assert final.finish_reason == unary.finish_reason
+    final = events[-1].result
+    assert final.finish_reason == unary.result.finish_reason
     assert final.finish_reason in (common_pb2.FINISH_REASON_STOP, common_pb2.FINISH_REASON_LENGTH)
-    assert all(e.finish_reason == common_pb2.FINISH_REASON_UNSPECIFIED for e in events[:-1])
+    assert all(not e.HasField("result") for e in events[:-1])
 
     with grpc.insecure_channel(preprocess.address) as channel:
-        tokenized = preprocess_pb2_grpc.PreprocessStub(channel).Tokenize(
-            preprocess_pb2.TokenizeRequest(chat=_request().chat), timeout=RPC_TIMEOUT_S
+        tokenized = preprocess_pb2_grpc.PreprocessServiceStub(channel).Tokenize(
+            preprocess_pb2.TokenizeRequest(chat=_params().chat), timeout=RPC_TIMEOUT_S
         )
-    assert unary.usage.prompt_tokens == len(tokenized.token_ids)
-    assert unary.usage.completion_tokens == len(unary.token_ids) <= MAX_TOKENS
-    assert unary.timings.total_time_ns >= unary.timings.time_to_first_token_ns > 0
+    usage, timings = unary.result.usage, unary.result.timings
+    assert usage.prompt_tokens == len(tokenized.token_ids)
+    assert usage.completion_tokens == len(unary.token_ids) <= MAX_TOKENS
+    assert timings.total_time_ns >= timings.time_to_first_token_ns > 0
     _answers[backend] = unary.text
 
 

@@ -68,35 +68,43 @@ def services(model_dir, tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def gateway(services) -> gateway_pb2_grpc.GatewayStub:
-    return gateway_pb2_grpc.GatewayStub(grpc.insecure_channel(services["gateway"].address))
+def gateway(services) -> gateway_pb2_grpc.GatewayServiceStub:
+    return gateway_pb2_grpc.GatewayServiceStub(grpc.insecure_channel(services["gateway"].address))
 
 
 @pytest.fixture(scope="module")
-def inference(services) -> inference_pb2_grpc.InferenceStub:
-    return inference_pb2_grpc.InferenceStub(grpc.insecure_channel(services["inference"].address))
+def inference(services) -> inference_pb2_grpc.InferenceServiceStub:
+    return inference_pb2_grpc.InferenceServiceStub(grpc.insecure_channel(services["inference"].address))
 
 
 @pytest.fixture(scope="module")
-def preprocess(services) -> preprocess_pb2_grpc.PreprocessStub:
-    return preprocess_pb2_grpc.PreprocessStub(grpc.insecure_channel(services["preprocess"].address))
+def preprocess(services) -> preprocess_pb2_grpc.PreprocessServiceStub:
+    return preprocess_pb2_grpc.PreprocessServiceStub(grpc.insecure_channel(services["preprocess"].address))
 
 
-def prompt_request(prompt: str, *, return_token_ids: bool = False, **sampling) -> gateway_pb2.GenerateRequest:
-    return gateway_pb2.GenerateRequest(
+def prompt_params(prompt: str, *, return_token_ids: bool = False, **sampling) -> gateway_pb2.GenerateParams:
+    return gateway_pb2.GenerateParams(
         prompt=prompt, sampling=common_pb2.SamplingParams(**sampling), return_token_ids=return_token_ids
     )
 
 
-def chat_request(content: str, *, return_token_ids: bool = False, **sampling) -> gateway_pb2.GenerateRequest:
+def chat_params(content: str, *, return_token_ids: bool = False, **sampling) -> gateway_pb2.GenerateParams:
     chat = common_pb2.ChatInput(messages=[common_pb2.ChatMessage(role="user", content=content)])
-    return gateway_pb2.GenerateRequest(
+    return gateway_pb2.GenerateParams(
         chat=chat, sampling=common_pb2.SamplingParams(**sampling), return_token_ids=return_token_ids
     )
 
 
-def collect_stream(gateway, request, **kwargs) -> list[gateway_pb2.GenerateStreamResponse]:
-    return list(gateway.GenerateStream(request, **kwargs))
+def generate(gateway, params: gateway_pb2.GenerateParams, **kwargs) -> gateway_pb2.GenerateResponse:
+    return gateway.Generate(gateway_pb2.GenerateRequest(params=params), **kwargs)
+
+
+def start_stream(gateway, params: gateway_pb2.GenerateParams, **kwargs):
+    return gateway.GenerateStream(gateway_pb2.GenerateStreamRequest(params=params), **kwargs)
+
+
+def collect_stream(gateway, params, **kwargs) -> list[gateway_pb2.GenerateStreamResponse]:
+    return list(start_stream(gateway, params, **kwargs))
 
 
 def wait_for_load(inference, predicate) -> inference_pb2.GetLoadResponse:
@@ -113,27 +121,26 @@ def wait_for_load(inference, predicate) -> inference_pb2.GetLoadResponse:
 
 def test_stream_and_unary_agree_greedy(gateway):
     for request in (
-        prompt_request("The capital of France is", max_tokens=24, return_token_ids=True, **GREEDY),
-        chat_request("Hi there", max_tokens=24, return_token_ids=True, **GREEDY),
+        prompt_params("The capital of France is", max_tokens=24, return_token_ids=True, **GREEDY),
+        chat_params("Hi there", max_tokens=24, return_token_ids=True, **GREEDY),
     ):
-        unary = gateway.Generate(request)
+        unary = generate(gateway, request)
         messages = collect_stream(gateway, request)
         assert "".join(m.text for m in messages) == unary.text
         assert [t for m in messages for t in m.token_ids] == list(unary.token_ids)
-        final = messages[-1]
-        assert final.finish_reason == unary.finish_reason == common_pb2.FINISH_REASON_LENGTH
-        assert final.usage.completion_tokens == unary.usage.completion_tokens == 24
-        assert final.usage.prompt_tokens == unary.usage.prompt_tokens
-        assert all(m.finish_reason == common_pb2.FINISH_REASON_UNSPECIFIED for m in messages[:-1])
-        assert all(not m.HasField("usage") for m in messages[:-1])
+        final = messages[-1].result
+        assert final.finish_reason == unary.result.finish_reason == common_pb2.FINISH_REASON_LENGTH
+        assert final.usage.completion_tokens == unary.result.usage.completion_tokens == 24
+        assert final.usage.prompt_tokens == unary.result.usage.prompt_tokens
+        assert all(not m.HasField("result") for m in messages[:-1])
         assert len({m.request_id for m in messages}) == 1
         assert messages[0].request_id != unary.request_id
 
 
 def test_concurrent_requests_keep_their_own_state(gateway):
     prompts = ["Hello", "The capital of France is", "def add(a, b):", "Continuous batching lets", "emoji 🙂", "0123"]
-    requests = [prompt_request(p, max_tokens=12, return_token_ids=True, **GREEDY) for p in prompts]
-    sequential = [gateway.Generate(r) for r in requests]
+    requests = [prompt_params(p, max_tokens=12, return_token_ids=True, **GREEDY) for p in prompts]
+    sequential = [generate(gateway, r) for r in requests]
     with ThreadPoolExecutor(max_workers=len(requests)) as pool:
         concurrent = list(pool.map(lambda r: collect_stream(gateway, r), requests))
     for expected, messages in zip(sequential, concurrent, strict=True):
@@ -143,41 +150,43 @@ def test_concurrent_requests_keep_their_own_state(gateway):
 
 
 def test_request_id_is_minted_and_sent_as_metadata(gateway):
-    response, call = gateway.Generate.with_call(prompt_request("Hello", max_tokens=2))
+    request = gateway_pb2.GenerateRequest(params=prompt_params("Hello", max_tokens=2))
+    response, call = gateway.Generate.with_call(request)
     assert len(response.request_id) == 32 and int(response.request_id, 16) >= 0
     assert dict(call.initial_metadata())["x-request-id"] == response.request_id
 
-    stream = gateway.GenerateStream(prompt_request("Hello", max_tokens=2))
+    stream = start_stream(gateway, prompt_params("Hello", max_tokens=2))
     messages = list(stream)
     assert dict(stream.initial_metadata())["x-request-id"] == messages[0].request_id
 
 
 def test_return_token_ids_off_sends_text_only(gateway, preprocess):
-    with_ids = gateway.Generate(prompt_request("Hello", max_tokens=8, return_token_ids=True, **GREEDY))
-    without = gateway.Generate(prompt_request("Hello", max_tokens=8, **GREEDY))
+    with_ids = generate(gateway, prompt_params("Hello", max_tokens=8, return_token_ids=True, **GREEDY))
+    without = generate(gateway, prompt_params("Hello", max_tokens=8, **GREEDY))
     assert len(with_ids.token_ids) == 8
     assert list(without.token_ids) == []
     assert without.text == with_ids.text
     detokenized = preprocess.Detokenize(preprocess_pb2.DetokenizeRequest(token_ids=with_ids.token_ids))
     assert with_ids.text == detokenized.text
-    for message in collect_stream(gateway, prompt_request("Hello", max_tokens=8, **GREEDY)):
+    for message in collect_stream(gateway, prompt_params("Hello", max_tokens=8, **GREEDY)):
         assert list(message.token_ids) == []
 
 
 def test_usage_and_timings_are_consistent(gateway, preprocess):
-    response = gateway.Generate(prompt_request("The capital of France is", max_tokens=10, return_token_ids=True))
+    response = generate(gateway, prompt_params("The capital of France is", max_tokens=10, return_token_ids=True))
     prompt = preprocess.Tokenize(preprocess_pb2.TokenizeRequest(text="The capital of France is"))
-    assert response.usage.prompt_tokens == len(prompt.token_ids)
-    assert response.usage.completion_tokens == len(response.token_ids) == 10
-    assert response.usage.cached_tokens <= response.usage.prompt_tokens
-    timings = response.timings
+    usage = response.result.usage
+    assert usage.prompt_tokens == len(prompt.token_ids)
+    assert usage.completion_tokens == len(response.token_ids) == 10
+    assert usage.cached_tokens <= usage.prompt_tokens
+    timings = response.result.timings
     assert timings.preprocess_time_ns > 0
     assert 0 < timings.time_to_first_token_ns <= timings.total_time_ns
     assert timings.queue_time_ns < timings.total_time_ns
 
 
 def test_logprobs_are_passed_through(gateway):
-    response = gateway.Generate(prompt_request("Hello", max_tokens=5, return_token_ids=True, logprobs=2, **GREEDY))
+    response = generate(gateway, prompt_params("Hello", max_tokens=5, return_token_ids=True, logprobs=2, **GREEDY))
     assert [lp.token_id for lp in response.logprobs] == list(response.token_ids)
     assert all(len(lp.top_logprobs) == 2 for lp in response.logprobs)
     # Greedy: the chosen token is the most likely one.
@@ -185,20 +194,20 @@ def test_logprobs_are_passed_through(gateway):
 
 
 def test_stop_string_truncates_and_aborts_inference(gateway, inference):
-    reference = gateway.Generate(
-        chat_request("Hi there", max_tokens=24, return_token_ids=True, ignore_eos=True, **GREEDY)
+    reference = generate(gateway, 
+        chat_params("Hi there", max_tokens=24, return_token_ids=True, ignore_eos=True, **GREEDY)
     )
     middle = len(reference.text) // 2
     stop = reference.text[middle : middle + 3]
     expected_text = reference.text[: reference.text.index(stop)]
     before = inference.GetLoad(inference_pb2.GetLoadRequest())
 
-    request = chat_request(
+    request = chat_params(
         "Hi there", max_tokens=LONG_MAX_TOKENS, ignore_eos=True, stop=["never appears", stop],
         return_token_ids=True, **GREEDY,
     )
     messages = collect_stream(gateway, request)
-    final = messages[-1]
+    final = messages[-1].result
     assert "".join(m.text for m in messages) == expected_text
     assert final.finish_reason == common_pb2.FINISH_REASON_STOP
     assert final.matched_stop == stop
@@ -211,18 +220,18 @@ def test_stop_string_truncates_and_aborts_inference(gateway, inference):
     )
     assert load.num_waiting == 0
 
-    unary = gateway.Generate(request)
+    unary = generate(gateway, request)
     assert unary.text == expected_text
-    assert unary.matched_stop == stop
-    assert unary.finish_reason == common_pb2.FINISH_REASON_STOP
+    assert unary.result.matched_stop == stop
+    assert unary.result.finish_reason == common_pb2.FINISH_REASON_STOP
 
 
 def test_stop_string_absent_keeps_full_text(gateway):
-    reference = gateway.Generate(prompt_request("Hello", max_tokens=12, **GREEDY))
-    response = gateway.Generate(prompt_request("Hello", max_tokens=12, stop=["\x00never"], **GREEDY))
+    reference = generate(gateway, prompt_params("Hello", max_tokens=12, **GREEDY))
+    response = generate(gateway, prompt_params("Hello", max_tokens=12, stop=["\x00never"], **GREEDY))
     assert response.text == reference.text
-    assert response.finish_reason == common_pb2.FINISH_REASON_LENGTH
-    assert not response.HasField("matched_stop")
+    assert response.result.finish_reason == common_pb2.FINISH_REASON_LENGTH
+    assert not response.result.HasField("matched_stop")
 
 
 def assert_rpc_error(call, code: grpc.StatusCode, details_start: str) -> None:
@@ -235,43 +244,43 @@ def assert_rpc_error(call, code: grpc.StatusCode, details_start: str) -> None:
 INVALID = grpc.StatusCode.INVALID_ARGUMENT
 BAD_REQUESTS = [
     # From preprocess, passed through.
-    (prompt_request(""), INVALID, "prompt: must not be empty"),
+    (prompt_params(""), INVALID, "prompt: must not be empty"),
     (
-        prompt_request("Hello", max_tokens=LONG_CONTEXT_TOKENS + 10),
+        prompt_params("Hello", max_tokens=LONG_CONTEXT_TOKENS + 10),
         INVALID,
         "sampling.max_tokens: 4106 exceeds the server limit of 4095 output tokens",
     ),
     (
-        gateway_pb2.GenerateRequest(chat=common_pb2.ChatInput(messages=[common_pb2.ChatMessage(role="robot")])),
+        gateway_pb2.GenerateParams(chat=common_pb2.ChatInput(messages=[common_pb2.ChatMessage(role="robot")])),
         INVALID,
         "chat.messages[0].role: unknown role 'robot'",
     ),
     # From the gateway's own validation.
-    (prompt_request("Hello", temperature=-1.0), INVALID, "sampling.temperature: must be in [0, 100], got -1"),
-    (prompt_request("Hello", top_p=0.0), INVALID, "sampling.top_p: must be in (0, 1], got 0"),
-    (prompt_request("Hello", max_tokens=0), INVALID, "sampling.max_tokens: must be at least 1, got 0"),
-    (prompt_request("Hello", n=2), INVALID, "sampling.n: "),
-    (gateway_pb2.GenerateRequest(), INVALID, "input: set either prompt or chat"),
+    (prompt_params("Hello", temperature=-1.0), INVALID, "sampling.temperature: must be in [0, 100], got -1"),
+    (prompt_params("Hello", top_p=0.0), INVALID, "sampling.top_p: must be in (0, 1], got 0"),
+    (prompt_params("Hello", max_tokens=0), INVALID, "sampling.max_tokens: must be at least 1, got 0"),
+    (prompt_params("Hello", n=2), INVALID, "sampling.n: "),
+    (gateway_pb2.GenerateParams(), INVALID, "input: set either prompt or chat"),
     (
-        gateway_pb2.GenerateRequest(model="other", prompt="Hello"),
+        gateway_pb2.GenerateParams(model="other", prompt="Hello"),
         grpc.StatusCode.NOT_FOUND,
         "model: unknown model 'other'",
     ),
 ]
 
 
-@pytest.mark.parametrize(("request_pb", "code", "details_start"), BAD_REQUESTS)
-def test_bad_requests_get_precise_statuses(gateway, request_pb, code, details_start):
-    assert_rpc_error(lambda: gateway.Generate(request_pb), code, details_start)
-    assert_rpc_error(lambda: collect_stream(gateway, request_pb), code, details_start)
+@pytest.mark.parametrize(("params", "code", "details_start"), BAD_REQUESTS)
+def test_bad_requests_get_precise_statuses(gateway, params, code, details_start):
+    assert_rpc_error(lambda: generate(gateway, params), code, details_start)
+    assert_rpc_error(lambda: collect_stream(gateway, params), code, details_start)
     # The gateway still serves.
-    assert gateway.Generate(prompt_request("Hello", max_tokens=2)).usage.completion_tokens == 2
+    assert generate(gateway, prompt_params("Hello", max_tokens=2)).result.usage.completion_tokens == 2
 
 
 def test_client_cancel_aborts_inference(gateway, inference):
     before = inference.GetLoad(inference_pb2.GetLoadRequest())
-    request = prompt_request("Hello", max_tokens=LONG_MAX_TOKENS, ignore_eos=True, return_token_ids=True)
-    stream = gateway.GenerateStream(request)
+    request = prompt_params("Hello", max_tokens=LONG_MAX_TOKENS, ignore_eos=True, return_token_ids=True)
+    stream = start_stream(gateway, request)
     first = next(stream)
     assert len(first.token_ids) >= 1
     assert stream.cancel()
@@ -280,13 +289,13 @@ def test_client_cancel_aborts_inference(gateway, inference):
     )
     assert load.num_finished_total >= before.num_finished_total
     # Nothing leaked: the next request runs normally.
-    assert gateway.Generate(prompt_request("Hello", max_tokens=3)).usage.completion_tokens == 3
+    assert generate(gateway, prompt_params("Hello", max_tokens=3)).result.usage.completion_tokens == 3
 
 
 def test_client_deadline_is_exceeded_and_inference_aborts(gateway, inference):
     before = inference.GetLoad(inference_pb2.GetLoadRequest())
-    request = prompt_request("Hello", max_tokens=LONG_MAX_TOKENS, ignore_eos=True, return_token_ids=True)
-    stream = gateway.GenerateStream(request, timeout=2.0)
+    request = prompt_params("Hello", max_tokens=LONG_MAX_TOKENS, ignore_eos=True, return_token_ids=True)
+    stream = start_stream(gateway, request, timeout=2.0)
     assert len(next(stream).token_ids) >= 1  # inference is generating when the deadline passes
     with pytest.raises(grpc.RpcError) as info:
         for _ in stream:
@@ -299,9 +308,9 @@ def test_client_deadline_is_exceeded_and_inference_aborts(gateway, inference):
 
 def test_unary_deadline(gateway, inference):
     before = inference.GetLoad(inference_pb2.GetLoadRequest())
-    request = prompt_request("Hello", max_tokens=LONG_MAX_TOKENS, ignore_eos=True)
+    request = prompt_params("Hello", max_tokens=LONG_MAX_TOKENS, ignore_eos=True)
     with pytest.raises(grpc.RpcError) as info:
-        gateway.Generate(request, timeout=2.0)
+        generate(gateway, request, timeout=2.0)
     assert info.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
     wait_for_load(
         inference, lambda load: load.num_running == 0 and load.num_aborted_total == before.num_aborted_total + 1
@@ -311,13 +320,19 @@ def test_unary_deadline(gateway, inference):
 def test_list_models(gateway, inference):
     info = inference.GetModelInfo(inference_pb2.GetModelInfoRequest())
     response = gateway.ListModels(gateway_pb2.ListModelsRequest())
-    assert [(m.id, m.architecture, m.max_context_tokens, m.backend) for m in response.models] == [
-        (info.model_name, "LlamaForCausalLM", LONG_CONTEXT_TOKENS, "hf")
+    assert list(response.models) == [
+        common_pb2.ModelInfo(
+            model_name=info.model.model_name,
+            architecture="LlamaForCausalLM",
+            max_context_tokens=LONG_CONTEXT_TOKENS,
+            eos_token_ids=info.model.eos_token_ids,
+            backend="hf",
+        )
     ]
-    # The listed id is accepted as GenerateRequest.model.
-    request = prompt_request("Hello", max_tokens=2)
-    request.model = response.models[0].id
-    assert gateway.Generate(request).usage.completion_tokens == 2
+    # The listed name is accepted as GenerateParams.model.
+    params = prompt_params("Hello", max_tokens=2)
+    params.model = response.models[0].model_name
+    assert generate(gateway, params).result.usage.completion_tokens == 2
 
 
 def test_inference_down_is_unavailable(services, model_dir, tmp_path):
@@ -335,10 +350,10 @@ def test_inference_down_is_unavailable(services, model_dir, tmp_path):
             tmp_path,
         )
         inference.kill()
-        stub = gateway_pb2_grpc.GatewayStub(grpc.insecure_channel(gateway.address))
-        request = prompt_request("Hello", max_tokens=2)
+        stub = gateway_pb2_grpc.GatewayServiceStub(grpc.insecure_channel(gateway.address))
+        request = prompt_params("Hello", max_tokens=2)
         unavailable = grpc.StatusCode.UNAVAILABLE
-        assert_rpc_error(lambda: stub.Generate(request), unavailable, "inference unavailable: ")
+        assert_rpc_error(lambda: generate(stub, request), unavailable, "inference unavailable: ")
         assert_rpc_error(lambda: collect_stream(stub, request), unavailable, "inference unavailable: ")
     finally:
         if gateway is not None:

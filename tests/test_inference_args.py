@@ -1,6 +1,6 @@
-"""Command lines: the server flags the three services share, and the inference kernel/precision
-flags from `llmserve serve` through the launcher to EngineConfig. Parsing only: no server starts
-and no weights load (config_from_args reads the tiny model's config.json for its name)."""
+"""Command lines: the server flags the three services share, and every engine flag from
+`llmserve serve` through the launcher's child argv to EngineConfig. Parsing only: no server
+starts and no weights load (config_from_args reads the tiny model's config.json for its name)."""
 
 from __future__ import annotations
 
@@ -12,12 +12,15 @@ import torch
 
 from llmserve.cli import build_parser as build_cli_parser
 from llmserve.cli import main as cli_main
-from llmserve.cli import serve_config_from_args
 from llmserve.gateway.__main__ import build_parser as build_gateway_parser
 from llmserve.inference.__main__ import config_from_args, parse_args
-from llmserve.inference.engine.model_runner import resolve_attention_backend
-from llmserve.launcher import ServeConfig, _common_args, _inference_args
+from llmserve.inference.engine.config import EngineConfig
+from llmserve.inference.models.attention_backend import resolve_attention_backend
+from llmserve.inference.engine_flags import flag_of, flagged_fields, parsed_default, value_type
+from llmserve.launcher import PREPROCESS_ENGINE_OPTIONS, _common_args, _inference_args, _preprocess_args
 from llmserve.preprocess.__main__ import build_parser as build_preprocess_parser
+from llmserve.preprocess.__main__ import config_from_args as preprocess_config_from_args
+from llmserve.serve_config import ServeConfig, serve_config_from_args
 
 NEW_FLAGS = ("--attention-backend", "--kv-cache-dtype", "--quantization", "--no-async-scheduling")
 SERVER_FLAGS = ("--host", "--port", "--port-file", "--log-level", "--grace-period-s")
@@ -92,7 +95,7 @@ def test_new_inference_flags_default_to_the_engine_defaults(tiny_model_dir):
     ("flags", "expected"),
     [
         (["--attention-backend", "triton"], {"attention_backend": "triton"}),
-        (["--attention-backend", "torch"], {"attention_backend": "torch"}),
+        (["--attention-backend", "portable"], {"attention_backend": "portable"}),
         (["--kv-cache-dtype", "fp8"], {"kv_cache_dtype": "fp8"}),
         (["--quantization", "fp8"], {"quantization": "fp8"}),
         (["--quantization", "int8"], {"quantization": "int8"}),
@@ -113,7 +116,7 @@ def test_new_inference_flags_reach_engine_config(tiny_model_dir, flags, expected
 @pytest.mark.parametrize(
     ("flag", "value", "choices"),
     [
-        ("--attention-backend", "cuda", "'auto', 'torch', 'triton'"),
+        ("--attention-backend", "cuda", "'auto', 'portable', 'triton'"),
         ("--kv-cache-dtype", "fp16", "'auto', 'fp8'"),
         ("--quantization", "int4", "'none', 'fp8', 'int8'"),
     ],
@@ -132,14 +135,14 @@ def test_inference_help_explains_the_new_flags(capsys):
     text = " ".join(capsys.readouterr().out.split())
     for flag in NEW_FLAGS:
         assert flag in text
-    assert "auto = triton on CUDA when triton imports, torch otherwise (always torch on CPU)" in text
+    assert "auto = triton on CUDA when triton imports, portable otherwise (always portable on CPU)" in text
     assert "(needs the triton attention backend, so CUDA)" in text
     assert "(CUDA, compute capability >= 8.9)" in text
 
 
-def test_auto_attention_is_torch_on_cpu_whether_or_not_triton_imports():
-    assert resolve_attention_backend("auto", torch.device("cpu")) == "torch"
-    assert resolve_attention_backend("torch", torch.device("cpu")) == "torch"
+def test_auto_attention_is_portable_on_cpu_whether_or_not_triton_imports():
+    assert resolve_attention_backend("auto", torch.device("cpu")) == "portable"
+    assert resolve_attention_backend("portable", torch.device("cpu")) == "portable"
 
 
 # --- `llmserve serve` → launcher → inference ---------------------------------------------------
@@ -154,32 +157,99 @@ def test_serve_help_lists_the_new_flags(capsys):
         assert flag in text
 
 
+def serve_config(*flags: str) -> ServeConfig:
+    return serve_config_from_args(build_cli_parser().parse_args(["serve", *flags]))
+
+
+def inference_command(config: ServeConfig, model_dir: Path) -> list[str]:
+    return _inference_args(config, _common_args(config, model_dir, None))
+
+
 def test_serve_passes_nothing_extra_by_default(tiny_model_dir):
-    config = serve_config_from_args(build_cli_parser().parse_args(["serve"]))
+    config = serve_config()
     assert config == ServeConfig(model="default")
-    command = _inference_args(config, _common_args(config, tiny_model_dir, None), "torch")
-    assert not set(NEW_FLAGS) & set(command)
+    common = _common_args(config, tiny_model_dir, None)
+    assert _inference_args(config, common) == ["--host", "127.0.0.1", "--port", "0", *common]
+    assert _preprocess_args(config, common) == ["--host", "127.0.0.1", "--port", "0", *common]
 
 
 def test_serve_flags_reach_the_inference_engine_config(tiny_model_dir):
     serve_flags = [
-        "--attention-backend", "torch", "--kv-cache-dtype", "fp8", "--quantization", "int8",
+        "--attention-backend", "triton", "--kv-cache-dtype", "fp8", "--quantization", "int8",
         "--no-async-scheduling",
     ]  # fmt: skip
-    config = serve_config_from_args(build_cli_parser().parse_args(["serve", *serve_flags]))
-    assert (config.attention_backend, config.kv_cache_dtype, config.quantization, config.async_scheduling) == (
-        "torch", "fp8", "int8", False,
-    )  # fmt: skip
-    command = _inference_args(config, _common_args(config, tiny_model_dir, None), "torch")
+    command = inference_command(serve_config(*serve_flags), tiny_model_dir)
     assert command[-7:] == [
-        "--no-async-scheduling", "--attention-backend", "torch", "--kv-cache-dtype", "fp8", "--quantization", "int8",
+        "--no-async-scheduling", "--attention-backend", "triton", "--kv-cache-dtype", "fp8", "--quantization", "int8",
     ]  # fmt: skip
 
     engine = config_from_args(parse_args(command)).engine
     assert (engine.attention_backend, engine.kv_cache_dtype, engine.quantization, engine.async_scheduling) == (
-        "torch", "fp8", "int8", False,
+        "triton", "fp8", "int8", False,
     )  # fmt: skip
     assert engine.model_path == tiny_model_dir.resolve()
+
+
+def non_default_value(field):
+    """A value of the field's flag that is not its default, as the flag parses it."""
+    if value_type(field) is bool:
+        return not field.default
+    flag, default = flag_of(field), parsed_default(field)
+    if flag.choices:
+        return next(choice for choice in reversed(flag.choices) if choice != default)
+    if value_type(field) is str:
+        return "cuda:1"
+    return (default or 1) * 2 + 1 if value_type(field) is int else default / 2
+
+
+def flag_argv(field, value) -> list[str]:
+    return [flag_of(field).name] if value_type(field) is bool else [flag_of(field).name, str(value)]
+
+
+ENGINE_FIELDS = flagged_fields()
+
+
+@pytest.mark.parametrize("field", ENGINE_FIELDS, ids=[flag_of(f).name for f in ENGINE_FIELDS])
+def test_every_engine_flag_round_trips_from_serve_to_engine_config(tiny_model_dir, field):
+    """One declaration, three command lines: `llmserve serve`'s parser takes the flag, the
+    launcher passes exactly it on, and the inference service's parser turns it into the field."""
+    value = non_default_value(field)
+    flag = flag_argv(field, value)
+    config = serve_config(*flag)
+    assert config.engine == {**ServeConfig().engine, field.name: value}
+
+    command = inference_command(config, tiny_model_dir)
+    assert command == [*inference_command(ServeConfig(), tiny_model_dir), *flag]
+    engine = config_from_args(parse_args(command)).engine
+    baseline = config_from_args(inference_args(tiny_model_dir)).engine
+    assert getattr(engine, field.name) == value
+    for other in ENGINE_FIELDS:
+        if other.name not in (field.name, "dtype"):  # an unset dtype follows the device
+            assert getattr(engine, other.name) == getattr(baseline, other.name), other.name
+
+
+def test_engine_config_fields_without_a_flag_are_the_ones_set_elsewhere():
+    unflagged = {f.name for f in dataclasses.fields(EngineConfig)} - {f.name for f in ENGINE_FIELDS}
+    # model_path and model_name come from --model / --model-name; the other two have no flag yet.
+    assert unflagged == {"model_path", "model_name", "kv_cpu_memory_bytes", "enable_chunked_prefill"}
+
+
+def test_serve_passes_block_size_and_context_to_preprocess_too(tiny_model_dir):
+    config = serve_config("--block-size", "32", "--max-context-tokens", "512")
+    assert set(PREPROCESS_ENGINE_OPTIONS) == {"block_size_tokens", "max_context_tokens"}
+    command = _preprocess_args(config, _common_args(config, tiny_model_dir, None))
+    preprocess = preprocess_config_from_args(build_preprocess_parser().parse_args(command))
+    engine = config_from_args(parse_args(inference_command(config, tiny_model_dir))).engine
+    assert (preprocess.block_size_tokens, preprocess.max_context_tokens) == (32, 512)
+    assert (engine.block_size_tokens, engine.max_context_tokens) == (32, 512)
+
+
+def test_unset_dtype_follows_the_device(tiny_model_dir):
+    assert config_from_args(inference_args(tiny_model_dir)).engine.dtype == "float32"
+    assert config_from_args(inference_args(tiny_model_dir, "--device", "cuda")).engine.dtype == "bfloat16"
+    assert config_from_args(inference_args(tiny_model_dir, "--device", "cuda", "--dtype", "float16")).engine.dtype == (
+        "float16"
+    )
 
 
 def test_a_flag_combination_the_engine_cannot_run_fails_with_one_clear_line(tiny_model_dir, tmp_path):

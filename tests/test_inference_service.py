@@ -45,7 +45,7 @@ class Service:
     running: RunningServer
     engine: AsyncEngine
     channel: grpc.aio.Channel
-    stub: inference_pb2_grpc.InferenceStub
+    stub: inference_pb2_grpc.InferenceServiceStub
 
 
 async def start_service(model_dir) -> Service:
@@ -54,12 +54,12 @@ async def start_service(model_dir) -> Service:
     servicer = InferenceServicer(engine, replica_id="replica-under-test")
     running = await create_server(
         "127.0.0.1:0",
-        lambda server: inference_pb2_grpc.add_InferenceServicer_to_server(servicer, server),
+        lambda server: inference_pb2_grpc.add_InferenceServiceServicer_to_server(servicer, server),
         [SERVICE_NAME],
     )
     await running.set_serving(True)
     channel = grpc.aio.insecure_channel(f"127.0.0.1:{running.port}", options=CHANNEL_OPTIONS)
-    return Service(running, engine, channel, inference_pb2_grpc.InferenceStub(channel))
+    return Service(running, engine, channel, inference_pb2_grpc.InferenceServiceStub(channel))
 
 
 async def stop_service(service: Service) -> None:
@@ -126,7 +126,7 @@ def direct_outputs(model_dir, request: EngineRequest):
     ids=["greedy-logprobs", "seeded-n2"],
 )
 async def test_streaming_generate_matches_the_engine_core(service, tiny_model_dir, sampling):
-    responses = await read_all(service.stub.Generate(generate_request("match", **sampling)))
+    responses = await read_all(service.stub.GenerateTokens(generate_request("match", **sampling)))
     expected = direct_outputs(
         tiny_model_dir, EngineRequest("match", PROMPT, SamplingParams(**sampling), time.monotonic_ns())
     )
@@ -152,10 +152,10 @@ async def test_streaming_generate_matches_the_engine_core(service, tiny_model_di
 
 
 async def test_stop_token_id_is_reported(service):
-    [first] = await read_all(service.stub.Generate(generate_request("probe", max_tokens=1, temperature=0.0)))
+    [first] = await read_all(service.stub.GenerateTokens(generate_request("probe", max_tokens=1, temperature=0.0)))
     stop_id = first.token_ids[0]
     responses = await read_all(
-        service.stub.Generate(generate_request("stop", max_tokens=9, temperature=0.0, stop_token_ids=[stop_id]))
+        service.stub.GenerateTokens(generate_request("stop", max_tokens=9, temperature=0.0, stop_token_ids=[stop_id]))
     )
     [last] = responses
     assert (list(last.token_ids), last.finish_reason, last.stop_token_id) == (
@@ -206,19 +206,19 @@ def _invalid_cases(vocab_size: int):
 async def test_invalid_requests_get_precise_invalid_argument(service, vocab_size):
     for request, message in _invalid_cases(vocab_size):
         with pytest.raises(grpc.aio.AioRpcError) as error:
-            await read_all(service.stub.Generate(request))
+            await read_all(service.stub.GenerateTokens(request))
         assert (error.value.code(), error.value.details()) == (grpc.StatusCode.INVALID_ARGUMENT, message)
     load = await service.stub.GetLoad(inference_pb2.GetLoadRequest())  # still healthy
     assert (load.num_running, load.num_waiting) == (0, 0)
 
 
 async def test_duplicate_in_flight_request_id(service):
-    call = service.stub.Generate(
+    call = service.stub.GenerateTokens(
         inference_pb2.GenerateTokensRequest(request_id="dup", prompt_token_ids=PROMPT, sampling=LONG_SAMPLING)
     )
     await asyncio.wait_for(call.read(), HANG_GUARD_S)
     with pytest.raises(grpc.aio.AioRpcError) as error:
-        await read_all(service.stub.Generate(generate_request("dup", max_tokens=2)))
+        await read_all(service.stub.GenerateTokens(generate_request("dup", max_tokens=2)))
     assert (error.value.code(), error.value.details()) == (
         grpc.StatusCode.INVALID_ARGUMENT, "request_id: 'dup' is already in flight",
     )
@@ -228,7 +228,7 @@ async def test_duplicate_in_flight_request_id(service):
 
 async def test_client_cancel_aborts_the_request(service):
     before = await service.stub.GetLoad(inference_pb2.GetLoadRequest())
-    call = service.stub.Generate(
+    call = service.stub.GenerateTokens(
         inference_pb2.GenerateTokensRequest(request_id="cancel-me", prompt_token_ids=PROMPT, sampling=LONG_SAMPLING)
     )
     for _ in range(3):
@@ -242,7 +242,7 @@ async def test_client_cancel_aborts_the_request(service):
 
 async def test_deadline_exceeded_aborts_the_request(service):
     before = await service.stub.GetLoad(inference_pb2.GetLoadRequest())
-    call = service.stub.Generate(
+    call = service.stub.GenerateTokens(
         inference_pb2.GenerateTokensRequest(request_id="too-slow", prompt_token_ids=PROMPT, sampling=LONG_SAMPLING),
         timeout=0.3,
     )
@@ -258,7 +258,7 @@ async def test_deadline_exceeded_aborts_the_request(service):
 async def test_abort_rpc(service):
     unknown = await service.stub.Abort(inference_pb2.AbortRequest(request_id="nobody"))
     assert unknown.was_running is False
-    call = service.stub.Generate(
+    call = service.stub.GenerateTokens(
         inference_pb2.GenerateTokensRequest(request_id="abort-me", prompt_token_ids=PROMPT, sampling=LONG_SAMPLING)
     )
     await asyncio.wait_for(call.read(), HANG_GUARD_S)
@@ -275,16 +275,18 @@ async def test_abort_rpc(service):
 async def test_get_model_info(service, vocab_size):
     info = await service.stub.GetModelInfo(inference_pb2.GetModelInfoRequest())
     assert info == inference_pb2.GetModelInfoResponse(
-        model_name="tiny",
-        architecture="LlamaForCausalLM",
-        max_context_tokens=CONTEXT_TOKENS,
-        vocab_size=vocab_size,
-        eos_token_ids=[2],
-        block_size_tokens=16,
-        dtype="float32",
-        backend="hf",
+        model=common_pb2.ModelInfo(
+            model_name="tiny",
+            architecture="LlamaForCausalLM",
+            max_context_tokens=CONTEXT_TOKENS,
+            vocab_size=vocab_size,
+            eos_token_ids=[2],
+            block_size_tokens=16,
+            dtype="float32",
+            backend="hf",
+            device="cpu",
+        ),
         replica_id="replica-under-test",
-        device="cpu",
     )
 
 
@@ -296,11 +298,11 @@ async def test_get_load_names_the_replica(service):
 async def test_draining_refuses_new_requests_and_finishes_running_ones(tiny_model_dir):
     service = await start_service(tiny_model_dir)
     try:
-        call = service.stub.Generate(generate_request("running", max_tokens=40, temperature=0.0, ignore_eos=True))
+        call = service.stub.GenerateTokens(generate_request("running", max_tokens=40, temperature=0.0, ignore_eos=True))
         first = await asyncio.wait_for(call.read(), HANG_GUARD_S)
         shutdown = asyncio.create_task(service.engine.shutdown(drain_timeout_s=HANG_GUARD_S))
         with pytest.raises(grpc.aio.AioRpcError) as error:
-            await read_all(service.stub.Generate(generate_request("late", max_tokens=2)))
+            await read_all(service.stub.GenerateTokens(generate_request("late", max_tokens=2)))
         assert (error.value.code(), error.value.details()) == (
             grpc.StatusCode.UNAVAILABLE, "the inference engine is shutting down",
         )
@@ -357,13 +359,13 @@ async def test_subprocess_serves_and_drains_on_sigterm(tiny_model_dir, tmp_path)
             )
             assert health.status == health_pb2.HealthCheckResponse.SERVING
             services = await _reflected_services(channel)
-            assert "llmserve.v1.Inference" in services
-            stub = inference_pb2_grpc.InferenceStub(channel)
+            assert "llmserve.v1.InferenceService" in services
+            stub = inference_pb2_grpc.InferenceServiceStub(channel)
             info = await stub.GetModelInfo(inference_pb2.GetModelInfoRequest())
-            assert (info.backend, info.replica_id) == ("hf", f"{socket.gethostname()}-{port}")
+            assert (info.model.backend, info.replica_id) == ("hf", f"{socket.gethostname()}-{port}")
 
             sampling = common_pb2.SamplingParams(max_tokens=200, temperature=0.0, ignore_eos=True, n=4)
-            call = stub.Generate(
+            call = stub.GenerateTokens(
                 inference_pb2.GenerateTokensRequest(request_id="drain", prompt_token_ids=PROMPT, sampling=sampling)
             )
             first = await asyncio.wait_for(call.read(), HANG_GUARD_S)

@@ -13,7 +13,8 @@ from tests.triton_cpu import HAS_CUDA, HAS_TRITON, KERNEL_DEVICE  # noqa: I001  
 import pytest
 import torch
 
-from llmserve.inference.models.llama import RMSNorm, apply_rope
+from llmserve.inference.models.layers import RMSNorm
+from llmserve.inference.models.rope import apply_rope
 
 pytestmark = pytest.mark.skipif(not HAS_TRITON, reason="triton is not installed")
 
@@ -188,7 +189,7 @@ def test_rms_norm_with_and_without_residual(dtype, hidden):
     out, new_residual = rms_norm(x, norm.weight, norm.eps, residual)
     assert new_residual.dtype == torch.float32  # the residual stream is never rounded
     assert torch.equal(new_residual, x.float() + residual.float())
-    # The torch path rounds x + residual to the model dtype first; float32 sums may differ in order only.
+    # The portable path rounds x + residual to the model dtype first; float32 sums may differ in order only.
     tolerance = 1e-5 if dtype == torch.float32 else 1.6e-2
     torch.testing.assert_close(out, norm(x + residual), rtol=tolerance, atol=tolerance)
     out_again, _ = rms_norm(x, norm.weight, norm.eps, new_residual)  # a float32 residual in
@@ -199,7 +200,7 @@ def test_rms_norm_with_and_without_residual(dtype, hidden):
 
 
 def test_rms_norm_takes_a_float32_input_and_answers_in_the_weight_dtype():
-    """o_proj/down_proj write float32 on the kernel path: the norm after them adds in float32,
+    """o_proj/down_proj write float32 on the triton backend: the norm after them adds in float32,
     rounds the normalized value to the model dtype (the weight's) as LlamaRMSNorm does, and
     returns that dtype for the next GEMM."""
     from llmserve.inference.kernels.rms_norm import rms_norm
@@ -220,7 +221,7 @@ def test_rms_norm_takes_a_float32_input_and_answers_in_the_weight_dtype():
 @pytest.mark.gpu
 @pytest.mark.skipif(not HAS_CUDA, reason="needs CUDA")
 def test_float32_output_linear_skips_the_bf16_rounding():
-    from llmserve.inference.models.llama import float32_output_linear
+    from llmserve.inference.models.triton_ops import float32_output_linear
 
     generator = torch.Generator().manual_seed(8)
     linear = torch.nn.Linear(256, 384, bias=True).to("cuda", torch.bfloat16)

@@ -47,10 +47,10 @@ def _workload(**overrides) -> WorkloadConfig:
 
 def test_plans_are_reproducible_and_share_prefixes_token_for_token(tiny_model_dir):
     builder = PromptBuilder.from_path(tiny_model_dir)
-    config = _workload(num_prefix_groups=3, prefix_tokens=24, use_token_ids=True)
+    config = _workload(num_prefix_groups=3, prefix_tokens=24)
     planned = plan_requests(config, builder)
     assert planned == plan_requests(config, builder)
-    assert planned != plan_requests(_workload(num_prefix_groups=3, prefix_tokens=24, use_token_ids=True, seed=8), builder)
+    assert planned != plan_requests(_workload(num_prefix_groups=3, prefix_tokens=24, seed=8), builder)
     assert {p.prefix_group for p in planned} == {0, 1, 2}
     for group in range(3):
         members = [p for p in planned if p.prefix_group == group]

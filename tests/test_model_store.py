@@ -18,12 +18,9 @@ import numpy as np
 import pytest
 import torch
 
-from llmserve.gguf_convert import (
-    UnsupportedGGUFError,
-    build_tokenizer,
-    convert_gguf_to_hf,
-    reverse_rope_permutation,
-)
+from llmserve.gguf_convert import convert_gguf_to_hf, reverse_rope_permutation
+from llmserve.gguf_metadata import UnsupportedGGUFError
+from llmserve.gguf_tokenizer import build_tokenizer
 from llmserve.model_files import ModelFiles
 from llmserve.model_store import (
     COMPLETE_MARKER,
@@ -294,13 +291,12 @@ def test_tokenizer_config_and_model_files(tiny_gguf, tiny_converted):
     files = ModelFiles.load(tiny_converted)
 
     assert files.chat_template == CHATML_TEMPLATE
-    assert files.bos_token == "<|im_start|>"
-    assert files.eos_token == "<|im_end|>"
     assert files.eos_token_ids == (vocab["<|im_end|>"],)
     assert files.max_context_tokens == 256
     assert files.vocab_size == len(vocab)
     assert files.architecture == "LlamaForCausalLM"
     tokenizer_config = json.loads((tiny_converted / "tokenizer_config.json").read_text())
+    assert (tokenizer_config["bos_token"], tokenizer_config["eos_token"]) == ("<|im_start|>", "<|im_end|>")
     assert (tokenizer_config["unk_token"], tokenizer_config["pad_token"]) == ("<|endoftext|>", "<|im_end|>")
     assert tokenizer_config["add_bos_token"] is False
 
@@ -308,7 +304,7 @@ def test_tokenizer_config_and_model_files(tiny_gguf, tiny_converted):
 def test_smollm_pre_tokenizer_splits_digits_one_by_one(tmp_path):
     from gguf import GGUFReader
 
-    from llmserve.gguf_convert import read_metadata
+    from llmserve.gguf_metadata import read_metadata
 
     tokenizers = {}
     for pre_tokenizer in ("gpt2", "smollm"):

@@ -85,7 +85,7 @@ async def stubs(tiny_model_dir, tmp_path_factory):
         channel = grpc.aio.insecure_channel(f"127.0.0.1:{server.port}", options=CHANNEL_OPTIONS)
         servers.append(server)
         channels.append(channel)
-        result[name] = preprocess_pb2_grpc.PreprocessStub(channel)
+        result[name] = preprocess_pb2_grpc.PreprocessServiceStub(channel)
     result["health"] = health_pb2_grpc.HealthStub(channels[0])
     yield result
     for channel in channels:
@@ -125,20 +125,26 @@ async def _invalid_argument(call, request) -> str:
     return caught.value.details()
 
 
-# --- GetInfo ------------------------------------------------------------------------------
+# --- GetPreprocessInfo ------------------------------------------------------------------------
 
 
 async def test_get_info_fills_every_field(stub, reference):
-    info = await stub.GetInfo(preprocess_pb2.GetPreprocessInfoRequest())
+    info = await stub.GetPreprocessInfo(preprocess_pb2.GetPreprocessInfoRequest())
 
+    preprocess_fields = {
+        "model_name", "tokenizer_vocab_size", "max_context_tokens", "eos_token_ids", "block_size_tokens",
+        "block_hash_version",
+    }
     assert info == preprocess_pb2.GetPreprocessInfoResponse(
-        model_name="tiny-llama",
-        vocab_size=reference.get_vocab_size(with_added_tokens=True),
-        max_context_tokens=CONTEXT,
+        model=common_pb2.ModelInfo(
+            model_name="tiny-llama",
+            tokenizer_vocab_size=reference.get_vocab_size(with_added_tokens=True),
+            max_context_tokens=CONTEXT,
+            eos_token_ids=[reference.token_to_id("<|im_end|>")],
+            block_size_tokens=BLOCK_SIZE,
+            block_hash_version=1,
+        ),
         max_output_tokens=MAX_OUTPUT,
-        eos_token_ids=[reference.token_to_id("<|im_end|>")],
-        block_size_tokens=BLOCK_SIZE,
-        block_hash_version=1,
         buckets=[
             common_pb2.LengthBucket(index=0, max_prompt_tokens=16),
             common_pb2.LengthBucket(index=1, max_prompt_tokens=64),
@@ -146,12 +152,13 @@ async def test_get_info_fills_every_field(stub, reference):
         ],
         has_chat_template=True,
     )
-    # No field left at its proto3 default.
+    # No field left at its proto3 default, of those preprocess fills.
     assert {field.name for field, _ in info.ListFields()} == {f.name for f in info.DESCRIPTOR.fields}
+    assert {field.name for field, _ in info.model.ListFields()} == preprocess_fields
 
 
 async def test_get_info_reports_a_missing_chat_template(stubs):
-    info = await stubs["no_template"].GetInfo(preprocess_pb2.GetPreprocessInfoRequest())
+    info = await stubs["no_template"].GetPreprocessInfo(preprocess_pb2.GetPreprocessInfoRequest())
     assert info.has_chat_template is False
 
 
@@ -361,7 +368,7 @@ async def test_template_errors_carry_the_template_message(stubs):
 async def test_server_stays_serving_after_bad_requests(stubs):
     for _ in range(3):
         await _invalid_argument(stubs["main"].Preprocess, preprocess_pb2.PreprocessRequest(prompt=""))
-    response = await stubs["health"].Check(health_pb2.HealthCheckRequest(service="llmserve.v1.Preprocess"))
+    response = await stubs["health"].Check(health_pb2.HealthCheckRequest(service="llmserve.v1.PreprocessService"))
     assert response.status == health_pb2.HealthCheckResponse.SERVING
 
 
@@ -400,8 +407,8 @@ async def test_subprocess_serves_reflects_and_exits_0_on_sigterm(tiny_model_dir,
         async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
             health = await health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest())
             assert health.status == health_pb2.HealthCheckResponse.SERVING
-            assert "llmserve.v1.Preprocess" in await _list_services(channel)
-            response = await preprocess_pb2_grpc.PreprocessStub(channel).Preprocess(
+            assert "llmserve.v1.PreprocessService" in await _list_services(channel)
+            response = await preprocess_pb2_grpc.PreprocessServiceStub(channel).Preprocess(
                 preprocess_pb2.PreprocessRequest(request_id="sub-1", prompt="Hello there")
             )
             assert response.block_size_tokens == 4

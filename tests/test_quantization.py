@@ -1,4 +1,5 @@
-"""Weight quantization (models/quantization.py) and its kernels (fp8_quant, w8a16_matmul).
+"""Weight quantization (models/quant_codes.py, models/quantization.py) and its kernels (fp8_quant,
+w8a16_matmul).
 
 CPU: pack/unpack round trips against their error bounds, the reference forward of each module
 against F.linear on the dequantized weights (tight) and on the original weights (loose, the
@@ -21,20 +22,19 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from llmserve.inference.models.attention import AttentionMetadata, PrefillChunk
-from llmserve.inference.models.llama import DecoderConfig, MergedLinear
+from llmserve.inference.engine.step_inputs import StepInputs
+from llmserve.inference.models.attention_backend import create_attention_backend
+from llmserve.inference.models.decoder_config import DecoderConfig
+from llmserve.inference.models.layers import MergedLinear
 from llmserve.inference.models.loader import load_model
-from llmserve.inference.models.quantization import (
+from llmserve.inference.models.quant_codes import (
     FP8_E4M3_MAX,
-    QUANTIZED_LINEAR_NAMES,
-    Fp8Linear,
-    Int8Linear,
     dequantize,
-    quantize_linears,
     quantize_per_token_fp8,
     quantize_weight_fp8,
     quantize_weight_int8,
 )
+from llmserve.inference.models.quantization import QUANTIZED_LINEAR_NAMES, Fp8Linear, Int8Linear, quantize_linears
 
 needs_triton = pytest.mark.skipif(not HAS_TRITON, reason="triton is not installed")
 needs_cuda = pytest.mark.skipif(not HAS_CUDA, reason="needs CUDA")
@@ -182,28 +182,35 @@ def test_fp8_rejects_shapes_scaled_mm_cannot_run():
 # --- quantize_linears on tiny real models ------------------------------------------------------
 
 
+BLOCK_SIZE = 16
+
+
 def load_tiny(model_dir, device="cpu", dtype=torch.float32):
+    """A tiny model on the portable attention backend (the reference numerics on any device)."""
     config = DecoderConfig.from_hf(json.loads((model_dir / "config.json").read_text()))
-    return load_model(model_dir, config, torch.device(device), dtype)
+    attention = create_attention_backend("portable", config, BLOCK_SIZE, torch.device(device))
+    return load_model(model_dir, config, torch.device(device), dtype, attention)
 
 
 @torch.inference_mode()
-def prefill_logits(model, num_tokens: int = 40, block_size: int = 16) -> torch.Tensor:
-    """float32 logits [num_tokens, vocab] of one fresh prompt through the torch attention path."""
+def prefill_logits(model, num_tokens: int = 40) -> torch.Tensor:
+    """float32 logits [num_tokens, vocab] of one fresh prompt in one prefill chunk."""
     config = model.config
     device = model.lm_head.weight.device
     dtype = model.lm_head.weight.dtype
     token_ids = torch.randint(3, config.vocab_size, (num_tokens,), generator=torch.Generator().manual_seed(0))
-    num_blocks = -(-num_tokens // block_size)
-    shape = (num_blocks, block_size, config.num_kv_heads, config.head_dim)
+    num_blocks = -(-num_tokens // BLOCK_SIZE)
+    shape = (num_blocks, BLOCK_SIZE, config.num_kv_heads, config.head_dim)
     kv_caches = [(torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
                  for _ in range(config.num_layers)]
-    positions = torch.arange(num_tokens, device=device)
-    meta = AttentionMetadata(
-        slot_mapping=positions, num_decode_tokens=0, decode_kv_slots=None, decode_context_lens=None,
-        prefills=[PrefillChunk(0, num_tokens, num_tokens, None)],
+    step = StepInputs(
+        input_ids=token_ids.tolist(), positions=list(range(num_tokens)), slot_mapping=list(range(num_tokens)),
+        prefill_query_starts=[0], prefill_query_lens=[num_tokens], prefill_context_lens=[num_tokens],
+        prefill_block_tables=[list(range(num_blocks))], prefill_has_cached_prefix=[False],
     )
-    return model.compute_logits(model(token_ids.to(device), positions, kv_caches, meta))
+    positions = torch.arange(num_tokens, device=device)
+    hidden = model(token_ids.to(device), positions, kv_caches, model.attention.build_metadata(step))
+    return model.compute_logits(hidden)
 
 
 # Relative logit error measured on these tiny random models (2 layers, 64 wide, weights

@@ -1,18 +1,22 @@
-"""Scheduler: batch composition, chunking, priorities, preemption, rejection and abort.
+"""Scheduler: batch composition, chunking, priorities, preemption, rejection, abort, forks and
+the update of a step's results.
 
-Pure Python with block size 4: `run_step` plays the engine (schedule, mark computed, append a
-token to every sequence that samples).
+Pure Python with block size 4, through the engine's own calls: `run_step` is one step of the
+engine without async scheduling (schedule, update_from_output with the launched batch, then
+with its sampled tokens).
 """
 
 from __future__ import annotations
 
 from llmserve.inference.engine.block_manager import BlockManager
 from llmserve.inference.engine.scheduler import ScheduledBatch, Scheduler, SchedulerConfig
-from llmserve.inference.engine.sequence import Sequence, SequenceStatus
+from llmserve.inference.engine.sequence import PENDING_TOKEN, Sequence, SequenceStatus
+from llmserve.inference.engine.step_output import LaunchedBatch, SampledTokens
 from llmserve.sampling import FinishReason, SamplingParams
 
 BLOCK_SIZE = 4
 SAMPLED_TOKEN = 7
+EOS = 99_999
 
 
 def make_scheduler(
@@ -29,11 +33,13 @@ def make_scheduler(
         max_batched_tokens=max_batched_tokens,
         max_seq_tokens=max_seq_tokens or num_blocks * BLOCK_SIZE,
         enable_chunked_prefill=chunked,
+        eos_token_ids=frozenset({EOS}),
     )
     return Scheduler(config, manager)
 
 
-def make_seq(seq_id: int, num_tokens: int, priority: int = 0, first_token: int | None = None) -> Sequence:
+def make_seq(seq_id: int, num_tokens: int, priority: int = 0, first_token: int | None = None,
+             max_tokens: int = 64) -> Sequence:
     start = seq_id * 1000 if first_token is None else first_token
     return Sequence(
         seq_id=seq_id,
@@ -41,18 +47,19 @@ def make_seq(seq_id: int, num_tokens: int, priority: int = 0, first_token: int |
         sequence_index=0,
         token_ids=list(range(start, start + num_tokens)),
         num_prompt_tokens=num_tokens,
-        sampling=SamplingParams(max_tokens=64),
+        sampling=SamplingParams(max_tokens=max_tokens),
         priority=priority,
     )
 
 
-def run_step(scheduler: Scheduler) -> ScheduledBatch:
+def run_step(scheduler: Scheduler, stopping=(), forks=()) -> ScheduledBatch:
+    """Every sequence that samples gets SAMPLED_TOKEN, or EOS if in `stopping`; `forks`:
+    (parent, child) pairs whose child samples from the parent's row, as the engine forks them."""
     batch = scheduler.schedule()
-    sampling = [seq for i, seq in enumerate(batch.seqs) if batch.samples(i)]
-    scheduler.advance(batch)  # what the engine does once the batch is launched ...
-    scheduler.register_computed_blocks(batch)  # ... and once its tokens are known
-    for seq in sampling:
-        seq.token_ids.append(SAMPLED_TOKEN)
+    seqs = batch.sampling_seqs() + [child for _, child in forks]
+    scheduler.update_from_output(launched=LaunchedBatch(batch, seqs, list(forks)))
+    token_ids = [EOS if seq in stopping else SAMPLED_TOKEN for seq in seqs]
+    scheduler.update_from_output(sampled=SampledTokens(seqs, token_ids))
     return batch
 
 
@@ -68,7 +75,7 @@ def assert_pool_full(scheduler: Scheduler) -> None:
 
 def finish_all(scheduler: Scheduler) -> None:
     for seq in list(scheduler.running) + list(scheduler.waiting):
-        scheduler.finish(seq, FinishReason.LENGTH)
+        scheduler.abort(seq.request_id)
 
 
 def test_decodes_go_first_and_a_long_prompt_is_chunked_around_them():
@@ -90,9 +97,9 @@ def test_max_num_seqs_holds_back_new_sequences():
     scheduler = make_scheduler(max_num_seqs=2)
     for seq_id in (1, 2, 3):
         scheduler.add(make_seq(seq_id, 3))
-    assert plan(run_step(scheduler)) == [(1, 3), (2, 3)]
-    assert [s.seq_id for s in scheduler.waiting] == [3]
-    scheduler.finish(scheduler.running[0], FinishReason.STOP)
+    first = scheduler.waiting[0]
+    assert plan(run_step(scheduler, stopping={first})) == [(1, 3), (2, 3)]
+    assert [s.seq_id for s in scheduler.waiting] == [3] and first.finish_reason is FinishReason.STOP
     assert plan(run_step(scheduler)) == [(2, 1), (3, 3)]
     finish_all(scheduler)
     assert_pool_full(scheduler)
@@ -106,9 +113,8 @@ def test_lower_priority_value_first_then_first_come_first_served():
     scheduler.add(make_seq(4, 2, priority=-1))
     order = []
     while scheduler.waiting:
-        batch = run_step(scheduler)
+        batch = run_step(scheduler, stopping=set(scheduler.waiting))
         order.append(batch.seqs[0].seq_id)
-        scheduler.finish(batch.seqs[0], FinishReason.STOP)
     assert order == [4, 2, 3, 1]
 
 
@@ -137,8 +143,7 @@ def test_preemption_frees_the_newest_and_it_resumes_from_the_cache():
     c = make_seq(3, 2)
     scheduler.add(c)  # newer arrival: queues behind the preempted b
     assert [s.seq_id for s in scheduler.waiting] == [2, 3]
-    assert plan(run_step(scheduler)) == [(1, 1)]  # b needs 2 fresh blocks, 0 are free: waits
-    scheduler.finish(a, FinishReason.STOP)
+    assert plan(run_step(scheduler, stopping={a})) == [(1, 1)]  # b needs 2 fresh blocks, 0 are free: waits
     batch = run_step(scheduler)
     assert plan(batch) == [(2, 5), (3, 2)]  # b: 4 of its 9 tokens from the cache, 5 recomputed
     assert b.block_ids[0] == 2 and b.num_cached_tokens == 0  # cached tokens count first admission only
@@ -166,11 +171,11 @@ def test_a_prompt_that_can_never_fit_is_rejected_with_numbers():
     too_long = make_seq(1, 33)
     scheduler.add(too_long)
     assert not scheduler.waiting
-    assert scheduler.take_rejected() == [too_long]
+    assert scheduler.update_from_output().rejected == [too_long]
     assert too_long.finish_reason is FinishReason.ERROR
     assert "33 tokens" in too_long.error_message and "at most 32" in too_long.error_message
     assert "8 blocks x 4 tokens" in too_long.error_message
-    assert scheduler.take_rejected() == []
+    assert scheduler.update_from_output().rejected == []
     assert run_step(scheduler).is_empty
 
 
@@ -185,7 +190,7 @@ def test_abort_frees_running_and_waiting_blocks_at_once():
     assert running.finish_reason is FinishReason.CANCELLED
     assert scheduler.abort("r2") == [waiting]
     assert scheduler.abort("r2") == []
-    assert not scheduler.has_unfinished()
+    assert not scheduler.running and not scheduler.waiting
     assert_pool_full(scheduler)
 
 
@@ -229,17 +234,45 @@ def test_fork_shares_the_prompt_and_copies_the_partial_block_next_step():
     scheduler = make_scheduler(max_num_seqs=2)
     parent = make_seq(1, 6)
     scheduler.add(parent)
-    run_step(scheduler)
-    child = make_seq(2, 6, first_token=1000)
-    scheduler.add_fork(parent, child)
-    assert child.status is SequenceStatus.RUNNING
+    child, late = make_seq(2, 6, first_token=1000), make_seq(3, 6, first_token=1000)
+    run_step(scheduler, forks=[(parent, child), (parent, late)])  # the step that computes the prompt
+    assert child.status is SequenceStatus.RUNNING and child.token_ids[-1] == SAMPLED_TOKEN
     assert child.block_ids == [parent.block_ids[0], 2]
-    child.token_ids.append(SAMPLED_TOKEN)
+    assert late.status is SequenceStatus.WAITING and late.block_ids == []  # running set full: recomputes later
     batch = run_step(scheduler)
     assert batch.block_copies == [(1, 2)]
     assert plan(batch) == [(1, 1), (2, 1)]
-    late = make_seq(3, 6, first_token=1000)
-    scheduler.add_fork(parent, late)  # no sequence slot left: it waits and recomputes
-    assert late.status is SequenceStatus.WAITING and late.block_ids == []
     finish_all(scheduler)
+    assert_pool_full(scheduler)
+
+
+def test_async_steps_discard_the_token_launched_after_a_stop():
+    """With async scheduling the update of step N carries step N-1's tokens: a sequence that
+    stops on one is not advanced and gets no placeholder; step N's token for it is dropped."""
+    scheduler = make_scheduler()
+    seq = make_seq(1, 4)
+    scheduler.add(seq)
+    first = scheduler.schedule()
+    first_rows = first.sampling_seqs()
+    scheduler.update_from_output(launched=LaunchedBatch(first, first_rows))
+    assert seq.token_ids[-1] == PENDING_TOKEN and seq.pending_token_row == 0
+    second = scheduler.schedule()
+    assert plan(second) == [(1, 1)]  # the pending token, read on the device
+    update = scheduler.update_from_output(launched=LaunchedBatch(second, second.sampling_seqs()),
+                                          sampled=SampledTokens(first_rows, [EOS]))
+    assert [(t.token_id, t.finish_reason, t.stop_token_id) for t in update.new_tokens] == [(EOS, FinishReason.STOP, EOS)]
+    assert seq.token_ids == [1000, 1001, 1002, 1003, EOS] and seq.is_finished and not seq.has_pending_token
+    assert scheduler.update_from_output(sampled=SampledTokens([seq], [SAMPLED_TOKEN])).new_tokens == []
+    assert_pool_full(scheduler)
+
+
+def test_a_sequence_whose_pending_token_is_its_last_is_not_scheduled_again():
+    scheduler = make_scheduler()
+    seq = make_seq(1, 4, max_tokens=1)
+    scheduler.add(seq)
+    batch = scheduler.schedule()
+    scheduler.update_from_output(launched=LaunchedBatch(batch, batch.sampling_seqs()))
+    assert seq.is_finishing and scheduler.schedule().is_empty
+    update = scheduler.update_from_output(sampled=SampledTokens([seq], [SAMPLED_TOKEN]))
+    assert [t.finish_reason for t in update.new_tokens] == [FinishReason.LENGTH]
     assert_pool_full(scheduler)

@@ -17,6 +17,7 @@ import torch
 
 from llmserve.inference.engine.config import EngineConfig
 from llmserve.inference.engine.kv_cache import KVCacheSpec
+from llmserve.inference.engine.step_stats import StepStatsLog
 from llmserve.inference.engine.torch_engine import TorchEngineCore
 from llmserve.inference.engine.types import EngineOutput, EngineRequest
 from llmserve.sampling import FinishReason, SamplingParams
@@ -483,6 +484,27 @@ def test_async_scheduling_overlaps_one_step(tiny_model_dirs):
     final = engine.step()  # nothing left to launch: only processes
     assert [o.finish_reason for o in final] == [FinishReason.LENGTH] and final[0].num_completion_tokens == 3
     assert_pool_full(engine)
+
+
+def test_given_weights_and_step_stats(tiny_model_dirs, oracle):
+    """TorchEngineCore(weights=...) serves (HF name, tensor) pairs instead of the safetensors
+    files; step_stats gets one record per step() call: the batch it launched and host times."""
+    from transformers import AutoModelForCausalLM
+
+    hf_model = AutoModelForCausalLM.from_pretrained(tiny_model_dirs["llama"], dtype=torch.float32)
+    log = StepStatsLog()
+    config = EngineConfig(model_path=tiny_model_dirs["llama"], model_name="tiny", num_kv_blocks=64)
+    engine = TorchEngineCore(config, weights=hf_model.state_dict().items(), step_stats=log)
+    prompt = make_prompt(12, seed=3)
+    results = run(engine, [request("w", prompt, greedy(max_tokens=4))])
+    expected, _ = oracle.generate("llama", prompt)
+    assert results["w"].token_ids[0] == expected[:4]
+    # prompt + 3 decodes launched; the 4th token was pending and ended it: a last call only processes
+    assert [(stats.num_seqs, stats.num_tokens) for stats in log.steps] == [(1, 12), (1, 1), (1, 1), (1, 1), (0, 0)]
+    assert all(stats.result_wait_s > 0 for stats in log.steps[1:]) and log.steps[0].result_wait_s == 0
+    assert all(stats.step_s >= stats.schedule_s + stats.execute_launch_s + stats.sampler_launch_s > 0
+               for stats in log.steps[:4])
+    assert all(stats.gpu_busy_ms() == 0.0 for stats in log.steps)  # no CUDA events asked for
 
 
 # --- quantized weights -------------------------------------------------------------------------

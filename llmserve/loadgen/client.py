@@ -63,21 +63,14 @@ class WorkerPlan:
 def build_request(planned: PlannedRequest, workload: WorkloadConfig, ignore_eos: bool, model: str):
     """The gateway request for a planned one: greedy, exactly max_tokens when ignore_eos."""
     sampling = common_pb2.SamplingParams(max_tokens=planned.max_tokens, temperature=0.0, ignore_eos=ignore_eos)
-    if workload.use_token_ids:
-        return gateway_pb2.GenerateRequest(
-            model=model, prompt_token_ids=common_pb2.TokenIds(ids=planned.prompt_token_ids),
-            sampling=sampling, return_token_ids=True,
-        )
+    params = gateway_pb2.GenerateParams(model=model, sampling=sampling, return_token_ids=True)
     if workload.use_chat:
-        messages = [common_pb2.ChatMessage(role="user", content=planned.suffix_text)]
         if planned.prefix_text:
-            messages.insert(0, common_pb2.ChatMessage(role="system", content=planned.prefix_text))
-        return gateway_pb2.GenerateRequest(
-            model=model, chat=common_pb2.ChatInput(messages=messages), sampling=sampling, return_token_ids=True,
-        )
-    return gateway_pb2.GenerateRequest(
-        model=model, prompt=planned.prefix_text + planned.suffix_text, sampling=sampling, return_token_ids=True,
-    )
+            params.chat.messages.add(role="system", content=planned.prefix_text)
+        params.chat.messages.add(role="user", content=planned.suffix_text)
+    else:
+        params.prompt = planned.prefix_text + planned.suffix_text
+    return gateway_pb2.GenerateStreamRequest(params=params)
 
 
 async def send_one(stub, planned: PlannedRequest, plan: WorkerPlan) -> RequestRecord:
@@ -90,10 +83,11 @@ async def send_one(stub, planned: PlannedRequest, plan: WorkerPlan) -> RequestRe
             if message.token_ids:
                 record.message_times_s.append(now)
                 record.message_num_tokens.append(len(message.token_ids))
-            if message.HasField("usage"):
-                record.num_prompt_tokens = message.usage.prompt_tokens
-                record.num_completion_tokens = message.usage.completion_tokens
-                record.num_cached_tokens = message.usage.cached_tokens
+            if message.HasField("result"):
+                usage = message.result.usage
+                record.num_prompt_tokens = usage.prompt_tokens
+                record.num_completion_tokens = usage.completion_tokens
+                record.num_cached_tokens = usage.cached_tokens
     except grpc.aio.AioRpcError as error:
         record.status = error.code().name
         record.error = error.details() or ""
@@ -107,7 +101,7 @@ async def run_plan(plan: WorkerPlan, start_at_s: float, on_done=None) -> list[Re
     options = [("grpc.max_send_message_length", _MAX_MESSAGE_BYTES),
                ("grpc.max_receive_message_length", _MAX_MESSAGE_BYTES)]
     async with grpc.aio.insecure_channel(plan.address, options=options) as channel:
-        stub = gateway_pb2_grpc.GatewayStub(channel)
+        stub = gateway_pb2_grpc.GatewayServiceStub(channel)
         in_flight = asyncio.Semaphore(plan.max_in_flight)
 
         async def one(planned: PlannedRequest) -> RequestRecord:

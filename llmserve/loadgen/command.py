@@ -49,7 +49,6 @@ def add_bench_parser(commands, add_client_options) -> None:
                        help="G shared prefixes; each request starts with one of them (default: none)")
     shape.add_argument("--prefix-tokens", type=int, default=0, metavar="N", help="tokens in each shared prefix")
     shape.add_argument("--chat", action="store_true", help="send chat turns (the shared prefix as the system turn)")
-    shape.add_argument("--token-ids", action="store_true", help="send prompts as token ids instead of text")
     shape.add_argument("--allow-eos", action="store_true", help="let requests stop at EOS (output lengths then vary)")
     shape.add_argument("--tokenizer", metavar="PATH",
                        help="tokenizer.json or a model directory to build prompts with (default: the default model's)")
@@ -72,12 +71,10 @@ def _positive_int(text: str) -> int:
 def workload_from_args(args: argparse.Namespace) -> WorkloadConfig:
     if args.prefix_groups and args.prefix_tokens < 1:
         raise SystemExit("llmserve bench: --prefix-groups needs --prefix-tokens >= 1")
-    if args.chat and args.token_ids:
-        raise SystemExit("llmserve bench: --chat and --token-ids exclude each other")
     return WorkloadConfig(
         num_requests=args.num_requests, prompt_tokens=args.prompt_tokens, output_tokens=args.output_tokens,
         seed=args.seed, request_rate=args.request_rate, num_prefix_groups=args.prefix_groups,
-        prefix_tokens=args.prefix_tokens if args.prefix_groups else 0, use_chat=args.chat, use_token_ids=args.token_ids,
+        prefix_tokens=args.prefix_tokens if args.prefix_groups else 0, use_chat=args.chat,
     )
 
 
@@ -114,6 +111,6 @@ def _config_dict(args: argparse.Namespace, workload: WorkloadConfig) -> dict:
         "address": args.address, "num_requests": workload.num_requests, "concurrency": args.concurrency,
         "request_rate": workload.request_rate, "workers": args.workers, "prompt_tokens": str(workload.prompt_tokens),
         "output_tokens": str(workload.output_tokens), "prefix_groups": workload.num_prefix_groups,
-        "prefix_tokens": workload.prefix_tokens, "chat": workload.use_chat, "token_ids": workload.use_token_ids,
+        "prefix_tokens": workload.prefix_tokens, "chat": workload.use_chat,
         "seed": workload.seed, "ignore_eos": not args.allow_eos,
     }

@@ -61,7 +61,6 @@ class WorkloadConfig:
     num_prefix_groups: int = 0  # 0: no shared prefixes
     prefix_tokens: int = 0  # tokens of each group's shared prefix
     use_chat: bool = False  # chat turns (the prefix as the system turn) instead of a raw prompt
-    use_token_ids: bool = False  # send token ids (no tokenization at the server) instead of text
 
 
 @dataclass(frozen=True, slots=True)
@@ -129,11 +128,11 @@ def plan_requests(config: WorkloadConfig, builder: PromptBuilder) -> list[Planne
         num_suffix_tokens = max(1, config.prompt_tokens.sample(rng) - (config.prefix_tokens if prefixes else 0))
         suffix = builder.text(num_suffix_tokens, rng)
         joined = f"{prefix}{suffix}" if prefix else suffix
-        token_ids = builder.token_ids(joined) if config.use_token_ids else ()
+        token_ids = builder.token_ids(joined)
         planned.append(PlannedRequest(
             index=index, send_at_s=send_at_s if config.request_rate else 0.0, prefix_group=group,
             prefix_text=prefix, suffix_text=suffix, prompt_token_ids=token_ids,
-            num_prompt_tokens=len(token_ids) or builder.count(joined),
+            num_prompt_tokens=len(token_ids),
             max_tokens=config.output_tokens.sample(rng),
         ))
     return planned

@@ -14,27 +14,20 @@ from pathlib import Path
 
 from llmserve.errors import ServiceError
 from llmserve.gateway.app import start_gateway
-from llmserve.gateway.config import GatewayConfig
-from llmserve.server import (
-    add_server_arguments,
-    configure_logging,
-    exit_with_parent,
-    serve_until_signal,
-    write_port_file,
-)
+from llmserve.gateway.config import DEFAULT_DOWNSTREAM_READY_TIMEOUT_S, GatewayConfig
+from llmserve.server import configure_logging, exit_with_parent, serve_until_signal, write_port_file
+from llmserve.server_flags import GATEWAY_PORT, add_server_arguments
 
 log = logging.getLogger("llmserve.gateway")
-
-DEFAULT_PORT = 50051
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="python -m llmserve.gateway",
-        description="llmserve gateway: the public gRPC API (llmserve.v1.Gateway). It mints request "
+        description="llmserve gateway: the public gRPC API (llmserve.v1.GatewayService). It mints request "
         "ids, sends each request through preprocess and inference, and streams text back.",
     )
-    add_server_arguments(parser, default_port=DEFAULT_PORT)
+    add_server_arguments(parser, default_port=GATEWAY_PORT)
     parser.add_argument("--preprocess", required=True, metavar="HOST:PORT", help="preprocess service address")
     parser.add_argument(
         "--inference",
@@ -47,12 +40,12 @@ def build_parser() -> argparse.ArgumentParser:
         "--model", required=True, metavar="DIR", help="model checkpoint dir (its tokenizer.json detokenizes output)"
     )
     parser.add_argument(
-        "--model-name", default=None, help="name clients pass as GenerateRequest.model (default: inference's)"
+        "--model-name", default=None, help="name clients pass as GenerateParams.model (default: inference's)"
     )
     parser.add_argument(
         "--downstream-ready-timeout-s",
         type=float,
-        default=600.0,
+        default=DEFAULT_DOWNSTREAM_READY_TIMEOUT_S,
         metavar="SECONDS",
         help="at start, how long to wait for preprocess and inference to report SERVING (default: %(default)s)",
     )

@@ -68,7 +68,7 @@ async def start_gateway(config: GatewayConfig) -> RunningGateway:
     servicer = GatewayServicer(GenerationPipeline(preprocess, inference, detokenizer), model, model_name)
     server = await create_server(
         config.address,
-        lambda s: gateway_pb2_grpc.add_GatewayServicer_to_server(servicer, s),
+        lambda s: gateway_pb2_grpc.add_GatewayServiceServicer_to_server(servicer, s),
         (SERVICE_NAME,),
     )
     await server.set_serving(True)

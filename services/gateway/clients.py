@@ -141,7 +141,7 @@ class PreprocessClient:
     def __init__(self, address: str):
         self.address = address
         self._channel = grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
-        self._stub = preprocess_pb2_grpc.PreprocessStub(self._channel)
+        self._stub = preprocess_pb2_grpc.PreprocessServiceStub(self._channel)
 
     async def wait_until_serving(self, timeout_s: float) -> None:
         await wait_until_serving(self._channel, f"preprocess at {self.address}", timeout_s)
@@ -234,7 +234,7 @@ def _chunk_from_pb(response: inference_pb2.GenerateTokensResponse) -> TokenChunk
 
 
 class TokenStream:
-    """One in-flight inference Generate call: iterate for TokenChunks, `cancel` to drop it."""
+    """One in-flight inference GenerateTokens call: iterate for TokenChunks, `cancel` to drop it."""
 
     def __init__(self, call: grpc.aio.UnaryStreamCall):
         self._call = call
@@ -256,7 +256,7 @@ class InferenceClient:
         self.address = address
         self._abort_timeout_s = abort_timeout_s
         self._channel = grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
-        self._stub = inference_pb2_grpc.InferenceStub(self._channel)
+        self._stub = inference_pb2_grpc.InferenceServiceStub(self._channel)
         # Aborts run in the background so an ending request never waits for them; kept here so
         # they are not garbage-collected mid-flight and `close` can wait for them.
         self._pending_aborts: set[asyncio.Task] = set()
@@ -266,9 +266,10 @@ class InferenceClient:
 
     async def get_model_card(self, timeout_s: float | None = 10.0) -> ModelCard:
         try:
-            info = await self._stub.GetModelInfo(inference_pb2.GetModelInfoRequest(), timeout=timeout_s)
+            response = await self._stub.GetModelInfo(inference_pb2.GetModelInfoRequest(), timeout=timeout_s)
         except grpc.aio.AioRpcError as error:
             raise error_from_rpc("inference", error) from None
+        info = response.model
         return ModelCard(
             model_name=info.model_name,
             architecture=info.architecture,
@@ -296,7 +297,7 @@ class InferenceClient:
             block_hash_version=prompt.block_hash_version,
             priority=priority,
         )
-        call = self._stub.Generate(request, timeout=timeout_s, metadata=_request_metadata(request_id))
+        call = self._stub.GenerateTokens(request, timeout=timeout_s, metadata=_request_metadata(request_id))
         return TokenStream(call)
 
     async def abort(self, request_id: str) -> bool:

@@ -5,6 +5,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
+from llmserve.server_flags import DEFAULT_GRACE_PERIOD_S, DEFAULT_HOST, GATEWAY_PORT
+
+# How long to wait at start for preprocess and inference to report SERVING (they may still be
+# loading weights).
+DEFAULT_DOWNSTREAM_READY_TIMEOUT_S = 600.0
+
 
 @dataclass(frozen=True, slots=True)
 class GatewayConfig:
@@ -12,14 +18,12 @@ class GatewayConfig:
     inference_addresses: tuple[str, ...]  # inference replicas; the first one is used for now
     model_path: Path  # checkpoint dir whose tokenizer.json detokenizes the output
     model_name: str | None = None  # None: the name the inference replica reports
-    host: str = "127.0.0.1"
-    port: int = 50051  # 0 = any free port
+    host: str = DEFAULT_HOST
+    port: int = GATEWAY_PORT  # 0 = any free port
     port_file: str | None = None
     log_level: str = "INFO"
-    grace_period_s: float = 10.0  # drain time for in-flight requests on SIGTERM
-    # How long to wait at start for preprocess and inference to report SERVING (they may still
-    # be loading weights).
-    downstream_ready_timeout_s: float = 600.0
+    grace_period_s: float = DEFAULT_GRACE_PERIOD_S
+    downstream_ready_timeout_s: float = DEFAULT_DOWNSTREAM_READY_TIMEOUT_S
     # Timeout of the Abort RPC sent when a request ends early (cancel, deadline, stop string).
     abort_timeout_s: float = 5.0
 

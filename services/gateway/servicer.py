@@ -19,7 +19,7 @@ from llmserve.gateway.generation import GenerationDelta, GenerationPipeline, Gen
 from llmserve.pb import chat_from_pb, finish_reason_to_pb, logprobs_to_pb, sampling_from_pb
 from llmserve.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc
 
-SERVICE_NAME = gateway_pb2.DESCRIPTOR.services_by_name["Gateway"].full_name
+SERVICE_NAME = gateway_pb2.DESCRIPTOR.services_by_name["GatewayService"].full_name
 
 # sampling_from_pb needs a default for an unset max_tokens; the gateway does not resolve it
 # (preprocess does, knowing the prompt length), so this value is never sent anywhere.
@@ -30,46 +30,49 @@ def new_request_id() -> str:
     return uuid.uuid4().hex
 
 
-class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
+class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
     def __init__(self, pipeline: GenerationPipeline, model: ModelCard, model_name: str):
         self._pipeline = pipeline
         self._model = model
         self._model_name = model_name
 
-    async def GenerateStream(self, request: gateway_pb2.GenerateRequest, context: grpc.aio.ServicerContext):
-        generation = await self._start(request, context)
+    async def GenerateStream(self, request: gateway_pb2.GenerateStreamRequest, context: grpc.aio.ServicerContext):
+        params = request.params
+        generation = await self._start(params, context)
         async with aclosing(self._pipeline.generate(generation, context.time_remaining)) as deltas:
             async for delta in deltas:
-                if delta.result is not None or _has_content(delta, request.return_token_ids):
-                    yield _stream_response_to_pb(generation.request_id, delta, request.return_token_ids)
+                if delta.result is not None or _has_content(delta, params.return_token_ids):
+                    yield _stream_response_to_pb(generation.request_id, delta, params.return_token_ids)
 
     async def Generate(self, request: gateway_pb2.GenerateRequest, context: grpc.aio.ServicerContext):
-        generation = await self._start(request, context)
+        params = request.params
+        generation = await self._start(params, context)
         response = gateway_pb2.GenerateResponse(request_id=generation.request_id)
         text_parts: list[str] = []
         async with aclosing(self._pipeline.generate(generation, context.time_remaining)) as deltas:
             async for delta in deltas:
                 text_parts.append(delta.text)
-                if request.return_token_ids:
+                if params.return_token_ids:
                     response.token_ids.extend(delta.token_ids)
                 if delta.logprobs:
                     response.logprobs.extend(logprobs_to_pb(delta.logprobs))
                 if delta.result is not None:
-                    _set_result(response, delta.result)
+                    response.result.CopyFrom(_result_to_pb(delta.result))
         response.text = "".join(text_parts)
         return response
 
     async def ListModels(self, request: gateway_pb2.ListModelsRequest, context: grpc.aio.ServicerContext):
-        card = gateway_pb2.ModelCard(
-            id=self._model_name,
+        model = common_pb2.ModelInfo(
+            model_name=self._model_name,
             architecture=self._model.architecture,
             max_context_tokens=self._model.max_context_tokens,
+            eos_token_ids=self._model.eos_token_ids,
             backend=self._model.backend,
         )
-        return gateway_pb2.ListModelsResponse(models=[card])
+        return gateway_pb2.ListModelsResponse(models=[model])
 
     async def _start(
-        self, request: gateway_pb2.GenerateRequest, context: grpc.aio.ServicerContext
+        self, request: gateway_pb2.GenerateParams, context: grpc.aio.ServicerContext
     ) -> GenerationRequest:
         """Mint the request id, send it as metadata, validate the request."""
         arrival_ns = time.monotonic_ns()
@@ -78,7 +81,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
         return self._request_from_pb(request, request_id, arrival_ns)
 
     def _request_from_pb(
-        self, request: gateway_pb2.GenerateRequest, request_id: str, arrival_ns: int
+        self, request: gateway_pb2.GenerateParams, request_id: str, arrival_ns: int
     ) -> GenerationRequest:
         if request.model and request.model != self._model_name:
             raise NotFound(f"model: unknown model {request.model!r}; this gateway serves {self._model_name!r}")
@@ -98,7 +101,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
         )
 
 
-def _prompt_input_from_pb(request: gateway_pb2.GenerateRequest) -> PromptInput:
+def _prompt_input_from_pb(request: gateway_pb2.GenerateParams) -> PromptInput:
     which = request.WhichOneof("input")
     if which == "prompt":
         return PromptInput(prompt=request.prompt)
@@ -132,13 +135,13 @@ def _timings_to_pb(result: GenerationResult) -> common_pb2.Timings:
     )
 
 
-def _set_result(response, result: GenerationResult) -> None:
-    """Fill the finish fields shared by GenerateResponse and GenerateStreamResponse."""
-    response.finish_reason = finish_reason_to_pb(result.finish_reason)
-    if result.matched_stop is not None:
-        response.matched_stop = result.matched_stop
-    response.usage.CopyFrom(_usage_to_pb(result))
-    response.timings.CopyFrom(_timings_to_pb(result))
+def _result_to_pb(result: GenerationResult) -> gateway_pb2.GenerationResult:
+    return gateway_pb2.GenerationResult(
+        finish_reason=finish_reason_to_pb(result.finish_reason),
+        matched_stop=result.matched_stop,
+        usage=_usage_to_pb(result),
+        timings=_timings_to_pb(result),
+    )
 
 
 def _stream_response_to_pb(
@@ -150,5 +153,5 @@ def _stream_response_to_pb(
     if delta.logprobs:
         response.logprobs.extend(logprobs_to_pb(delta.logprobs))
     if delta.result is not None:
-        _set_result(response, delta.result)
+        response.result.CopyFrom(_result_to_pb(delta.result))
     return response

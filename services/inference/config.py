@@ -5,17 +5,15 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from llmserve.inference.engine.config import EngineConfig
-
-DEFAULT_GRACE_PERIOD_S = 10.0
+from llmserve.server_flags import DEFAULT_GRACE_PERIOD_S, DEFAULT_HOST
 
 
 @dataclass(frozen=True, slots=True)
 class InferenceConfig:
     engine: EngineConfig
-    host: str = "127.0.0.1"
+    host: str = DEFAULT_HOST
     port: int = 0  # 0: any free port
     port_file: str | None = None  # written with the bound port once the engine is loaded
-    # SIGTERM: how long running streams may take to finish before they are aborted.
     grace_period_s: float = DEFAULT_GRACE_PERIOD_S
     # Stable routing key of this replica. None: "<hostname>-<bound port>", resolved at start-up
     # (the bound port is only known then), so it is passed to the servicer, not stored here.

@@ -23,17 +23,17 @@ from llmserve.inference.backends import ServingEngine
 from llmserve.inference.engine.types import EngineOutput, EngineRequest, ModelInfo
 from llmserve.v1 import common_pb2, inference_pb2, inference_pb2_grpc
 
-SERVICE_NAME = inference_pb2.DESCRIPTOR.services_by_name["Inference"].full_name
+SERVICE_NAME = inference_pb2.DESCRIPTOR.services_by_name["InferenceService"].full_name
 
 
-class InferenceServicer(inference_pb2_grpc.InferenceServicer):
+class InferenceServicer(inference_pb2_grpc.InferenceServiceServicer):
     """`replica_id` may be set once after binding (its default names the bound port)."""
 
     def __init__(self, engine: ServingEngine, replica_id: str):
         self._engine = engine
         self.replica_id = replica_id
 
-    async def Generate(
+    async def GenerateTokens(
         self, request: inference_pb2.GenerateTokensRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[inference_pb2.GenerateTokensResponse]:
         arrival_ns = time.monotonic_ns()
@@ -51,7 +51,7 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
         self, request: inference_pb2.GetModelInfoRequest, context: grpc.aio.ServicerContext
     ) -> inference_pb2.GetModelInfoResponse:
         info = self._engine.model_info
-        return inference_pb2.GetModelInfoResponse(
+        model = common_pb2.ModelInfo(
             model_name=info.model_name,
             architecture=info.architecture,
             max_context_tokens=info.max_context_tokens,
@@ -60,9 +60,9 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
             block_size_tokens=info.block_size_tokens,
             dtype=info.dtype,
             backend=info.backend,
-            replica_id=self.replica_id,
             device=info.device,
         )
+        return inference_pb2.GetModelInfoResponse(model=model, replica_id=self.replica_id)
 
     async def GetLoad(
         self, request: inference_pb2.GetLoadRequest, context: grpc.aio.ServicerContext

@@ -16,11 +16,10 @@ from llmserve.block_hash import DEFAULT_BLOCK_SIZE
 from llmserve.buckets import DEFAULT_BUCKET_BOUNDS, BucketConfig
 from llmserve.preprocess.config import DEFAULT_MAX_OUTPUT_TOKENS, DEFAULT_NUM_WORKERS, PreprocessConfig
 from llmserve.preprocess.server import start_server
-from llmserve.server import add_server_arguments, configure_logging, exit_with_parent, serve_until_signal
+from llmserve.server import configure_logging, exit_with_parent, serve_until_signal
+from llmserve.server_flags import PREPROCESS_PORT, add_server_arguments
 
 log = logging.getLogger("llmserve.preprocess")
-
-DEFAULT_PORT = 50052
 
 
 def _buckets(text: str) -> BucketConfig:
@@ -48,8 +47,8 @@ def build_parser() -> argparse.ArgumentParser:
         help="HF checkpoint directory; tokenizer.json, tokenizer_config.json (chat template, special "
         "tokens) and config.json (context length, EOS) are read from it once at start",
     )
-    parser.add_argument("--model-name", metavar="NAME", help="name reported by GetInfo (default: the checkpoint's own name)")
-    add_server_arguments(parser, default_port=DEFAULT_PORT)
+    parser.add_argument("--model-name", metavar="NAME", help="name reported by GetPreprocessInfo (default: the checkpoint's own name)")
+    add_server_arguments(parser, default_port=PREPROCESS_PORT)
     parser.add_argument(
         "--block-size", type=_positive_int, default=DEFAULT_BLOCK_SIZE, metavar="TOKENS",
         help="tokens per block for prefix block hashes; must equal the inference engine's block size "

@@ -7,6 +7,7 @@ from pathlib import Path
 
 from llmserve.block_hash import DEFAULT_BLOCK_SIZE
 from llmserve.buckets import BucketConfig
+from llmserve.server_flags import DEFAULT_GRACE_PERIOD_S, DEFAULT_HOST
 
 DEFAULT_MAX_OUTPUT_TOKENS = 4096
 DEFAULT_NUM_WORKERS = 4
@@ -16,10 +17,10 @@ DEFAULT_NUM_WORKERS = 4
 class PreprocessConfig:
     model_path: Path  # local HF checkpoint directory (needs config.json and tokenizer.json)
     model_name: str | None = None  # None: the name the checkpoint gives itself
-    host: str = "127.0.0.1"
+    host: str = DEFAULT_HOST
     port: int = 0  # 0: any free port
     port_file: str | None = None  # written with the bound port once serving
-    grace_period_s: float = 10.0
+    grace_period_s: float = DEFAULT_GRACE_PERIOD_S
     block_size_tokens: int = DEFAULT_BLOCK_SIZE
     buckets: BucketConfig = field(default_factory=BucketConfig)
     max_output_tokens: int = DEFAULT_MAX_OUTPUT_TOKENS

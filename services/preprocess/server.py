@@ -51,7 +51,7 @@ async def start_server(config: PreprocessConfig) -> PreprocessServer:
     servicer = PreprocessServicer(preprocessor, executor)
     running = await create_server(
         config.address,
-        lambda server: preprocess_pb2_grpc.add_PreprocessServicer_to_server(servicer, server),
+        lambda server: preprocess_pb2_grpc.add_PreprocessServiceServicer_to_server(servicer, server),
         [SERVICE_NAME],
     )
     await running.set_serving(True)

@@ -24,7 +24,7 @@ from llmserve.v1 import common_pb2, preprocess_pb2, preprocess_pb2_grpc
 
 log = logging.getLogger(__name__)
 
-SERVICE_NAME = preprocess_pb2.DESCRIPTOR.services_by_name["Preprocess"].full_name
+SERVICE_NAME = preprocess_pb2.DESCRIPTOR.services_by_name["PreprocessService"].full_name
 
 
 def _chat_from_pb(pb: common_pb2.ChatInput) -> Chat:
@@ -46,7 +46,7 @@ def _bucket_to_pb(bucket: LengthBucket) -> common_pb2.LengthBucket:
     return common_pb2.LengthBucket(index=bucket.index, max_prompt_tokens=bucket.max_prompt_tokens)
 
 
-class PreprocessServicer(preprocess_pb2_grpc.PreprocessServicer):
+class PreprocessServicer(preprocess_pb2_grpc.PreprocessServiceServicer):
     def __init__(self, preprocessor: Preprocessor, executor: Executor):
         self._preprocessor = preprocessor
         self._executor = executor
@@ -116,18 +116,21 @@ class PreprocessServicer(preprocess_pb2_grpc.PreprocessServicer):
             raise
         return preprocess_pb2.DetokenizeResponse(text=text)
 
-    async def GetInfo(
+    async def GetPreprocessInfo(
         self, request: preprocess_pb2.GetPreprocessInfoRequest, context: grpc.aio.ServicerContext
     ) -> preprocess_pb2.GetPreprocessInfoResponse:
         info = self._preprocessor.info
-        return preprocess_pb2.GetPreprocessInfoResponse(
+        model = common_pb2.ModelInfo(
             model_name=info.model_name,
-            vocab_size=info.vocab_size,
+            tokenizer_vocab_size=info.vocab_size,
             max_context_tokens=info.max_context_tokens,
-            max_output_tokens=info.max_output_tokens,
             eos_token_ids=info.eos_token_ids,
             block_size_tokens=info.block_size_tokens,
             block_hash_version=info.block_hash_version,
+        )
+        return preprocess_pb2.GetPreprocessInfoResponse(
+            model=model,
+            max_output_tokens=info.max_output_tokens,
             buckets=[_bucket_to_pb(b) for b in info.buckets],
             has_chat_template=info.has_chat_template,
         )

@@ -87,9 +87,9 @@ class BlockManager:
     def find_cached_blocks(self, seq: Sequence) -> list[int]:
         """Block ids of the longest cached prefix of `seq`; changes nothing.
 
-        At most (num_tokens - 1) // block_size blocks: the last token is always computed, since
-        its logits are needed to sample (a fully cached prompt recomputes its last block's last
-        token, in a fresh block).
+        At most (num_tokens - 1) // block_size blocks, so the last token is always computed (its
+        logits are needed to sample). When num_tokens is a multiple of block_size, that leaves
+        out the whole last block: all its block_size tokens are recomputed, into a fresh block.
         """
         if not self.enable_prefix_caching:
             return []
@@ -119,18 +119,20 @@ class BlockManager:
         """Give `seq` blocks for `num_new_tokens` more tokens; False (and no change) if short.
 
         A sequence without blocks first adopts `cached_block_ids` (from find_cached_blocks,
-        same step), which become its first blocks; its computed tokens then start after them.
+        same step), which become its first blocks: the caller records their
+        len(cached_block_ids) * block_size tokens as computed.
         """
         if not self.can_allocate(seq, num_new_tokens, cached_block_ids):
             return False
+        num_new_blocks = self._num_new_blocks(seq, num_new_tokens, cached_block_ids)
         if not seq.block_ids:
             self._adopt_cached(seq, cached_block_ids)
-        for _ in range(self._num_new_blocks(seq, num_new_tokens, ())):
+        for _ in range(num_new_blocks):
             seq.block_ids.append(self._take_free_block())
         return True
 
     def free(self, seq: Sequence) -> None:
-        """Drop the sequence's references, tail first; its computed progress is reset."""
+        """Drop the sequence's references, tail first (the caller resets its computed tokens)."""
         for block_id in reversed(seq.block_ids):
             block = self.blocks[block_id]
             block.ref_count -= 1
@@ -140,16 +142,16 @@ class BlockManager:
                 if block.registration_id == 0:
                     self._free.move_to_end(block_id, last=False)  # nothing to keep: reuse first
         seq.block_ids = []
-        seq.num_computed_tokens = 0
         seq.num_registered_blocks = 0
 
     def can_fork(self, parent: Sequence) -> bool:
         return parent.num_computed_tokens % self.block_size == 0 or bool(self._free)
 
     def fork(self, parent: Sequence, child: Sequence) -> tuple[int, int] | None:
-        """Give `child` the parent's computed tokens: full blocks shared (ref counts), the partial
-        last block copied into a fresh block. Returns the (src, dst) block copy the model runner
-        must make before the next forward, or None if none is needed. Needs can_fork(parent).
+        """Give `child` blocks for the parent's computed tokens (the caller records them as the
+        child's computed tokens): full blocks shared (ref counts), the partial last block copied
+        into a fresh block. Returns the (src, dst) block copy the model runner must make before
+        the next forward, or None if none is needed. Needs can_fork(parent).
         """
         assert self.can_fork(parent) and not child.block_ids
         num_full = parent.num_computed_tokens // self.block_size
@@ -157,8 +159,6 @@ class BlockManager:
         child.block_ids = parent.block_ids[:num_full]
         for block_id in child.block_ids:
             self.blocks[block_id].ref_count += 1
-        child.block_hashes = parent.block_hashes[:num_full]
-        child.num_computed_tokens = parent.num_computed_tokens
         child.num_registered_blocks = min(parent.num_registered_blocks, num_full)
         if not has_partial:
             return None
@@ -200,7 +200,6 @@ class BlockManager:
                 del self._free[block_id]
             block.ref_count += 1
         seq.block_ids = list(cached_block_ids)
-        seq.num_computed_tokens = len(cached_block_ids) * self.block_size
         seq.num_registered_blocks = len(cached_block_ids)
 
     def _take_free_block(self) -> int:

@@ -1,16 +1,22 @@
-"""Engine configuration: built once by the inference service's __main__ and passed down."""
+"""Engine configuration: built once by the inference service's __main__ and passed down.
+
+Each field a user may set carries its command-line flag (`EngineFlag`) as dataclass metadata:
+this is the one declaration of an engine flag. llmserve.inference.engine_flags builds from it the
+inference service's flags, `llmserve serve`'s flags and the argv the launcher hands the service.
+"""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from llmserve.block_hash import DEFAULT_BLOCK_SIZE
 
 BACKENDS = ("torch", "hf", "trtllm")
-# torch backend attention/small-op implementation: "auto" = Triton kernels on CUDA when triton
-# imports, else the portable torch path; "triton" requires them; "torch" forces the portable path.
-ATTENTION_BACKENDS = ("auto", "torch", "triton")
+# torch backend attention/small-op implementation (models/attention_backend.py): "auto" = the
+# Triton kernels on CUDA when triton imports, else the portable path; "triton" requires them;
+# "portable" forces the portable path (any device).
+ATTENTION_BACKENDS = ("auto", "portable", "triton")
 # KV-cache element type: "auto" = the model dtype; "fp8" = float8 e4m3 with scale 1 (half the
 # bytes attention reads per step; needs the triton backend).
 KV_CACHE_DTYPES = ("auto", "fp8")
@@ -21,43 +27,123 @@ KV_CACHE_DTYPES = ("auto", "fp8")
 #   int8  W8A16 weight-only: int8 weights with per-output-channel scales, dequantized inside
 #         the GEMM (halves the bytes a decode step streams).
 QUANTIZATIONS = ("none", "fp8", "int8")
+DTYPES = ("float32", "bfloat16", "float16")
+
+# The groups flags are listed under in --help.
+MODEL_GROUP = "model"
+ENGINE_GROUP = "engine (torch backend; hf ignores what it has no use for)"
+KERNELS_GROUP = "kernels and precision (torch backend)"
+
+
+@dataclass(frozen=True, slots=True)
+class EngineFlag:
+    """How one EngineConfig field is spelled on the command line.
+
+    A bool field that defaults to True is turned off by its flag (`--no-prefix-caching`); one
+    that defaults to False is turned on by it. A field whose default is None says in `help`
+    what None means; so does an `unset_by_default` flag, whose None engine_flags resolves.
+    """
+
+    name: str
+    help: str
+    group: str = ENGINE_GROUP
+    choices: tuple[str, ...] | None = None
+    metavar: str | None = None
+    aliases: tuple[str, ...] = ()
+    unset_by_default: bool = False
+
+
+FLAG = "flag"  # the metadata key of a field's EngineFlag
+
+
+def _flagged(default, name: str, help: str, **flag_options):
+    return field(default=default, metadata={FLAG: EngineFlag(name, help, **flag_options)})
+
+
+def default_dtype(device: str) -> str:
+    """The dtype an unset --dtype means on `device`."""
+    return "bfloat16" if device.startswith("cuda") else "float32"
 
 
 @dataclass(frozen=True, slots=True)
 class EngineConfig:
     model_path: Path  # local HF checkpoint directory (config.json, *.safetensors, tokenizer.json)
     model_name: str
-    backend: str = "torch"
-    device: str = "cpu"  # "cpu", "cuda", "cuda:1"
-    dtype: str = "float32"  # "float32", "bfloat16", "float16"
-    block_size_tokens: int = DEFAULT_BLOCK_SIZE
+    backend: str = _flagged(
+        "torch", "--backend", "engine: torch (ours: paged KV, continuous batching), hf (transformers "
+        "baseline) or trtllm (TensorRT-LLM, where installed)",
+        group=MODEL_GROUP, choices=BACKENDS,
+    )  # fmt: skip
+    device: str = _flagged("cpu", "--device", "cpu, cuda or cuda:N", group=MODEL_GROUP)
+    dtype: str = _flagged(
+        "float32", "--dtype", "weights and activations (default: float32 on cpu, bfloat16 on cuda)",
+        group=MODEL_GROUP, choices=DTYPES, unset_by_default=True,  # unset: default_dtype(device)
+    )  # fmt: skip
+    max_context_tokens: int | None = _flagged(
+        None, "--max-context-tokens", "largest prompt + output in tokens (default: the model's context; "
+        "--max-model-len is vLLM's name)",
+        group=MODEL_GROUP, metavar="TOKENS", aliases=("--max-model-len",),
+    )  # fmt: skip
+    seed: int = _flagged(0, "--seed", "engine seed for requests that bring none", group=MODEL_GROUP)
+    block_size_tokens: int = _flagged(DEFAULT_BLOCK_SIZE, "--block-size", "tokens per KV block", metavar="TOKENS")
     # KV pool size: an explicit block count wins; otherwise a fraction of free device memory
     # (CUDA) or a byte budget (CPU).
-    num_kv_blocks: int | None = None
-    kv_memory_fraction: float = 0.9
+    num_kv_blocks: int | None = _flagged(
+        None, "--num-kv-blocks", "KV pool size in blocks (default: --kv-memory-fraction on CUDA, a byte "
+        "budget on CPU)",
+        metavar="N",
+    )  # fmt: skip
+    kv_memory_fraction: float = _flagged(
+        0.9, "--kv-memory-fraction", "CUDA: share of the GPU memory free after loading the weights that "
+        "the KV pool takes",
+        metavar="FRACTION",
+    )  # fmt: skip
     kv_cpu_memory_bytes: int = 2 * 1024**3
-    max_num_seqs: int = 256  # sequences running at once
-    max_batched_tokens: int = 2048  # per-step token budget (prefill chunks + decodes)
-    max_context_tokens: int | None = None  # None: the model's context length
-    enable_prefix_caching: bool = True
+    max_num_seqs: int = _flagged(256, "--max-num-seqs", "most sequences running at once", metavar="N")
+    max_batched_tokens: int = _flagged(
+        2048, "--max-batched-tokens", "per-step token budget: prefill chunks plus decodes", metavar="TOKENS"
+    )
+    enable_prefix_caching: bool = _flagged(True, "--no-prefix-caching", "do not reuse KV blocks of shared prefixes")
     enable_chunked_prefill: bool = True
-    enforce_eager: bool = False  # CUDA: skip CUDA-graph capture
-    attention_backend: str = "auto"  # see ATTENTION_BACKENDS
-    kv_cache_dtype: str = "auto"  # see KV_CACHE_DTYPES
-    quantization: str = "none"  # see QUANTIZATIONS
+    enforce_eager: bool = _flagged(False, "--enforce-eager", "CUDA: skip CUDA-graph capture")
     # CPU work of step N+1 (scheduling, input staging, streaming step N's tokens) runs while
-    # the device computes step N; off = one step at a time (simpler to debug, slower on CUDA).
-    async_scheduling: bool = True
-    seed: int = 0  # engine-level seed for requests that bring none
+    # the device computes step N.
+    async_scheduling: bool = _flagged(
+        True, "--no-async-scheduling", "run one step at a time: by default the CPU work of the next step "
+        "(scheduling, input staging, streaming this step's tokens) overlaps the device's compute of "
+        "this one; off is slower on CUDA but simpler to debug",
+    )  # fmt: skip
+    attention_backend: str = _flagged(
+        "auto", "--attention-backend", "attention and the small fused ops: triton = Triton kernels "
+        "reading the paged KV cache in place, decode steps replayed as CUDA graphs unless "
+        "--enforce-eager (CUDA; needs the triton package); portable = the portable path, any device; "
+        "auto = triton on CUDA when triton imports, portable otherwise (always portable on CPU)",
+        group=KERNELS_GROUP, choices=ATTENTION_BACKENDS,
+    )  # fmt: skip
+    kv_cache_dtype: str = _flagged(
+        "auto", "--kv-cache-dtype", "KV cache element type: auto = the model dtype; fp8 = float8 e4m3 "
+        "(scale 1), half the bytes of bfloat16, so twice the tokens fit and attention reads half as "
+        "much per step, at a small accuracy cost (needs the triton attention backend, so CUDA)",
+        group=KERNELS_GROUP, choices=KV_CACHE_DTYPES,
+    )  # fmt: skip
+    quantization: str = _flagged(
+        "none", "--quantization", "linear-layer weights; the lm_head and embeddings stay in --dtype. "
+        "none = --dtype; fp8 = W8A8: float8 e4m3 weights with per-output-channel scales, "
+        "activations quantized per token at run time, float8 tensor-core GEMMs (CUDA, compute "
+        "capability >= 8.9); int8 = W8A16 weight-only: int8 weights with per-output-channel "
+        "scales, dequantized inside the GEMM (halves the weight bytes a decode step reads). Off "
+        "CUDA both run a slow float32 reference of the same math (for tests)",
+        group=KERNELS_GROUP, choices=QUANTIZATIONS,
+    )  # fmt: skip
 
     def __post_init__(self) -> None:
-        if self.backend not in BACKENDS:
-            raise ValueError(f"backend must be one of {BACKENDS}, got {self.backend!r}")
-        if self.attention_backend not in ATTENTION_BACKENDS:
-            raise ValueError(f"attention_backend must be one of {ATTENTION_BACKENDS}, got {self.attention_backend!r}")
-        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
-            raise ValueError(f"kv_cache_dtype must be one of {KV_CACHE_DTYPES}, got {self.kv_cache_dtype!r}")
-        if self.quantization not in QUANTIZATIONS:
-            raise ValueError(f"quantization must be one of {QUANTIZATIONS}, got {self.quantization!r}")
+        for name, allowed in (
+            ("backend", BACKENDS),
+            ("attention_backend", ATTENTION_BACKENDS),
+            ("kv_cache_dtype", KV_CACHE_DTYPES),
+            ("quantization", QUANTIZATIONS),
+        ):
+            if getattr(self, name) not in allowed:
+                raise ValueError(f"{name} must be one of {allowed}, got {getattr(self, name)!r}")
         if self.block_size_tokens <= 0:
             raise ValueError(f"block_size_tokens must be positive, got {self.block_size_tokens}")

@@ -1,11 +1,13 @@
-"""CUDA graphs for decode steps: one graph per batch-size bucket, replayed over static buffers.
+"""CUDA graphs for decode steps: one graph per decode batch size, replayed over static buffers.
 
 A decode-only step (every sequence computes one token) of n sequences replays the graph of the
 smallest captured size b >= n (sizes: llmserve.buckets.DECODE_GRAPH_BATCH_SIZES up to
 max_num_seqs, plus max_num_seqs). Its inputs are copied into static device buffers whose first
 b rows the graph reads: the n real rows, then b - n padding rows (token 0, position 0, slot -1
 so nothing is written to the cache, context length 0 so attention reads nothing). The graph
-covers the whole forward and the lm_head; the step reads the logits of its real rows.
+covers the whole forward and the lm_head; the step reads the logits of its real rows. The
+attention metadata comes from the attention backend (AttentionBackend.decode_graph_metadata),
+built over views of the static buffers: a replay reads each step's values through it.
 
 Why: a decode step launches ~10 kernels per layer, most of them tiny at small batches; replayed
 as one graph they run back to back without Python or launch gaps.
@@ -28,19 +30,19 @@ import torch
 
 from llmserve.buckets import DECODE_GRAPH_BATCH_SIZES
 from llmserve.inference.engine.step_inputs import StepInputs, pad_rows
-from llmserve.inference.models.attention import KernelAttentionMetadata
+from llmserve.inference.models.attention_backend import PADDING_SLOT
 
 log = logging.getLogger(__name__)
 
-PADDING_SLOT = -1  # the KV write kernel skips negative slots
+# (input_ids, positions, attention metadata) -> float32 logits [num_rows, vocab]
+ForwardLogits = Callable[[torch.Tensor, torch.Tensor, object], torch.Tensor]
+# (slot_mapping, block_tables, context_lens) over the static buffers -> attention metadata
+DecodeMetadataFor = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], object]
 
-# (input_ids, positions, meta) -> float32 logits [num_rows, vocab]
-ForwardLogits = Callable[[torch.Tensor, torch.Tensor, KernelAttentionMetadata], torch.Tensor]
 
-
-def graph_batch_sizes(max_num_seqs: int, buckets: tuple[int, ...] = DECODE_GRAPH_BATCH_SIZES) -> tuple[int, ...]:
-    """The bucket sizes below max_num_seqs, then max_num_seqs itself: every decode batch fits one."""
-    return tuple(b for b in buckets if b < max_num_seqs) + (max_num_seqs,)
+def graph_batch_sizes(max_num_seqs: int, sizes: tuple[int, ...] = DECODE_GRAPH_BATCH_SIZES) -> tuple[int, ...]:
+    """The sizes below max_num_seqs, then max_num_seqs itself: every decode batch fits one."""
+    return tuple(b for b in sizes if b < max_num_seqs) + (max_num_seqs,)
 
 
 def graph_size_for(num_seqs: int, sizes: tuple[int, ...]) -> int | None:
@@ -81,14 +83,14 @@ class DecodeGraphs:
         forward_logits: ForwardLogits,
         sizes: tuple[int, ...],
         max_blocks_per_seq: int,
-        num_splits_for: Callable[[int], int],
+        metadata_for: DecodeMetadataFor,
         device: torch.device,
         capture: bool,
     ):
         self.forward_logits = forward_logits
         self.sizes = tuple(sorted(sizes))
         self.max_blocks_per_seq = max_blocks_per_seq
-        self.num_splits_for = num_splits_for
+        self.metadata_for = metadata_for
         self.device = device
         max_size = self.sizes[-1]
         # Static device inputs; a graph of size b reads rows [:b] (row slices stay contiguous).
@@ -147,17 +149,9 @@ class DecodeGraphs:
             static[:size].copy_(host_ints[row, :size], non_blocking=True)
         self.block_tables[:size, :width].copy_(host_tables, non_blocking=True)
 
-    def _meta(self, size: int) -> KernelAttentionMetadata:
-        return KernelAttentionMetadata(
-            slot_mapping=self.slot_mapping[:size],
-            num_decode_tokens=size,
-            decode_block_tables=self.block_tables[:size],
-            decode_context_lens=self.context_lens[:size],
-            decode_num_splits=self.num_splits_for(size),
-        )
-
     def _forward(self, size: int) -> torch.Tensor:
-        return self.forward_logits(self.input_ids[:size], self.positions[:size], self._meta(size))
+        meta = self.metadata_for(self.slot_mapping[:size], self.block_tables[:size], self.context_lens[:size])
+        return self.forward_logits(self.input_ids[:size], self.positions[:size], meta)
 
     def _capture_all(self) -> None:
         start = time.perf_counter()

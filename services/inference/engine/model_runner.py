@@ -7,16 +7,16 @@ Inputs for a step (engine/step_inputs.py builds them on the host; copied to the 
   per decode / prefill chunk: block tables and context lengths (attention metadata);
   logits_indices         [num_sampling]: the last token of each sampling sequence, in batch order.
 
-Two attention paths, chosen once (EngineConfig.attention_backend):
-  torch    the portable path (CPU): AttentionMetadata with gathered slot tables;
-  triton   CUDA kernels: KernelAttentionMetadata with block tables, read in place; decode-only
-           steps replay a CUDA graph per batch-size bucket (engine/cuda_graphs.py) unless
-           enforce_eager.
+The attention backend (models/attention_backend.py) is chosen once, from
+EngineConfig.attention_backend, and handed to the model; each step the runner asks it for the
+step's attention metadata. Where the backend supports them (triton), decode-only steps replay a
+CUDA graph per decode batch size (engine/cuda_graphs.py) unless enforce_eager.
 """
 
 from __future__ import annotations
 
 import logging
+from collections.abc import Iterable
 
 import torch
 
@@ -24,10 +24,13 @@ from llmserve.inference.engine.config import EngineConfig
 from llmserve.inference.engine.cuda_graphs import DecodeGraphs, graph_batch_sizes
 from llmserve.inference.engine.kv_cache import KVCache, KVCacheSpec, device_tensor, plan_num_blocks
 from llmserve.inference.engine.scheduler import ScheduledBatch
-from llmserve.inference.engine.step_inputs import StepInputs, build_step_inputs, pad_rows
-from llmserve.inference.kernels import is_available as kernels_available
-from llmserve.inference.models.attention import AttentionMetadata, KernelAttentionMetadata, PrefillChunk
-from llmserve.inference.models.llama import DecoderConfig
+from llmserve.inference.engine.step_inputs import StepInputs, build_step_inputs
+from llmserve.inference.models.attention_backend import (
+    PADDING_SLOT,
+    create_attention_backend,
+    resolve_attention_backend,
+)
+from llmserve.inference.models.decoder_config import DecoderConfig
 from llmserve.inference.models.loader import load_model, torch_dtype
 from llmserve.inference.models.quantization import quantize_linears
 from llmserve.model_files import ModelFiles
@@ -35,26 +38,19 @@ from llmserve.model_files import ModelFiles
 log = logging.getLogger(__name__)
 
 
-def resolve_attention_backend(requested: str, device: torch.device) -> str:
-    """The attention path ("torch" or "triton") for EngineConfig.attention_backend on `device`."""
-    if requested == "auto":
-        return "triton" if device.type == "cuda" and kernels_available() else "torch"
-    if requested == "triton" and not kernels_available():
-        raise ValueError("attention_backend 'triton' needs the triton package")
-    return requested
-
-
 class ModelRunner:
-    def __init__(self, config: EngineConfig, files: ModelFiles, max_context_tokens: int):
+    def __init__(self, config: EngineConfig, files: ModelFiles, max_context_tokens: int,
+                 weights: Iterable[tuple[str, torch.Tensor]] | None = None):
         self.device = torch.device(config.device)
         self.dtype = torch_dtype(config.dtype)
         self.block_size = config.block_size_tokens
         self.model_config = DecoderConfig.from_hf(files.config)
         log.info("loading %s (%s) on %s as %s", files.path, files.architecture, self.device, config.dtype)
-        self.use_kernels = resolve_attention_backend(config.attention_backend, self.device) == "triton"
-        if config.kv_cache_dtype == "fp8" and not self.use_kernels:
-            raise ValueError("kv_cache_dtype 'fp8' needs the triton attention backend")
-        self.model = load_model(files.path, self.model_config, self.device, self.dtype)
+        attention_name = resolve_attention_backend(config.attention_backend, self.device)
+        self.attention = create_attention_backend(attention_name, self.model_config, self.block_size, self.device)
+        if config.kv_cache_dtype == "fp8" and not self.attention.supports_fp8_kv_cache:
+            raise ValueError(f"kv_cache_dtype 'fp8' needs the triton attention backend, not {self.attention.name!r}")
+        self.model = load_model(files.path, self.model_config, self.device, self.dtype, self.attention, weights)
         if config.quantization != "none":
             # Before sizing the KV pool: the freed bf16 matrices become KV blocks.
             log.info("quantizing the linear layers: %s", config.quantization)
@@ -80,18 +76,15 @@ class ModelRunner:
             num_blocks, self.block_size, num_blocks * self.block_size, self.kv_cache.num_bytes / 2**20,
             spec.dtype, spec.bytes_per_block,
         )
-        self.num_sms = self._num_sms()
-        self.decode_graphs: DecodeGraphs | None = None
-        if self.use_kernels:
-            self.model.enable_kernels()
+        if self.attention.needs_warm_up:
             self._warm_up_prefill()
-            if not config.enforce_eager:
-                # Off CUDA (the Triton interpreter in tests) the static-buffer path runs uncaptured.
-                is_cuda = self.device.type == "cuda"
-                self.decode_graphs = self._decode_graphs(config.max_num_seqs, max_context_tokens, capture=is_cuda)
+        self.decode_graphs: DecodeGraphs | None = None
+        if self.attention.supports_decode_graphs and not config.enforce_eager:
+            # Off CUDA (the Triton interpreter in tests) the static-buffer path runs uncaptured.
+            is_cuda = self.device.type == "cuda"
+            self.decode_graphs = self._decode_graphs(config.max_num_seqs, max_context_tokens, capture=is_cuda)
         log.info(
-            "attention: %s; decode CUDA graphs: %s",
-            "triton kernels" if self.use_kernels else "torch (gather)",
+            "attention backend: %s; decode CUDA graphs: %s", self.attention.name,
             "off" if self.decode_graphs is None else ",".join(map(str, self.decode_graphs.sizes)),
         )
 
@@ -109,10 +102,7 @@ class ModelRunner:
         fill = self._pending_filler(step, pending_tokens)
         if self.decode_graphs is not None and self.decode_graphs.can_run(step):
             return self._sampled_rows(self.decode_graphs.run(step, fill), step.logits_indices)
-        if self.use_kernels:
-            meta = self._kernel_meta(step)
-        else:
-            meta = self._gather_meta(step)
+        meta = self.attention.build_metadata(step)
         input_ids = self._to_device(step.input_ids)
         if fill is not None:
             fill(input_ids)
@@ -136,13 +126,13 @@ class ModelRunner:
         """Compile the prefill-path kernels now rather than during the first request: one
         chunk whose slots are all padding (nothing is written; it reads block 0, zeros)."""
         step = StepInputs(
-            input_ids=[0] * num_tokens, positions=list(range(num_tokens)), slot_mapping=[-1] * num_tokens,
+            input_ids=[0] * num_tokens, positions=list(range(num_tokens)), slot_mapping=[PADDING_SLOT] * num_tokens,
             prefill_query_starts=[0], prefill_query_lens=[num_tokens], prefill_context_lens=[num_tokens],
             prefill_block_tables=[[0] * -(-num_tokens // self.block_size)], prefill_has_cached_prefix=[False],
             logits_indices=[num_tokens - 1],
         )
         hidden = self.model(self._to_device(step.input_ids), self._to_device(step.positions), self.kv_cache.layers,
-                            self._kernel_meta(step))
+                            self.attention.build_metadata(step))
         self.model.compute_logits(hidden[-1:])
 
     # --- decode graphs -----------------------------------------------------------------------
@@ -152,12 +142,12 @@ class ModelRunner:
             forward_logits=self._forward_logits,
             sizes=graph_batch_sizes(max_num_seqs),
             max_blocks_per_seq=-(-max_context_tokens // self.block_size),
-            num_splits_for=self._decode_num_splits,
+            metadata_for=self.attention.decode_graph_metadata,
             device=self.device,
             capture=capture,
         )
 
-    def _forward_logits(self, input_ids, positions, meta: KernelAttentionMetadata) -> torch.Tensor:
+    def _forward_logits(self, input_ids: torch.Tensor, positions: torch.Tensor, meta) -> torch.Tensor:
         return self.model.compute_logits(self.model(input_ids, positions, self.kv_cache.layers, meta))
 
     def _sampled_rows(self, logits: torch.Tensor, logits_indices: list[int]) -> torch.Tensor:
@@ -167,61 +157,5 @@ class ModelRunner:
             return logits
         return logits[self._to_device(logits_indices)]
 
-    # --- attention metadata ------------------------------------------------------------------
-
-    def _kernel_meta(self, step: StepInputs) -> KernelAttentionMetadata:
-        num_decodes = step.num_decodes
-        meta = KernelAttentionMetadata(
-            slot_mapping=self._to_device32(step.slot_mapping),
-            num_decode_tokens=num_decodes,
-            decode_block_tables=self._table(step.decode_block_tables) if num_decodes else None,
-            decode_context_lens=self._to_device32(step.decode_context_lens) if num_decodes else None,
-            decode_num_splits=self._decode_num_splits(num_decodes),
-        )
-        if not step.is_decode_only:
-            meta.prefill_block_tables = self._table(step.prefill_block_tables)
-            meta.prefill_query_starts = self._to_device32(step.prefill_query_starts)
-            meta.prefill_query_lens = self._to_device32(step.prefill_query_lens)
-            meta.prefill_context_lens = self._to_device32(step.prefill_context_lens)
-            meta.prefill_max_query_len = max(step.prefill_query_lens)
-        return meta
-
-    def _decode_num_splits(self, num_decodes: int) -> int:
-        from llmserve.inference.kernels.paged_decode import decode_num_splits
-
-        return decode_num_splits(num_decodes, self.model_config.num_kv_heads, self.num_sms)
-
-    def _gather_meta(self, step: StepInputs) -> AttentionMetadata:
-        num_decodes = step.num_decodes
-        chunks = zip(step.prefill_query_starts, step.prefill_query_lens, step.prefill_context_lens,
-                     step.prefill_block_tables, step.prefill_has_cached_prefix)
-        return AttentionMetadata(
-            slot_mapping=self._to_device(step.slot_mapping),
-            num_decode_tokens=num_decodes,
-            decode_kv_slots=self._slot_table(step.decode_block_tables) if num_decodes else None,
-            decode_context_lens=self._to_device(step.decode_context_lens) if num_decodes else None,
-            prefills=[
-                PrefillChunk(start, n, context_len, self._slot_table([table])[0, :context_len] if cached else None)
-                for start, n, context_len, table, cached in chunks
-            ],
-        )
-
-    def _slot_table(self, block_tables: list[list[int]]) -> torch.Tensor:
-        """[num_seqs, max_blocks * block_size] cache slots of every position, padded with block 0."""
-        blocks = self._to_device(pad_rows(block_tables, max(len(t) for t in block_tables)))
-        offsets = torch.arange(self.block_size, device=self.device)
-        return (blocks[:, :, None] * self.block_size + offsets).reshape(len(block_tables), -1)
-
-    def _table(self, block_tables: list[list[int]]) -> torch.Tensor:
-        return self._to_device32(pad_rows(block_tables, max(len(t) for t in block_tables)))
-
     def _to_device(self, values: list) -> torch.Tensor:
         return device_tensor(values, self.device)
-
-    def _to_device32(self, values: list) -> torch.Tensor:
-        return device_tensor(values, self.device, torch.int32)
-
-    def _num_sms(self) -> int:
-        if self.device.type == "cuda":
-            return torch.cuda.get_device_properties(self.device).multi_processor_count
-        return 4  # the Triton interpreter (CPU tests): a few splits still get exercised

@@ -87,9 +87,6 @@ class Sampler:
     def __init__(self, eos_token_ids: tuple[int, ...]):
         self.eos_token_ids = frozenset(eos_token_ids)
 
-    def stop_token_ids(self, sampling: SamplingParams) -> frozenset[int]:
-        return stop_token_ids(sampling, self.eos_token_ids)
-
     def sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> SamplerOutput:
         """launch + result: one token per sequence, on the host."""
         return self.launch(logits, seqs).result()
@@ -115,7 +112,7 @@ class Sampler:
             (row, token_id)
             for row, seq in enumerate(seqs)
             if seq.num_completion_tokens < seq.sampling.min_tokens
-            for token_id in self.stop_token_ids(seq.sampling)
+            for token_id in stop_token_ids(seq.sampling, self.eos_token_ids)
             if token_id < vocab_size
         ]
         if not masked:

@@ -1,4 +1,12 @@
-"""Which sequences run in the next step, and how many of their tokens. Pure Python.
+"""Which sequences run in the next step, and how many of their tokens; and what each step's
+results do to them. Pure Python.
+
+The engine's step talks to it through one seam (besides request-level `add` and `abort`):
+  schedule()                  -> ScheduledBatch: the work of the next step;
+  update_from_output(...)     -> StepUpdate: what the device produced - the batch just
+                                 launched (and the siblings it forks), the sampled tokens now
+                                 known on the host; returns the new tokens (with the stop
+                                 rules of engine/stop.py applied) and the rejected sequences.
 
 Every step has a budget of `max_batched_tokens` new tokens and at most `max_num_seqs` running
 sequences. A sequence's next tokens are simply those without K/V yet (num_uncomputed_tokens):
@@ -6,10 +14,11 @@ one for a decode, many for a prompt or a recomputation after preemption, so pref
 are the same operation and mix freely in one batch. Order within a step:
 
   1. running decodes (one token each), oldest first: streams never stall behind prompts
-     (a sequence whose in-flight token is its last, `is_finishing`, is skipped);
+     (a sequence whose pending token is its last, `is_finishing`, is skipped);
   2. running prefills, in chunks that fill the remaining budget;
   3. waiting sequences, lowest `priority` first, then first come first served, each taking its
-     prefix-cache hits and a chunk of the rest, while budget, sequence slots and blocks last.
+     prefix-cache hits and a chunk of the rest, while budget, room in the running set
+     (max_num_seqs) and blocks last.
      A waiting sequence that does not fit blocks those behind it (no overtaking).
 
 When a running sequence needs a block and none is free, the running sequence with the highest
@@ -24,10 +33,13 @@ once instead of waiting forever.
 from __future__ import annotations
 
 import bisect
+import time
 from dataclasses import dataclass, field
 
 from llmserve.inference.engine.block_manager import BlockManager
-from llmserve.inference.engine.sequence import Sequence, SequenceStatus
+from llmserve.inference.engine.sequence import PENDING_TOKEN, Sequence, SequenceStatus
+from llmserve.inference.engine.step_output import LaunchedBatch, NewToken, SampledTokens, StepUpdate
+from llmserve.inference.engine.stop import finish_at_token, reaches_length_limit, stop_token_ids
 from llmserve.sampling import FinishReason
 
 
@@ -37,6 +49,7 @@ class SchedulerConfig:
     max_batched_tokens: int
     max_seq_tokens: int  # most tokens (prompt + output) one sequence may hold
     enable_chunked_prefill: bool = True
+    eos_token_ids: frozenset[int] = frozenset()
 
 
 @dataclass(slots=True)
@@ -60,6 +73,10 @@ class ScheduledBatch:
         """True if seqs[index] computes its last token this step, so it samples a new one."""
         seq = self.seqs[index]
         return seq.num_computed_tokens + self.num_new_tokens[index] == seq.num_tokens
+
+    def sampling_seqs(self) -> list[Sequence]:
+        """The sequences that sample this step, in batch order (before the step is recorded)."""
+        return [seq for i, seq in enumerate(self.seqs) if self.samples(i)]
 
     def add(self, seq: Sequence, num_new_tokens: int) -> None:
         self.seqs.append(seq)
@@ -86,53 +103,24 @@ class Scheduler:
         self._rejected: list[Sequence] = []
         self._pending_block_copies: list[tuple[int, int]] = []
 
-    # --- queue changes -----------------------------------------------------------------------
+    # --- requests ----------------------------------------------------------------------------
 
     def add(self, seq: Sequence) -> None:
         if seq.num_tokens > self.config.max_seq_tokens:
             self._reject(seq)
             return
-        seq.status = SequenceStatus.WAITING
-        bisect.insort(self.waiting, seq, key=_queue_key)
+        self._enqueue(seq)
 
     def abort(self, request_id: str) -> list[Sequence]:
         """Finish every sequence of the request as CANCELLED, freeing its blocks now."""
         aborted = [s for s in self.running + self.waiting if s.request_id == request_id]
         for seq in aborted:
-            self.finish(seq, FinishReason.CANCELLED)
+            self._finish(seq, FinishReason.CANCELLED)
         rejected = [s for s in self._rejected if s.request_id == request_id]
         self._rejected = [s for s in self._rejected if s.request_id != request_id]
         for seq in rejected:
             seq.finish_reason = FinishReason.CANCELLED
         return aborted + rejected
-
-    def finish(self, seq: Sequence, reason: FinishReason) -> None:
-        if seq.status is SequenceStatus.RUNNING:
-            self.running.remove(seq)
-        elif seq.status is SequenceStatus.WAITING:
-            self.waiting.remove(seq)
-        self.block_manager.free(seq)
-        seq.status = SequenceStatus.FINISHED
-        seq.finish_reason = reason
-
-    def add_fork(self, parent: Sequence, child: Sequence) -> None:
-        """Start a sibling of `parent` (whose prompt was just computed) on the parent's blocks;
-        it waits (and recomputes) instead when no sequence slot or block is free."""
-        if len(self.running) < self.config.max_num_seqs and self.block_manager.can_fork(parent):
-            copy = self.block_manager.fork(parent, child)
-            if copy is not None:
-                self._pending_block_copies.append(copy)
-            child.status = SequenceStatus.RUNNING
-            self.running.append(child)
-        else:
-            self.add(child)
-
-    def take_rejected(self) -> list[Sequence]:
-        rejected, self._rejected = self._rejected, []
-        return rejected
-
-    def has_unfinished(self) -> bool:
-        return bool(self.running or self.waiting or self._rejected)
 
     # --- the step ----------------------------------------------------------------------------
 
@@ -151,19 +139,95 @@ class Scheduler:
                 budget -= self._schedule_running(seq, budget, batch)
         if self.num_preemptions_total == num_preempted_before:
             self._admit_waiting(budget, batch)
+        now_ns = time.monotonic_ns()
+        for seq in batch.seqs:
+            if not seq.first_scheduled_ns:
+                seq.first_scheduled_ns = now_ns
         return batch
 
-    def advance(self, batch: ScheduledBatch) -> None:
-        """The batch is launched: its tokens count as computed for scheduling the next step
-        (the device runs the steps in order)."""
-        for seq, num_new_tokens in zip(batch.seqs, batch.num_new_tokens):
-            seq.num_computed_tokens += num_new_tokens
+    def update_from_output(
+        self, launched: LaunchedBatch | None = None, sampled: SampledTokens | None = None
+    ) -> StepUpdate:
+        """Record what the device produced, in this order:
+          1. `sampled`: an earlier launch's tokens, now on the host, replace their placeholders;
+             the stop rules finish sequences (their blocks return to the pool at once);
+          2. `launched`: the batch just queued on the device. Its tokens count as computed (the
+             device runs the steps in order), its siblings start, each of its sampling sequences
+             gets a PENDING_TOKEN placeholder, and its newly full blocks enter the prefix cache.
+        Registering needs every computed token known: the tokens of the launch before
+        `launched` must come in this call's `sampled` or an earlier call's.
+        """
+        new_tokens = self._record_sampled(sampled) if sampled is not None else []
+        if launched is not None:
+            self._record_launch(launched)
+        rejected, self._rejected = self._rejected, []
+        return StepUpdate(new_tokens, rejected)
 
-    def register_computed_blocks(self, batch: ScheduledBatch) -> None:
-        """Enter the batch's newly full blocks into the prefix cache; needs every computed token
-        known on the host (no pending token among them). Finished sequences hold no blocks."""
-        for seq in batch.seqs:
+    # --- update ------------------------------------------------------------------------------
+
+    def _record_sampled(self, sampled: SampledTokens) -> list[NewToken]:
+        now_ns = time.monotonic_ns()
+        new_tokens = []
+        for row, (seq, token_id) in enumerate(zip(sampled.seqs, sampled.token_ids)):
+            if seq.is_finished:
+                continue  # aborted, or stopped by its token before: this one is discarded
+            new_tokens.append(self._record_token(seq, row, token_id, now_ns))
+        return new_tokens
+
+    def _record_token(self, seq: Sequence, row: int, token_id: int, now_ns: int) -> NewToken:
+        assert seq.token_ids[-1] == PENDING_TOKEN, "only a sequence's last token is ever pending"
+        seq.token_ids[-1] = token_id
+        seq.pending_token_row = -1
+        if not seq.first_token_ns:
+            seq.first_token_ns = now_ns
+        finish_reason, stop_token_id = finish_at_token(
+            token_id, seq.num_completion_tokens, seq.num_tokens, seq.sampling,
+            stop_token_ids(seq.sampling, self.config.eos_token_ids), self.config.max_seq_tokens,
+        )
+        if finish_reason is not None:
+            self._finish(seq, finish_reason)
+        return NewToken(seq, row, token_id, finish_reason, stop_token_id)
+
+    def _record_launch(self, launched: LaunchedBatch) -> None:
+        batch = launched.batch
+        for seq, num_new_tokens in zip(batch.seqs, batch.num_new_tokens):
+            if not seq.is_finished:  # else a token of the step before stopped it
+                seq.num_computed_tokens += num_new_tokens
+        for parent, child in launched.forks:
+            self._fork(parent, child)
+        for row, seq in enumerate(launched.sampling_seqs):
+            if not seq.is_finished:
+                seq.token_ids.append(PENDING_TOKEN)
+                seq.pending_token_row = row
+                seq.is_finishing = reaches_length_limit(
+                    seq.num_completion_tokens, seq.num_tokens, seq.sampling, self.config.max_seq_tokens
+                )
+        for seq in batch.seqs:  # a finished sequence holds no blocks: nothing to register
             self.block_manager.register_computed_blocks(seq)
+
+    def _fork(self, parent: Sequence, child: Sequence) -> None:
+        """Start a sibling of `parent` (whose prompt was just computed) on the parent's blocks;
+        it waits (and recomputes) instead when the running set is full or no block is free."""
+        if len(self.running) < self.config.max_num_seqs and self.block_manager.can_fork(parent):
+            copy = self.block_manager.fork(parent, child)
+            if copy is not None:
+                self._pending_block_copies.append(copy)
+            child.num_computed_tokens = parent.num_computed_tokens
+            child.status = SequenceStatus.RUNNING
+            self.running.append(child)
+        else:
+            self._enqueue(child)
+
+    def _finish(self, seq: Sequence, reason: FinishReason) -> None:
+        if seq.status is SequenceStatus.RUNNING:
+            self.running.remove(seq)
+        elif seq.status is SequenceStatus.WAITING:
+            self.waiting.remove(seq)
+        self._release_blocks(seq)
+        seq.status = SequenceStatus.FINISHED
+        seq.finish_reason = reason
+
+    # --- scheduling --------------------------------------------------------------------------
 
     def _schedule_running(self, seq: Sequence, budget: int, batch: ScheduledBatch) -> int:
         """Schedule `seq`, preempting others (or itself) for blocks; returns net tokens used."""
@@ -183,7 +247,7 @@ class Scheduler:
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             seq = self.waiting[0]
             if seq.has_pending_token:
-                break  # preempted (or forked) with a token in flight: its hashes need the value
+                break  # preempted (or forked) with a token pending: its hashes need the value
             cached_block_ids = self.block_manager.find_cached_blocks(seq)
             num_cached_tokens = len(cached_block_ids) * self.block_manager.block_size
             num_new_tokens = seq.num_tokens - num_cached_tokens
@@ -200,7 +264,9 @@ class Scheduler:
             budget -= num_new_tokens
 
     def _start_running(self, seq: Sequence, num_cached_tokens: int) -> None:
+        """`seq` holds blocks now, the first num_cached_tokens' adopted from the prefix cache."""
         self.block_manager.count_prefix_lookup(seq.num_tokens, num_cached_tokens)
+        seq.num_computed_tokens = num_cached_tokens
         if not seq.was_admitted:
             seq.num_cached_tokens = num_cached_tokens
             seq.was_admitted = True
@@ -209,10 +275,17 @@ class Scheduler:
 
     def _preempt(self, seq: Sequence) -> None:
         self.running.remove(seq)
-        self.block_manager.free(seq)
+        self._release_blocks(seq)
         self.num_preemptions_total += 1
+        self._enqueue(seq)
+
+    def _enqueue(self, seq: Sequence) -> None:
         seq.status = SequenceStatus.WAITING
         bisect.insort(self.waiting, seq, key=_queue_key)
+
+    def _release_blocks(self, seq: Sequence) -> None:
+        self.block_manager.free(seq)
+        seq.num_computed_tokens = 0
 
     def _reject(self, seq: Sequence) -> None:
         seq.status = SequenceStatus.FINISHED

@@ -4,7 +4,7 @@ A request with n sequences starts as one Sequence (index 0); the engine forks th
 once the prompt is computed, sharing the prompt's blocks (see BlockManager.fork).
 
 With async scheduling a sampled token is known on the device before the host sees it: the
-engine appends PENDING_TOKEN and notes the token's row in that step's sampled-token tensor
+scheduler appends PENDING_TOKEN and notes the token's row in that step's sampled-token tensor
 (pending_token_row), the next step reads its input id from that tensor on the device, and the
 placeholder is overwritten once the step's results reach the host. Only the last token can be
 pending, and only for one step.
@@ -14,6 +14,16 @@ Invariants:
   every computed token is known (not PENDING_TOKEN) once its step's results are processed;
   block_ids covers at least num_computed_tokens slots (block_size each);
   the first num_registered_blocks blocks are full, computed and known to the prefix cache.
+
+Who writes which field (one writer each; the others only read):
+  SequenceFactory, at construction only: the identity, prompt, sampling and random-stream
+    fields, and a forked sibling's copies of its parent's (prompt, block hashes,
+    num_cached_tokens, was_admitted, first_scheduled_ns);
+  Sequence.block_hash: block_hashes (extended lazily from token_ids);
+  BlockManager: block_ids, num_registered_blocks (the block table and its prefix-cache progress);
+  Scheduler: everything else - status, num_computed_tokens, num_cached_tokens, was_admitted,
+    token_ids after construction (placeholders and their values), pending_token_row,
+    is_finishing, first_scheduled_ns, first_token_ns, finish_reason, error_message.
 """
 
 from __future__ import annotations
@@ -53,10 +63,10 @@ class Sequence:
     num_computed_tokens: int = 0  # tokens whose K/V are in the cache
     num_registered_blocks: int = 0
     num_cached_tokens: int = 0  # prompt tokens the prefix cache served at first admission
-    num_siblings_to_fork: int = 0  # n - 1 on the first sequence until its prompt is computed
     was_admitted: bool = False
     rng: Any = None  # the sampler's per-sequence random stream (a torch.Generator)
-    # Row of the last token in the in-flight step's sampled tokens, -1 when no token is pending.
+    # Row of the last token in the sampled tokens of the launched, not yet processed step;
+    # -1 when no token is pending.
     pending_token_row: int = -1
     # Its pending token ends it (max_tokens or the length limit): not scheduled again.
     is_finishing: bool = False
@@ -84,6 +94,12 @@ class Sequence:
     @property
     def has_pending_token(self) -> bool:
         return self.pending_token_row >= 0
+
+    @property
+    def forks_siblings(self) -> bool:
+        """Sampling its first token now starts the request's other n - 1 sequences: only the
+        first sequence does, once (later samples have a completion token before them)."""
+        return self.sequence_index == 0 and self.sampling.n > 1 and self.num_completion_tokens == 0
 
     @property
     def is_finished(self) -> bool:

@@ -5,8 +5,9 @@ contiguous, so attention can treat the leading rows as one decode batch. Per tok
 position and cache slot (slot = block_id * block_size + offset). Per decode: the block table
 up to its context and the context length (new token included). Per prefill chunk: its first
 row, length, context length (cached prefix + chunk) and block table; `has_cached_prefix` tells
-the gather path whether the chunk's context is just the chunk. `logits_indices` are the rows
-whose logits are sampled: the last token of each sequence that samples, in batch order.
+the portable attention backend whether the chunk's context is just the chunk. `logits_indices`
+are the rows whose logits are sampled: the last token of each sequence that samples, in batch
+order.
 
 Async scheduling: a sequence's last input token may still be pending (sampled by the step in
 flight, not yet on the host). Its row gets id 0 here and is listed in `pending_rows`, with the

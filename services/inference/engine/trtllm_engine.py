@@ -37,7 +37,6 @@ _FINISH_REASONS = {
 
 def _import_trtllm():
     try:
-        import tensorrt_llm  # noqa: F401
         from tensorrt_llm import LLM, SamplingParams as TrtSamplingParams
         from tensorrt_llm.llmapi import KvCacheConfig
     except ImportError as exc:  # ModuleNotFoundError or a broken CUDA/TensorRT install
@@ -123,7 +122,7 @@ class TrtllmEngine:
             backend="trtllm",
             device=config.device,
         )
-        self._results: dict[str, object] = {}  # request_id → RequestOutput in flight
+        self._results: dict[str, object] = {}  # request_id → RequestOutput, for each in-flight request
         self._is_accepting = False
         self._num_aborted_total = 0
         self._num_finished_total = 0
@@ -174,9 +173,9 @@ class TrtllmEngine:
                         time_to_first_token_ns=(first_token_ns - request.arrival_ns) if finish and first_token_ns else 0,
                         total_time_ns=(now_ns - request.arrival_ns) if finish else 0,
                     )
-            self._num_finished_total += 1
         finally:
             self._results.pop(request.request_id, None)
+            self._num_finished_total += 1
             if not result.finished:
                 result.abort()
                 self._num_aborted_total += 1
@@ -189,7 +188,8 @@ class TrtllmEngine:
         return True
 
     def load(self) -> EngineLoad:
-        # The LLM API exposes no cheap per-call KV statistics; running = in flight here.
+        # The LLM API exposes no cheap per-call KV statistics; num_running counts the in-flight
+        # requests.
         return EngineLoad(
             num_running=len(self._results),
             num_waiting=0,

@@ -1,7 +1,7 @@
 """Messages between the inference servicer and an engine core. No protobuf here.
 
 Request lifecycle inside a replica:
-  servicer → AsyncEngine.generate(EngineRequest) → engine thread → EngineCore.add_request
+  servicer → AsyncEngine.generate(EngineRequest) → EngineThread → EngineCore.add_request
   EngineCore.step() → [EngineOutput] → per-request asyncio queue → servicer stream
   cancel/deadline → AsyncEngine.abort → EngineCore.abort_request (frees KV blocks at once)
 """
@@ -85,6 +85,9 @@ class ModelInfo:
 
 @dataclass(frozen=True, slots=True)
 class EngineLoad:
+    """Counts at one moment; `*_total` since the engine started. num_finished_total counts
+    every request that ended, aborted ones (also in num_aborted_total) included."""
+
     num_running: int
     num_waiting: int
     kv_blocks_total: int
@@ -96,12 +99,23 @@ class EngineLoad:
     num_preemptions_total: int = 0
 
 
+class StepFailed(RuntimeError):
+    """EngineCore.step() failed for `request_ids` only: the engine thread fails those requests
+    and the others go on. Any other exception from step() fails every unfinished request."""
+
+    def __init__(self, message: str, request_ids: list[str]):
+        super().__init__(message)
+        self.request_ids = request_ids
+
+
 class EngineCore(Protocol):
     """A synchronous engine: everything runs on the engine thread, one step at a time.
 
-    AsyncEngine owns the thread and calls these methods only from it, so implementations need
-    no locks. `step()` runs one schedule → execute → update iteration and returns the outputs it
-    produced (at most one per running sequence, plus final outputs of finished ones).
+    The EngineThread calls these methods only from itself, so implementations need no locks. A
+    request is *unfinished* from add_request until each of its sequences has had its final
+    output from step(), or until abort_request. `step()` runs one schedule → execute → update
+    iteration and returns the outputs it produced (at most one per running sequence, plus final
+    outputs of finished ones).
     """
 
     model_info: ModelInfo
@@ -109,11 +123,13 @@ class EngineCore(Protocol):
     def add_request(self, request: EngineRequest) -> None: ...
 
     def abort_request(self, request_id: str) -> bool:
-        """Stop the request and free its KV blocks now; True if it was in flight."""
+        """Stop the request and free its KV blocks now; True if it was unfinished."""
         ...
 
     def has_unfinished_requests(self) -> bool: ...
 
-    def step(self) -> list[EngineOutput]: ...
+    def step(self) -> list[EngineOutput]:
+        """May raise StepFailed to fail some requests only (see there)."""
+        ...
 
     def load(self) -> EngineLoad: ...

@@ -11,7 +11,7 @@ Split-K: with few sequences (batch 1 has only num_kv_heads programs) the context
 merged by a second small kernel. The split count is a launch constant (it is part of a captured
 CUDA graph), so each split derives its range from the context length at run time; a split with
 nothing to do leaves max = -inf and sum = 0, which the merge weights to zero. A sequence with
-context length 0 (a padding row of a graph bucket) gets a zero output.
+context length 0 (a padding row of a decode graph) gets a zero output.
 
 The cache may hold float8 (e4m3, scale 1): tiles are widened to the query dtype after loading,
 so the kernel reads half the bytes, but measured on an H200 it reaches only ~2.1 TB/s of

@@ -5,7 +5,7 @@ rounds it after every add): the sum x + residual is never rounded, which makes a
 measurably closer to its float32 reference for 4 extra bytes per token per layer. After that the
 numerics follow LlamaRMSNorm: normalize in float32, round to the model dtype, multiply by the
 weight and round again. The model dtype is the weight's: `x` may come in float32 (the
-projections that feed the residual stream write float32 on the kernel path), the output is
+projections that feed the residual stream write float32 on the triton backend), the output is
 always in the weight's dtype, ready for the next GEMM.
 """
 

@@ -2,8 +2,8 @@
 
 One program per token: it rotates the token's query heads (written to a new contiguous q) and
 key heads, and stores the rotated keys and the values at the token's cache slot, so after this
-kernel attention reads all of K/V from the cache. Slot -1 marks a padding token (a CUDA-graph
-bucket's spare rows): its q is still computed, nothing is written to the cache.
+kernel attention reads all of K/V from the cache. Slot -1 marks a padding token (a decode CUDA
+graph's spare rows): its q is still computed, nothing is written to the cache.
 
 Rotate-half layout (the HF Llama convention): for j < head_dim / 2,
   out[j]        = x[j] * cos[j] - x[j + half] * sin[j]

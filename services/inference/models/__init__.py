@@ -1,10 +1,7 @@
 """Model definitions for the torch backend: decoders that read and write the paged KV cache.
 
-`llama.py` covers the Llama family (Llama 2/3.x, Mistral, Qwen2/2.5, Qwen3); `loader.py` maps an
-HF checkpoint (config.json + *.safetensors) onto them.
+`llama.py` covers the Llama family (Llama 2/3.x, Mistral, Qwen2/2.5, Qwen3), configured by
+`decoder_config.py`; `loader.py` maps an HF checkpoint (config.json + *.safetensors) onto them.
+Attention and the small ops run through the attention backend the model is built with
+(`attention_backend.py`: `portable_attention.py`, `triton_attention.py`).
 """
-
-from llmserve.inference.models.llama import DecoderConfig, LlamaForCausalLM
-from llmserve.inference.models.loader import load_model
-
-__all__ = ["DecoderConfig", "LlamaForCausalLM", "load_model"]

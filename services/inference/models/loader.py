@@ -16,7 +16,10 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-from llmserve.inference.models.llama import DecoderConfig, LlamaForCausalLM, MergedLinear
+from llmserve.inference.models.attention_backend import AttentionBackend
+from llmserve.inference.models.decoder_config import DecoderConfig
+from llmserve.inference.models.layers import MergedLinear
+from llmserve.inference.models.llama import LlamaForCausalLM
 
 log = logging.getLogger(__name__)
 
@@ -43,17 +46,27 @@ def safetensors_files(model_dir: Path) -> list[Path]:
     return files
 
 
-def load_model(model_dir: Path, config: DecoderConfig, device: torch.device, dtype: torch.dtype) -> LlamaForCausalLM:
-    return build_model(config, device, dtype, _checkpoint_tensors(safetensors_files(Path(model_dir))))
+def load_model(
+    model_dir: Path, config: DecoderConfig, device: torch.device, dtype: torch.dtype, attention: AttentionBackend,
+    weights: Iterable[tuple[str, torch.Tensor]] | None = None,
+) -> LlamaForCausalLM:
+    """`weights`: (HF name, tensor) pairs to load instead of the directory's safetensors."""
+    if weights is None:
+        weights = _checkpoint_tensors(safetensors_files(Path(model_dir)))
+    return build_model(config, device, dtype, weights, attention)
 
 
 def build_model(
-    config: DecoderConfig, device: torch.device, dtype: torch.dtype, named_tensors: Iterable[tuple[str, torch.Tensor]]
+    config: DecoderConfig,
+    device: torch.device,
+    dtype: torch.dtype,
+    named_tensors: Iterable[tuple[str, torch.Tensor]],
+    attention: AttentionBackend,
 ) -> LlamaForCausalLM:
     """Our decoder from (checkpoint name, tensor) pairs in HF naming: a checkpoint's tensors, or
     a transformers model's `state_dict().items()` (benchmarks build random weights on the GPU)."""
     with torch.device("meta"):
-        model = LlamaForCausalLM(config)
+        model = LlamaForCausalLM(config, attention)
     model = model.to(dtype).to_empty(device=device)
     model.tie_weights()  # re-tie: to_empty gives every parameter fresh storage
     model.place_rope(device)

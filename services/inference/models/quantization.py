@@ -6,11 +6,8 @@ lm_head stay in the model dtype: the embedding is read one row per token (its si
 memory, not bandwidth), and lm_head errors land directly on the logits that sampling reads,
 for ~7% of the bytes. Norm weights and biases stay as they are (tiny).
 
-Both methods are symmetric with one float32 scale per output channel (row of the [N, K]
-weight), scale = amax(|row|) / qmax, so every row uses the full code range and one outlier
-channel cannot crush the resolution of the others; an all-zero row gets scale 1 (its codes
-are 0 either way; 0 would turn dequantization into 0/0). Scales are computed once, at load,
-from the checkpoint weights (no calibration data).
+Both methods are symmetric with one float32 scale per output channel, computed once at load
+from the checkpoint weights (models/quant_codes.py: the rule and the pure functions).
 
   fp8   W8A8 (`Fp8Linear`): weights float8 e4m3 (qmax 448); activations quantized per token
         (row) at run time with the same amax / 448 rule (kernels/fp8_quant.py), then one float8
@@ -51,6 +48,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from llmserve.inference.models.quant_codes import (
+    dequantize,
+    quantize_per_token_fp8,
+    quantize_weight_fp8,
+    quantize_weight_int8,
+)
+
 log = logging.getLogger(__name__)
 
 METHODS = ("none", "fp8", "int8")
@@ -58,57 +62,9 @@ QUANTIZED_LINEAR_NAMES = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
 # Attributes of MergedLinear that the model reads (output_sizes: the q/k/v split) or the
 # loader wrote; carried over so the quantized module is a drop-in replacement.
 _MERGED_ATTRIBUTES = ("output_sizes", "shard_names")
-FP8_E4M3_MAX = 448.0
-INT8_MAX = 127
 # torch._scaled_mm (cuBLASLt/CUTLASS) requires K and N to be multiples of 16.
 FP8_ALIGNMENT = 16
 FP8_MIN_CAPABILITY = (8, 9)  # float8 tensor cores: Ada, Hopper and later
-
-
-# --- pure quantize / dequantize functions --------------------------------------------------------
-
-
-def channel_scales(weight: torch.Tensor, qmax: float) -> torch.Tensor:
-    """float32 [N]: amax(|row|) / qmax per row of weight [N, K]; 1 for an all-zero row."""
-    amax = weight.abs().amax(dim=1).float()
-    # Multiplied by the float32 reciprocal rather than divided: torch on CUDA divides by a
-    # scalar that way anyway (CPU divides exactly), so this is the one form that rounds the
-    # same on CPU, in torch on CUDA and in kernels/fp8_quant.py. The codes' clamp absorbs the
-    # last-bit difference from amax / qmax.
-    return torch.where(amax == 0, torch.ones_like(amax), amax * (1.0 / qmax))
-
-
-def quantize_weight_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """weight [N, K] -> (int8 codes [N, K], float32 scales [N]); weight ~= codes * scales[:, None]
-    with |error| <= scale / 2 (round to nearest; codes in [-127, 127], -128 unused: symmetric)."""
-    scales = channel_scales(weight, INT8_MAX)
-    codes = torch.round(weight.float() / scales[:, None]).clamp_(-INT8_MAX, INT8_MAX)
-    return codes.to(torch.int8), scales
-
-
-def quantize_weight_fp8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """weight [N, K] -> (float8_e4m3fn codes [N, K], float32 scales [N]); relative error <= 2^-4
-    per element, or at most 2^-10 * scale absolute below e4m3's normal range (subnormals)."""
-    scales = channel_scales(weight, FP8_E4M3_MAX)
-    return _to_fp8(weight.float() / scales[:, None]), scales
-
-
-def quantize_per_token_fp8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """x [M, K] -> (float8_e4m3fn codes [M, K], float32 scales [M, 1]): the per-token activation
-    rule (the torch reference of kernels/fp8_quant.py, bit for bit)."""
-    scales = channel_scales(x, FP8_E4M3_MAX)[:, None]
-    return _to_fp8(x.float() / scales), scales
-
-
-def dequantize(codes: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
-    """float32 codes * scales, for codes [N, K] with per-row scales [N] or [N, 1]."""
-    return codes.float() * scales.reshape(-1, 1)
-
-
-def _to_fp8(values: torch.Tensor) -> torch.Tensor:
-    # torch's cast rounds to nearest even but turns anything past 448 into NaN (e4m3fn has no
-    # infinity), so clamp first; by construction only rounding of x / scale can reach it.
-    return values.clamp(-FP8_E4M3_MAX, FP8_E4M3_MAX).to(torch.float8_e4m3fn)
 
 
 # --- modules ------------------------------------------------------------------------------------

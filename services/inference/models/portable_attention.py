@@ -1,4 +1,5 @@
-"""Attention over the paged KV cache, and the per-step metadata it reads.
+"""The portable attention backend: attention over the paged KV cache by gathering keys and
+values through slot tables, and the per-step metadata it reads.
 
 The batch is one flat run of tokens, no padding: first the single-token sequences (decodes),
 then the multi-token prefill chunks, each contiguous. Every new token's key/value is written to
@@ -10,9 +11,10 @@ cache, so a chunk attends to its cached prefix and to itself in the same way.
   prefills: one call per sequence (vectorized within the sequence), with a causal mask offset
            by the number of tokens already in the cache.
 
-The gather costs a copy of the context per layer; it is the portable path (CPU). On CUDA the
-model runner builds a KernelAttentionMetadata instead and the layers call the Triton kernels
-(models/kernel_attention.py), which read the blocks in place through the block tables.
+The gather costs a copy of the context per layer; this is the portable backend (any device,
+the reference). The triton backend (models/triton_attention.py) reads the blocks in place
+through the block tables instead. RoPE is applied to q/k here (full-width tables in the model
+dtype, as transformers does), and the small ops are transformers' (REFERENCE_OPS).
 """
 
 from __future__ import annotations
@@ -21,6 +23,11 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
+
+from llmserve.inference.engine.step_inputs import StepInputs
+from llmserve.inference.models.attention_backend import AttentionBackend, KVLayer, RopeTables
+from llmserve.inference.models.layer_ops import REFERENCE_OPS
+from llmserve.inference.models.rope import apply_rope, full_width_tables
 
 
 @dataclass(slots=True)
@@ -38,7 +45,7 @@ class PrefillChunk:
 
 
 @dataclass(slots=True)
-class AttentionMetadata:
+class PortableAttentionMetadata:
     """What attention needs for one step, built once by the model runner and shared by layers."""
 
     slot_mapping: torch.Tensor  # [num_tokens] int64: the cache slot of each new token
@@ -78,24 +85,6 @@ class AttentionMetadata:
         return self._mask_cache[key]
 
 
-@dataclass(slots=True)
-class KernelAttentionMetadata:
-    """What the Triton kernels read for one step. Tensors are int32 on the device; the same
-    object, built over static buffers, is captured in a decode CUDA graph, so nothing here may
-    need a host value that changes between replays (the host ints are fixed per graph)."""
-
-    slot_mapping: torch.Tensor  # [num_tokens]: cache slot of each new token, -1 = padding row
-    num_decode_tokens: int  # the leading tokens, one per single-token sequence
-    decode_block_tables: torch.Tensor | None  # [num_decodes, max_blocks]
-    decode_context_lens: torch.Tensor | None  # [num_decodes], the new token included; 0 = padding
-    decode_num_splits: int = 1  # context splits of the decode kernel
-    prefill_block_tables: torch.Tensor | None = None  # [num_chunks, max_blocks]
-    prefill_query_starts: torch.Tensor | None = None  # [num_chunks]: first row in the flat batch
-    prefill_query_lens: torch.Tensor | None = None  # [num_chunks]
-    prefill_context_lens: torch.Tensor | None = None  # [num_chunks]: cached prefix + chunk
-    prefill_max_query_len: int = 0
-
-
 def write_kv(
     k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor
 ) -> None:
@@ -111,7 +100,7 @@ def paged_attention(
     v: torch.Tensor,
     k_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
     v_cache: torch.Tensor,
-    meta: AttentionMetadata,
+    meta: PortableAttentionMetadata,
     scale: float,
     sliding_window: int | None = None,
 ) -> torch.Tensor:
@@ -144,7 +133,7 @@ def paged_attention(
     return out
 
 
-def _decode_attention(q, k_slots, v_slots, meta: AttentionMetadata, scale: float, sliding_window: int | None):
+def _decode_attention(q, k_slots, v_slots, meta: PortableAttentionMetadata, scale: float, sliding_window: int | None):
     keys = k_slots[meta.decode_kv_slots]  # [num_decodes, max_context, num_kv_heads, head_dim]
     values = v_slots[meta.decode_kv_slots]
     attended = F.scaled_dot_product_attention(
@@ -156,3 +145,38 @@ def _decode_attention(q, k_slots, v_slots, meta: AttentionMetadata, scale: float
         enable_gqa=True,
     )
     return attended[:, :, 0, :]
+
+
+class PortableAttention(AttentionBackend[PortableAttentionMetadata]):
+    name = "portable"
+    ops = REFERENCE_OPS
+
+    def build_metadata(self, step: StepInputs) -> PortableAttentionMetadata:
+        num_decodes = step.num_decodes
+        chunks = zip(step.prefill_query_starts, step.prefill_query_lens, step.prefill_context_lens,
+                     step.prefill_block_tables, step.prefill_has_cached_prefix)
+        return PortableAttentionMetadata(
+            slot_mapping=self._to_device(step.slot_mapping),
+            num_decode_tokens=num_decodes,
+            decode_kv_slots=self._slot_table(step.decode_block_tables) if num_decodes else None,
+            decode_context_lens=self._to_device(step.decode_context_lens) if num_decodes else None,
+            prefills=[
+                PrefillChunk(start, n, context_len, self._slot_table([table])[0, :context_len] if cached else None)
+                for start, n, context_len, table, cached in chunks
+            ],
+        )
+
+    def rope_tables(self, positions: torch.Tensor, inv_freq: torch.Tensor, dtype: torch.dtype) -> RopeTables:
+        return full_width_tables(positions, inv_freq, dtype)
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rope: RopeTables, kv_cache: KVLayer,
+               meta: PortableAttentionMetadata, scale: float, sliding_window: int | None) -> torch.Tensor:
+        cos, sin = rope
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        return paged_attention(q, k, v, *kv_cache, meta, scale, sliding_window)
+
+    def _slot_table(self, block_tables: list[list[int]]) -> torch.Tensor:
+        """[num_seqs, max_blocks * block_size] cache slots of every position, padded with block 0."""
+        blocks = self._block_table(block_tables)
+        offsets = torch.arange(self.block_size, device=self.device)
+        return (blocks[:, :, None] * self.block_size + offsets).reshape(len(block_tables), -1)

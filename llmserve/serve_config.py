@@ -1,0 +1,99 @@
+"""`llmserve serve`'s flags and the ServeConfig they make, built once and handed to the launcher.
+
+The engine flags are the inference service's own (llmserve.inference.engine_flags): serve takes
+each of them and passes on those that differ from the default.
+"""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from llmserve.inference.engine.config import MODEL_GROUP
+from llmserve.inference.engine_flags import (
+    EngineOptions,
+    add_engine_arguments,
+    default_engine_options,
+    engine_options,
+)
+from llmserve.preprocess.config import DEFAULT_MAX_OUTPUT_TOKENS
+from llmserve.server_flags import DEFAULT_GRACE_PERIOD_S, DEFAULT_HOST, GATEWAY_PORT, LOG_LEVELS
+
+# Per service: weight loading and CUDA-graph capture take a while.
+DEFAULT_STARTUP_TIMEOUT_S = 900.0
+
+
+@dataclass(frozen=True, slots=True)
+class ServeConfig:
+    model: str | None = None  # None/"default": the default model; else a checkpoint dir or .gguf
+    model_name: str | None = None
+    cache_dir: Path | None = None  # converted-model cache (None: model_store's default)
+    host: str = DEFAULT_HOST
+    port: int = GATEWAY_PORT  # the gateway's public port; 0 picks a free one
+    log_level: str = "INFO"
+    grace_period_s: float = DEFAULT_GRACE_PERIOD_S
+    startup_timeout_s: float = DEFAULT_STARTUP_TIMEOUT_S
+    max_output_tokens: int | None = None  # None: preprocess's default
+    # The inference engine's options by EngineConfig field name, every flagged field present.
+    engine: EngineOptions = field(default_factory=default_engine_options)
+
+    @property
+    def stop_timeout_s(self) -> float:
+        """How long a child may take to drain after SIGTERM before it is killed."""
+        return self.grace_period_s + 5.0
+
+
+def add_serve_arguments(p: argparse.ArgumentParser) -> None:
+    model = p.add_argument_group(MODEL_GROUP)
+    model.add_argument(
+        "--model", default="default", metavar="default|DIR|FILE.gguf",
+        help="'default' (SmolLM2-135M-Instruct, fetched and converted on first use), an HF checkpoint "
+        "directory or a .gguf file (default: %(default)s)",
+    )
+    model.add_argument("--model-name", metavar="NAME", help="name clients use for the model (default: the model's own)")
+    model.add_argument(
+        "--cache-dir", type=Path, metavar="DIR",
+        help="where converted models are kept (default: $LLMSERVE_CACHE_DIR or ~/.cache/llmserve)",
+    )
+    add_engine_arguments(p, {MODEL_GROUP: model})
+    server = p.add_argument_group("serving")
+    server.add_argument(
+        "--host", default=DEFAULT_HOST,
+        help="gateway bind address; 0.0.0.0 accepts remote clients (default: %(default)s)",
+    )
+    server.add_argument(
+        "--port", type=int, default=GATEWAY_PORT, help="gateway port; 0 picks a free one (default: %(default)s)"
+    )
+    server.add_argument(
+        "--max-output-tokens", type=int, metavar="TOKENS",
+        help=f"largest max_tokens accepted (default: preprocess's, {DEFAULT_MAX_OUTPUT_TOKENS})",
+    )
+    server.add_argument(
+        "--log-level", default="INFO", choices=LOG_LEVELS,
+        help="log level of the launcher and all services (default: %(default)s)",
+    )
+    server.add_argument(
+        "--grace-period-s", type=float, default=DEFAULT_GRACE_PERIOD_S, metavar="SECONDS",
+        help="on stop, how long in-flight requests may finish (default: %(default)s)",
+    )
+    server.add_argument(
+        "--startup-timeout-s", type=float, default=DEFAULT_STARTUP_TIMEOUT_S, metavar="SECONDS",
+        help="how long each service may take to become ready (default: %(default)s)",
+    )
+
+
+def serve_config_from_args(args: argparse.Namespace) -> ServeConfig:
+    """The ServeConfig for parsed `llmserve serve` flags."""
+    return ServeConfig(
+        model=args.model,
+        model_name=args.model_name,
+        cache_dir=args.cache_dir,
+        host=args.host,
+        port=args.port,
+        log_level=args.log_level,
+        grace_period_s=args.grace_period_s,
+        startup_timeout_s=args.startup_timeout_s,
+        max_output_tokens=args.max_output_tokens,
+        engine=engine_options(args),
+    )

@@ -1,0 +1,48 @@
+"""The command-line contract of every service: the flags they all take and their defaults.
+
+The launcher (llmserve.launcher) starts its children with these flags, and `llmserve serve`
+and the client commands take their defaults from here, so each value is defined once.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
+DEFAULT_HOST = "127.0.0.1"
+# On SIGTERM, how long in-flight requests may take to finish before they are aborted.
+DEFAULT_GRACE_PERIOD_S = 10.0
+# The well-known ports: clients find the gateway here; 0 (the inference default) picks a free one.
+GATEWAY_PORT = 50051
+PREPROCESS_PORT = 50052
+
+
+def add_server_arguments(
+    parser: argparse.ArgumentParser,
+    *,
+    default_port: int = 0,
+) -> argparse._ArgumentGroup:
+    """Add the flags every service takes: --host, --port, --port-file, --log-level, --grace-period-s.
+
+    They are the launcher's contract with its children (see llmserve.launcher), so they are
+    defined once. Returns the "server" group, for service-specific server flags (--replica-id).
+    """
+    group = parser.add_argument_group("server")
+    group.add_argument("--host", default=DEFAULT_HOST, help="address to bind (default: %(default)s)")
+    group.add_argument(
+        "--port", type=int, default=default_port, help="port to bind; 0 picks a free one (default: %(default)s)"
+    )
+    group.add_argument(
+        "--port-file", metavar="PATH",
+        help="write the bound port here once loading is done and health is SERVING (for launchers and tests)",
+    )
+    group.add_argument(
+        "--log-level", default="INFO", type=str.upper, choices=LOG_LEVELS,
+        help="DEBUG logs one line per request (default: %(default)s)",
+    )
+    group.add_argument(
+        "--grace-period-s", type=float, default=DEFAULT_GRACE_PERIOD_S, metavar="SECONDS",
+        help="on SIGTERM/SIGINT, how long in-flight requests may take to finish before they are "
+        "aborted (default: %(default)s)",
+    )
+    return group

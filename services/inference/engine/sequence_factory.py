@@ -1,0 +1,100 @@
+"""Where every Sequence of the torch engine is made: a request's first sequence, and the n - 1
+siblings it forks once its prompt is computed (they share the prompt's blocks, see
+BlockManager.fork, and sample their first token from the parent's logits row).
+
+Each sequence samples from its own torch.Generator on the engine's device: the request's seed,
+or one derived from the engine seed per request; siblings derive theirs from the parent's.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from llmserve.block_hash import HASH_VERSION, hash_block
+from llmserve.inference.engine.config import EngineConfig
+from llmserve.inference.engine.kv_cache import device_tensor
+from llmserve.inference.engine.sequence import Sequence
+from llmserve.inference.engine.types import EngineRequest
+
+
+class SequenceFactory:
+    def __init__(self, config: EngineConfig, device: torch.device):
+        self._engine_seed = config.seed
+        self._block_size = config.block_size_tokens
+        self._device = device
+        self._next_seq_id = 0
+        self._num_requests = 0
+
+    def first(self, request: EngineRequest) -> Sequence:
+        """Sequence 0 of a new request."""
+        seed = request.sampling.seed
+        if seed is None:  # distinct streams per request, reproducible per engine seed
+            seed = _derived_seed(self._engine_seed, self._num_requests + 1)
+        self._num_requests += 1
+        return Sequence(
+            seq_id=self._new_seq_id(),
+            request_id=request.request_id,
+            sequence_index=0,
+            token_ids=list(request.prompt_token_ids),
+            num_prompt_tokens=len(request.prompt_token_ids),
+            sampling=request.sampling,
+            arrival_ns=request.arrival_ns,
+            priority=request.priority,
+            block_hashes=self._usable_block_hashes(request),
+            rng=self._generator(seed),
+        )
+
+    def fork_siblings(
+        self, seqs: list[Sequence], logits: torch.Tensor
+    ) -> tuple[list[Sequence], list[tuple[Sequence, Sequence]], torch.Tensor]:
+        """`seqs` sample from `logits` rows; those that fork (Sequence.forks_siblings) start their
+        siblings here. Returns every sampling sequence (siblings after `seqs`), the
+        (parent, child) pairs and the logits with a row per sampling sequence."""
+        forks, rows = [], list(range(len(seqs)))
+        for row, parent in enumerate(seqs):
+            if parent.forks_siblings:
+                forks += [(parent, self._sibling(parent, index)) for index in range(1, parent.sampling.n)]
+                rows += [row] * (parent.sampling.n - 1)
+        if not forks:
+            return seqs, forks, logits
+        return seqs + [child for _, child in forks], forks, logits[device_tensor(rows, logits.device)]
+
+    def _sibling(self, parent: Sequence, index: int) -> Sequence:
+        return Sequence(
+            seq_id=self._new_seq_id(),
+            request_id=parent.request_id,
+            sequence_index=index,
+            token_ids=parent.token_ids[: parent.num_prompt_tokens],
+            num_prompt_tokens=parent.num_prompt_tokens,
+            sampling=parent.sampling,
+            arrival_ns=parent.arrival_ns,
+            priority=parent.priority,
+            block_hashes=list(parent.block_hashes),  # the prompt's: nothing after it is hashed yet
+            num_cached_tokens=parent.num_cached_tokens,
+            was_admitted=True,
+            rng=self._generator(_derived_seed(parent.rng.initial_seed(), index)),
+            first_scheduled_ns=parent.first_scheduled_ns,
+        )
+
+    def _usable_block_hashes(self, request: EngineRequest) -> list[int]:
+        """The request's block hashes when computed like ours; else none (computed lazily)."""
+        if request.block_size_tokens != self._block_size or request.block_hash_version != HASH_VERSION:
+            return []
+        return list(request.block_hashes[: len(request.prompt_token_ids) // self._block_size])
+
+    def _generator(self, seed: int) -> torch.Generator:
+        generator = torch.Generator(device=self._device)
+        generator.manual_seed(seed)
+        return generator
+
+    def _new_seq_id(self) -> int:
+        self._next_seq_id += 1
+        return self._next_seq_id
+
+
+def _derived_seed(seed: int, index: int) -> int:
+    """A well-mixed 64-bit seed for stream `index` derived from `seed` (index 0 keeps `seed`, so
+    sequence 0 of an n > 1 request samples like the same request with n = 1)."""
+    if index == 0:
+        return seed
+    return hash_block(None, [seed & 0xFFFFFFFF, (seed >> 32) & 0xFFFFFFFF, index & 0xFFFFFFFF])

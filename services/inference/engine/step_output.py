@@ -1,0 +1,50 @@
+"""What one engine step produced, as the engine tells the scheduler (LaunchedBatch,
+SampledTokens) and as the scheduler answers (StepUpdate). Pure Python.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from llmserve.inference.engine.sequence import Sequence
+from llmserve.sampling import FinishReason
+
+if TYPE_CHECKING:
+    from llmserve.inference.engine.scheduler import ScheduledBatch
+
+
+@dataclass(slots=True)
+class LaunchedBatch:
+    """A batch queued on the device, and which sequence samples in each row."""
+
+    batch: ScheduledBatch
+    # Row i of the step's sampled tokens: the batch's sampling sequences, then forked siblings.
+    sampling_seqs: list[Sequence]
+    # (parent, child): siblings whose first token is sampled from their parent's logits row.
+    forks: list[tuple[Sequence, Sequence]] = field(default_factory=list)
+
+
+@dataclass(slots=True)
+class SampledTokens:
+    """A launched batch's sampled tokens, now on the host: seqs[i] sampled token_ids[i]."""
+
+    seqs: list[Sequence]  # the launch's sampling_seqs
+    token_ids: list[int]
+
+
+@dataclass(frozen=True, slots=True)
+class NewToken:
+    """A sampled token now known on the host (row `row` of its step's sampled tokens)."""
+
+    seq: Sequence
+    row: int
+    token_id: int
+    finish_reason: FinishReason | None
+    stop_token_id: int | None
+
+
+@dataclass(slots=True)
+class StepUpdate:
+    new_tokens: list[NewToken]  # discarded tokens (of a sequence finished before) left out
+    rejected: list[Sequence]  # finished with ERROR since the last update (never scheduled)

@@ -1,0 +1,112 @@
+"""The triton attention backend (CUDA; Triton's interpreter in the CPU tests): RoPE fused with
+the KV-cache write, then paged decode for the leading single-token rows and paged prefill for
+the chunks, both reading K/V in place through the block tables (kernels/); the small ops are
+the Triton ones (models/triton_ops.py).
+
+It also serves a float8 (e4m3) KV cache, skips negative (padding) slots when writing, and
+builds its decode metadata over static buffers, so decode steps replay as CUDA graphs
+(engine/cuda_graphs.py). Imports triton: imported only when chosen.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from llmserve.inference.engine.step_inputs import StepInputs
+from llmserve.inference.kernels.paged_decode import decode_num_splits, paged_decode_attention
+from llmserve.inference.kernels.paged_prefill import paged_prefill_attention
+from llmserve.inference.kernels.rope_kv import rope_and_write_kv
+from llmserve.inference.models.attention_backend import AttentionBackend, KVLayer, RopeTables
+from llmserve.inference.models.decoder_config import DecoderConfig
+from llmserve.inference.models.rope import half_width_tables
+from llmserve.inference.models.triton_ops import TRITON_OPS
+
+CPU_NUM_SMS = 4  # the Triton interpreter (CPU tests): a few decode splits still get exercised
+
+
+@dataclass(slots=True)
+class TritonAttentionMetadata:
+    """What the Triton kernels read for one step. Tensors are int32 on the device; the same
+    object, built over static buffers, is captured in a decode CUDA graph, so nothing here may
+    need a host value that changes between replays (the host ints are fixed per graph)."""
+
+    slot_mapping: torch.Tensor  # [num_tokens]: cache slot of each new token, -1 = padding row
+    num_decode_tokens: int  # the leading tokens, one per single-token sequence
+    decode_block_tables: torch.Tensor | None  # [num_decodes, max_blocks]
+    decode_context_lens: torch.Tensor | None  # [num_decodes], the new token included; 0 = padding
+    decode_num_splits: int = 1  # context splits of the decode kernel
+    prefill_block_tables: torch.Tensor | None = None  # [num_chunks, max_blocks]
+    prefill_query_starts: torch.Tensor | None = None  # [num_chunks]: first row in the flat batch
+    prefill_query_lens: torch.Tensor | None = None  # [num_chunks]
+    prefill_context_lens: torch.Tensor | None = None  # [num_chunks]: cached prefix + chunk
+    prefill_max_query_len: int = 0
+
+
+
+class TritonAttention(AttentionBackend[TritonAttentionMetadata]):
+    name = "triton"
+    ops = TRITON_OPS
+    supports_fp8_kv_cache = True
+    needs_warm_up = True
+    supports_decode_graphs = True
+
+    def __init__(self, config: DecoderConfig, block_size: int, device: torch.device):
+        super().__init__(config, block_size, device)
+        is_cuda = device.type == "cuda"
+        self.num_sms = torch.cuda.get_device_properties(device).multi_processor_count if is_cuda else CPU_NUM_SMS
+
+    def build_metadata(self, step: StepInputs) -> TritonAttentionMetadata:
+        num_decodes = step.num_decodes
+        meta = TritonAttentionMetadata(
+            slot_mapping=self._to_device(step.slot_mapping, torch.int32),
+            num_decode_tokens=num_decodes,
+            decode_block_tables=self._block_table(step.decode_block_tables, torch.int32) if num_decodes else None,
+            decode_context_lens=self._to_device(step.decode_context_lens, torch.int32) if num_decodes else None,
+            decode_num_splits=self._decode_num_splits(num_decodes),
+        )
+        if not step.is_decode_only:
+            meta.prefill_block_tables = self._block_table(step.prefill_block_tables, torch.int32)
+            meta.prefill_query_starts = self._to_device(step.prefill_query_starts, torch.int32)
+            meta.prefill_query_lens = self._to_device(step.prefill_query_lens, torch.int32)
+            meta.prefill_context_lens = self._to_device(step.prefill_context_lens, torch.int32)
+            meta.prefill_max_query_len = max(step.prefill_query_lens)
+        return meta
+
+    def decode_graph_metadata(
+        self, slot_mapping: torch.Tensor, block_tables: torch.Tensor, context_lens: torch.Tensor
+    ) -> TritonAttentionMetadata:
+        size = slot_mapping.shape[0]
+        return TritonAttentionMetadata(
+            slot_mapping=slot_mapping,
+            num_decode_tokens=size,
+            decode_block_tables=block_tables,
+            decode_context_lens=context_lens,
+            decode_num_splits=self._decode_num_splits(size),
+        )
+
+    def rope_tables(self, positions: torch.Tensor, inv_freq: torch.Tensor, dtype: torch.dtype) -> RopeTables:
+        return half_width_tables(positions, inv_freq)
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rope: RopeTables, kv_cache: KVLayer,
+               meta: TritonAttentionMetadata, scale: float, sliding_window: int | None) -> torch.Tensor:
+        cos, sin = rope
+        k_cache, v_cache = kv_cache
+        q = rope_and_write_kv(q, k, v, cos, sin, k_cache, v_cache, meta.slot_mapping)
+        out = torch.empty_like(q)
+        num_decodes = meta.num_decode_tokens
+        if num_decodes:
+            paged_decode_attention(
+                q[:num_decodes], k_cache, v_cache, meta.decode_block_tables, meta.decode_context_lens,
+                scale, num_splits=meta.decode_num_splits, sliding_window=sliding_window, out=out[:num_decodes],
+            )
+        if meta.prefill_max_query_len:
+            paged_prefill_attention(
+                q, k_cache, v_cache, meta.prefill_block_tables, meta.prefill_query_starts, meta.prefill_query_lens,
+                meta.prefill_context_lens, meta.prefill_max_query_len, scale, sliding_window=sliding_window, out=out,
+            )
+        return out
+
+    def _decode_num_splits(self, num_decodes: int) -> int:
+        return decode_num_splits(num_decodes, self.config.num_kv_heads, self.num_sms)
