@@ -20,9 +20,9 @@ from pathlib import Path
 from typing import Sequence
 
 from llmserve import client
+from llmserve.loadgen.command import add_bench_parser
 from llmserve.serve_config import add_serve_arguments, serve_config_from_args
 from llmserve.server_flags import DEFAULT_HOST, GATEWAY_PORT
-from llmserve.loadgen.command import add_bench_parser
 
 DEFAULT_ADDRESS = f"{DEFAULT_HOST}:{GATEWAY_PORT}"
 ADDRESS_ENV = "LLMSERVE_ADDRESS"
