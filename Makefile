@@ -21,7 +21,7 @@ $(VENV)/.installed: pyproject.toml
 	$(PY) -m pip install -q torch==2.13.0
 	# llmserve/v1 (generated, see `protos`) is a declared package: it must exist to install.
 	mkdir -p $(PROTO_OUT) && touch $(PROTO_OUT)/__init__.py
-	$(PY) -m pip install -q --no-build-isolation -e '.[dev,redis]'
+	$(PY) -m pip install -q --no-build-isolation -e '.[dev,redis,bench]'
 	touch $@
 
 setup: $(VENV)/.installed protos node-client  ## Create .venv with everything installed and protos built

@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Sequence
 
 from llmserve import client
+from llmserve.loadgen.command import add_bench_parser
 from llmserve.serve_config import add_serve_arguments, serve_config_from_args
 from llmserve.server_flags import DEFAULT_HOST, GATEWAY_PORT
 
@@ -43,6 +44,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_generate(commands)
     _add_models(commands)
     _add_fetch_model(commands)
+    add_bench_parser(commands, _add_client_options)
     return parser
 
 

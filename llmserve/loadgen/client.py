@@ -1,0 +1,117 @@
+"""One load-generator worker: sends its share of the planned requests to the gateway's
+streaming RPC on an asyncio loop and records when each message arrived.
+
+A worker process has its own event loop and gRPC channel, so the client side of a benchmark
+scales past one core (at tens of thousands of messages per second one Python loop would be the
+bottleneck it claims to measure). Times are `time.monotonic()`, one clock for every process of
+the machine, so the coordinator can put every worker's records on one time line.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import dataclass, field
+
+import grpc
+
+from llmserve.loadgen.workload import PlannedRequest, WorkloadConfig
+from llmserve.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc
+
+_MAX_MESSAGE_BYTES = 64 << 20  # a long prompt sent as text must not hit gRPC's 4 MiB default
+
+
+@dataclass(slots=True)
+class RequestRecord:
+    """What happened to one request; times are seconds on the shared monotonic clock."""
+
+    index: int
+    prefix_group: int
+    num_prompt_tokens: int  # planned; the server's count replaces it when the request succeeds
+    max_tokens: int
+    start_s: float = 0.0
+    end_s: float = 0.0
+    message_times_s: list[float] = field(default_factory=list)  # each message carrying tokens
+    message_num_tokens: list[int] = field(default_factory=list)  # tokens in that message
+    num_completion_tokens: int = 0
+    num_cached_tokens: int = 0
+    status: str = "OK"  # a grpc.StatusCode name
+    error: str = ""
+
+    @property
+    def is_ok(self) -> bool:
+        return self.status == "OK"
+
+    @property
+    def first_token_s(self) -> float | None:
+        return self.message_times_s[0] if self.message_times_s else None
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerPlan:
+    """A worker's share of the run."""
+
+    address: str
+    requests: tuple[PlannedRequest, ...]
+    workload: WorkloadConfig
+    max_in_flight: int
+    timeout_s: float
+    ignore_eos: bool
+    model: str = ""
+
+
+def build_request(planned: PlannedRequest, workload: WorkloadConfig, ignore_eos: bool, model: str):
+    """The gateway request for a planned one: greedy, exactly max_tokens when ignore_eos."""
+    sampling = common_pb2.SamplingParams(max_tokens=planned.max_tokens, temperature=0.0, ignore_eos=ignore_eos)
+    params = gateway_pb2.GenerateParams(model=model, sampling=sampling, return_token_ids=True)
+    if workload.use_chat:
+        if planned.prefix_text:
+            params.chat.messages.add(role="system", content=planned.prefix_text)
+        params.chat.messages.add(role="user", content=planned.suffix_text)
+    else:
+        params.prompt = planned.prefix_text + planned.suffix_text
+    return gateway_pb2.GenerateStreamRequest(params=params)
+
+
+async def send_one(stub, planned: PlannedRequest, plan: WorkerPlan) -> RequestRecord:
+    record = RequestRecord(planned.index, planned.prefix_group, planned.num_prompt_tokens, planned.max_tokens)
+    request = build_request(planned, plan.workload, plan.ignore_eos, plan.model)
+    record.start_s = time.monotonic()
+    try:
+        async for message in stub.GenerateStream(request, timeout=plan.timeout_s):
+            now = time.monotonic()
+            if message.token_ids:
+                record.message_times_s.append(now)
+                record.message_num_tokens.append(len(message.token_ids))
+            if message.HasField("result"):
+                usage = message.result.usage
+                record.num_prompt_tokens = usage.prompt_tokens
+                record.num_completion_tokens = usage.completion_tokens
+                record.num_cached_tokens = usage.cached_tokens
+    except grpc.aio.AioRpcError as error:
+        record.status = error.code().name
+        record.error = error.details() or ""
+    record.end_s = time.monotonic()
+    return record
+
+
+async def run_plan(plan: WorkerPlan, start_at_s: float, on_done=None) -> list[RequestRecord]:
+    """Send every request of the plan (closed loop, or at its send time), at most
+    `max_in_flight` at once; `on_done(record)` after each."""
+    options = [("grpc.max_send_message_length", _MAX_MESSAGE_BYTES),
+               ("grpc.max_receive_message_length", _MAX_MESSAGE_BYTES)]
+    async with grpc.aio.insecure_channel(plan.address, options=options) as channel:
+        stub = gateway_pb2_grpc.GatewayServiceStub(channel)
+        in_flight = asyncio.Semaphore(plan.max_in_flight)
+
+        async def one(planned: PlannedRequest) -> RequestRecord:
+            delay = start_at_s + planned.send_at_s - time.monotonic()
+            if delay > 0:
+                await asyncio.sleep(delay)
+            async with in_flight:
+                record = await send_one(stub, planned, plan)
+            if on_done is not None:
+                on_done(record)
+            return record
+
+        return list(await asyncio.gather(*(one(planned) for planned in plan.requests)))

@@ -1,0 +1,119 @@
+"""Runs a planned workload over one or more worker processes, with a live progress bar.
+
+    coordinator                          worker k (spawned)
+    plan_requests → shares [k::W] ──▶   connect, report ready
+    all ready: start_at = now + 0.2 s ─▶ send its share (client.run_plan)
+    progress bar ◀── one event per finished request
+    records      ◀── its RequestRecords, then exit
+
+Every worker starts on the same `start_at`, so a Poisson schedule split round-robin over the
+workers is still the planned schedule, and a fixed concurrency is split as evenly as it goes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import multiprocessing as mp
+import queue
+import time
+from dataclasses import dataclass
+
+from tqdm import tqdm
+
+from llmserve.loadgen.client import RequestRecord, WorkerPlan, run_plan
+from llmserve.loadgen.workload import PlannedRequest, WorkloadConfig
+
+_START_DELAY_S = 0.2  # after every worker is ready: time to hand out the start time
+_POLL_S = 0.1
+
+
+@dataclass(frozen=True, slots=True)
+class RunConfig:
+    address: str
+    concurrency: int  # requests in flight at most, over all workers
+    num_workers: int = 1
+    timeout_s: float = 600.0  # per-request gRPC deadline
+    ignore_eos: bool = True
+    model: str = ""
+    show_progress: bool = True
+
+
+@dataclass(frozen=True, slots=True)
+class RunResult:
+    records: list[RequestRecord]
+    start_s: float  # when sending began, on the records' clock
+    end_s: float  # when the last request ended
+
+
+def worker_plans(planned: list[PlannedRequest], workload: WorkloadConfig, config: RunConfig) -> list[WorkerPlan]:
+    num_workers = max(1, min(config.num_workers, len(planned), config.concurrency))
+    plans = []
+    for k in range(num_workers):
+        share = tuple(planned[k::num_workers])
+        max_in_flight = config.concurrency // num_workers + (1 if k < config.concurrency % num_workers else 0)
+        plans.append(WorkerPlan(config.address, share, workload, max_in_flight, config.timeout_s,
+                                config.ignore_eos, config.model))
+    return plans
+
+
+def run_workload(planned: list[PlannedRequest], workload: WorkloadConfig, config: RunConfig) -> RunResult:
+    plans = worker_plans(planned, workload, config)
+    context = mp.get_context("spawn")  # no fork: grpc's threads do not survive one
+    events = context.Queue()
+    start_at = context.Value("d", 0.0)
+    workers = [context.Process(target=_worker_main, args=(plan, start_at, events), daemon=True) for plan in plans]
+    for worker in workers:
+        worker.start()
+    try:
+        return _collect(workers, events, start_at, len(planned), config.show_progress)
+    finally:
+        for worker in workers:
+            worker.join(timeout=5)
+            if worker.is_alive():
+                worker.kill()
+
+
+def _collect(workers, events, start_at, num_requests: int, show_progress: bool) -> RunResult:
+    num_ready, records, num_finished_workers = 0, [], 0
+    bar = tqdm(total=num_requests, unit="req", desc="bench", disable=not show_progress, dynamic_ncols=True)
+    errors = 0
+    with bar:
+        while num_finished_workers < len(workers):
+            try:
+                kind, payload = events.get(timeout=_POLL_S)
+            except queue.Empty:
+                _check_alive(workers, num_finished_workers)
+                continue
+            if kind == "ready":
+                num_ready += 1
+                if num_ready == len(workers):
+                    start_at.value = time.monotonic() + _START_DELAY_S
+            elif kind == "done":
+                errors += payload != "OK"
+                bar.update(1)
+                bar.set_postfix(errors=errors, refresh=False)
+            elif kind == "records":
+                records.extend(payload)
+                num_finished_workers += 1
+            elif kind == "failed":
+                raise RuntimeError(f"a load-generator worker failed: {payload}")
+    records.sort(key=lambda record: record.index)
+    end_s = max((record.end_s for record in records), default=start_at.value)
+    return RunResult(records, start_at.value, end_s)
+
+
+def _check_alive(workers, num_finished_workers: int) -> None:
+    dead = [w for w in workers if not w.is_alive() and w.exitcode not in (0, None)]
+    if dead:
+        raise RuntimeError(f"a load-generator worker exited with code {dead[0].exitcode}")
+
+
+def _worker_main(plan: WorkerPlan, start_at, events) -> None:
+    try:
+        events.put(("ready", None))
+        while start_at.value == 0.0:
+            time.sleep(0.005)
+        records = asyncio.run(run_plan(plan, start_at.value, lambda r: events.put(("done", r.status))))
+        events.put(("records", records))
+    except BaseException as exc:  # noqa: BLE001 — reported to the coordinator, which raises
+        events.put(("failed", f"{type(exc).__name__}: {exc}"))

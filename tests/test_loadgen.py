@@ -1,0 +1,151 @@
+"""`llmserve bench`, the load generator: its workload, its statistics, and a real run against a
+real stack (preprocess, inference on the torch backend, gateway) on the tiny model."""
+
+from __future__ import annotations
+
+import json
+import random
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from llmserve.loadgen.client import RequestRecord
+from llmserve.loadgen.stats import itl_samples_ms, percentile, summarize, timeline, tpot_ms
+from llmserve.loadgen.workload import LengthDistribution, PromptBuilder, WorkloadConfig, plan_requests
+from tests.procs import running_service
+
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+
+
+def test_length_distributions_parse_and_stay_in_range():
+    rng = random.Random(1)
+    assert LengthDistribution.parse("512").sample(rng) == 512
+    uniform = LengthDistribution.parse("uniform:10:20")
+    assert {uniform.sample(rng) for _ in range(500)} == set(range(10, 21))
+    normal = [LengthDistribution.parse("normal:100:10").sample(rng) for _ in range(2000)]
+    assert 98 < sum(normal) / len(normal) < 102 and min(normal) >= 1
+    for bad in ("", "x", "uniform:1", "gamma:1:2", "normal:a:b"):
+        with pytest.raises(ValueError, match="expected N, uniform:LOW:HIGH or normal:MEAN:STDDEV"):
+            LengthDistribution.parse(bad)
+
+
+@pytest.mark.slow
+def test_prompts_have_exactly_the_asked_token_lengths(default_model_dir):
+    builder = PromptBuilder.from_path(default_model_dir)
+    rng = random.Random(0)
+    for num_tokens in (1, 7, 64, 512, 2000):
+        assert builder.count(builder.text(num_tokens, rng)) == num_tokens
+
+
+def _workload(**overrides) -> WorkloadConfig:
+    values = dict(num_requests=40, prompt_tokens=LengthDistribution.parse("uniform:40:80"),
+                  output_tokens=LengthDistribution.parse("8"), seed=7)
+    return WorkloadConfig(**{**values, **overrides})
+
+
+def test_plans_are_reproducible_and_share_prefixes_token_for_token(tiny_model_dir):
+    builder = PromptBuilder.from_path(tiny_model_dir)
+    config = _workload(num_prefix_groups=3, prefix_tokens=24)
+    planned = plan_requests(config, builder)
+    assert planned == plan_requests(config, builder)
+    assert planned != plan_requests(_workload(num_prefix_groups=3, prefix_tokens=24, seed=8), builder)
+    assert {p.prefix_group for p in planned} == {0, 1, 2}
+    for group in range(3):
+        members = [p for p in planned if p.prefix_group == group]
+        prefix_ids = builder.token_ids(members[0].prefix_text)
+        assert len({p.prefix_text for p in members}) == 1 and abs(len(prefix_ids) - 24) <= 2
+        for p in members:  # the shared text is also a shared token prefix (what the KV cache reuses)
+            assert p.prompt_token_ids[: len(prefix_ids) - 1] == prefix_ids[:-1]
+    assert all(p.max_tokens == 8 and p.send_at_s == 0.0 for p in planned)
+
+
+def test_poisson_arrivals_have_the_asked_mean_rate(tiny_model_dir):
+    builder = PromptBuilder.from_path(tiny_model_dir)
+    planned = plan_requests(_workload(num_requests=3000, prompt_tokens=LengthDistribution.parse("4"),
+                                      request_rate=50.0), builder)
+    gaps = np.diff([0.0] + [p.send_at_s for p in planned])
+    assert all(gaps > 0)
+    assert abs(gaps.mean() - 1 / 50) < 0.002  # 3000 exponential gaps: the mean is within ~4 sigma
+    assert abs(gaps.std() / gaps.mean() - 1) < 0.1  # exponential: std == mean
+
+
+def _record(index, start, times, tokens, status="OK", completion=None):
+    record = RequestRecord(index, -1, 10, 8, start_s=start, end_s=times[-1] if times else start + 1)
+    record.message_times_s, record.message_num_tokens = list(times), list(tokens)
+    record.num_completion_tokens = sum(tokens) if completion is None else completion
+    record.status = status
+    return record
+
+
+def test_statistics_spread_coalesced_messages_over_their_tokens():
+    record = _record(0, 10.0, [10.1, 10.13, 10.16], [1, 3, 1])
+    assert itl_samples_ms(record) == pytest.approx([10.0, 10.0, 10.0, 30.0])
+    assert tpot_ms(record) == pytest.approx(60.0 / 4)
+    values = sorted(random.Random(3).random() for _ in range(101))
+    for p in (50, 90, 99):
+        assert percentile(values, p) == pytest.approx(np.percentile(values, p))
+    failed = _record(1, 10.0, [], [], status="DEADLINE_EXCEEDED", completion=0)
+    summary = summarize([record, failed], 10.0, 11.0)
+    assert summary["num_succeeded"] == 1 and summary["errors_by_status"] == {"DEADLINE_EXCEEDED": 1}
+    assert summary["ttft_ms"]["p50"] == pytest.approx(100.0)
+    assert summary["output_tokens_per_s"] == pytest.approx(5.0)
+    assert summary["total_tokens_per_s"] == pytest.approx(15.0)
+    over_time = timeline([record], 10.0, 10.16, bin_s=0.1)
+    assert over_time["output_tokens_per_s"] == pytest.approx([10.0, 40.0])
+
+
+@pytest.fixture(scope="module")
+def gateway_address(tiny_model_dir, tmp_path_factory):
+    log_dir = tmp_path_factory.mktemp("loadgen-logs")
+    model = ["--model", str(tiny_model_dir)]
+    with running_service("preprocess", model, log_dir) as preprocess, \
+            running_service("inference", [*model, "--backend", "torch"], log_dir) as inference, \
+            running_service("gateway", [*model, "--preprocess", preprocess.address, "--inference", inference.address],
+                            log_dir) as gateway:
+        yield gateway.address
+
+
+def _bench(address, tiny_model_dir, out_dir, *args) -> subprocess.CompletedProcess:
+    command = [sys.executable, "-m", "llmserve.cli", "bench", "--address", address, "--tokenizer", str(tiny_model_dir),
+               "--out-dir", str(out_dir), "--name", "run", "--no-progress", *args]
+    return subprocess.run(command, capture_output=True, text=True, timeout=300)
+
+
+def test_bench_measures_a_real_stack(gateway_address, tiny_model_dir, tmp_path):
+    completed = _bench(gateway_address, tiny_model_dir, tmp_path, "--num-requests", "12", "--concurrency", "4",
+                       "--workers", "2", "--prompt-tokens", "uniform:20:40", "--output-tokens", "6",
+                       "--prefix-groups", "2", "--prefix-tokens", "32")
+    assert completed.returncode == 0, completed.stderr[-3000:]
+    assert "12/12 succeeded" in completed.stdout and "TTFT" in completed.stdout
+    report = json.loads((tmp_path / "run.json").read_text())
+    summary = report["summary"]
+    assert summary["num_succeeded"] == 12 and summary["num_completion_tokens"] == 12 * 6
+    assert summary["num_cached_tokens"] > 0  # the shared prefixes hit the prefix cache
+    assert summary["itl_ms"]["count"] == 12 * 5
+    assert 0 < summary["ttft_ms"]["p50"] <= summary["ttft_ms"]["p90"] <= summary["ttft_ms"]["p99"]
+    assert summary["ttft_ms"]["p99"] <= summary["e2e_ms"]["p99"]
+    assert sum(report["timeline"]["output_tokens_per_s"]) * report["timeline"]["bin_s"] == 12 * 6
+    for name in ("run-latency.png", "run-throughput.png"):
+        assert (tmp_path / name).read_bytes()[:8] == PNG_MAGIC
+
+
+def test_bench_sends_poisson_chat_load(gateway_address, tiny_model_dir, tmp_path):
+    completed = _bench(gateway_address, tiny_model_dir, tmp_path, "--num-requests", "6", "--request-rate", "20",
+                       "--chat", "--prefix-groups", "1", "--prefix-tokens", "16", "--prompt-tokens", "40",
+                       "--output-tokens", "3", "--no-plots")
+    assert completed.returncode == 0, completed.stderr[-3000:]
+    report = json.loads((tmp_path / "run.json").read_text())
+    assert report["config"]["request_rate"] == 20 and report["config"]["chat"]
+    assert report["summary"]["num_completion_tokens"] == 6 * 3
+    assert not list(tmp_path.glob("*.png"))
+
+
+def test_bench_counts_errors_by_status(gateway_address, tiny_model_dir, tmp_path):
+    completed = _bench(gateway_address, tiny_model_dir, tmp_path, "--num-requests", "4", "--timeout-s", "0.001",
+                       "--no-plots")
+    assert completed.returncode == 1
+    summary = json.loads((tmp_path / "run.json").read_text())["summary"]
+    assert summary["num_succeeded"] == 0 and summary["errors_by_status"] == {"DEADLINE_EXCEEDED": 4}
+    assert "DEADLINE_EXCEEDED x4" in completed.stdout
