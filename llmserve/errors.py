@@ -20,6 +20,8 @@ from google.protobuf import any_pb2, duration_pb2
 from google.rpc import error_details_pb2, status_pb2
 from grpc_status import rpc_status
 
+from llmserve.undecodable import Undecodable, guard_deserializer
+
 log = logging.getLogger(__name__)
 
 
@@ -95,9 +97,15 @@ async def _map_exception(exc: BaseException, context: grpc.aio.ServicerContext, 
     await context.abort(grpc.StatusCode.INTERNAL, f"internal error in {method}: {type(exc).__name__}: {exc}")
 
 
+def _check_decoded(request) -> None:
+    if isinstance(request, Undecodable):
+        raise InvalidArgument("request", request.problem)
+
+
 def _wrap_unary(behavior: Callable[..., Awaitable[Any]], method: str):
     async def handler(request, context):
         try:
+            _check_decoded(request)
             return await behavior(request, context)
         except (grpc.aio.AbortError, grpc.RpcError):
             raise
@@ -110,6 +118,7 @@ def _wrap_unary(behavior: Callable[..., Awaitable[Any]], method: str):
 def _wrap_stream(behavior: Callable[..., Any], method: str):
     async def handler(request, context):
         try:
+            _check_decoded(request)
             async for response in behavior(request, context):
                 yield response
         except (grpc.aio.AbortError, grpc.RpcError):
@@ -121,7 +130,8 @@ def _wrap_stream(behavior: Callable[..., Any], method: str):
 
 
 class ErrorMappingInterceptor(grpc.aio.ServerInterceptor):
-    """Maps ServiceError subclasses to their status and anything else to INTERNAL."""
+    """Maps ServiceError subclasses to their status, undecodable requests to INVALID_ARGUMENT and
+    anything else to INTERNAL."""
 
     async def intercept_service(self, continuation, handler_call_details):
         handler = await continuation(handler_call_details)
@@ -131,13 +141,13 @@ class ErrorMappingInterceptor(grpc.aio.ServerInterceptor):
         if handler.unary_unary is not None:
             return grpc.unary_unary_rpc_method_handler(
                 _wrap_unary(handler.unary_unary, method),
-                request_deserializer=handler.request_deserializer,
+                request_deserializer=guard_deserializer(handler.request_deserializer, method),
                 response_serializer=handler.response_serializer,
             )
         if handler.unary_stream is not None:
             return grpc.unary_stream_rpc_method_handler(
                 _wrap_stream(handler.unary_stream, method),
-                request_deserializer=handler.request_deserializer,
+                request_deserializer=guard_deserializer(handler.request_deserializer, method),
                 response_serializer=handler.response_serializer,
             )
         return handler

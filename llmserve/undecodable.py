@@ -3,8 +3,8 @@ INVALID_ARGUMENT naming the message, instead of grpc's UNKNOWN with a traceback 
 
 grpc calls a method's request deserializer before any handler or interceptor code runs, and
 maps an exception there to UNKNOWN. So the deserializer is wrapped: on DecodeError it returns an
-`Undecodable` placeholder, and the handler wrapper (errors.ErrorMappingInterceptor) aborts the
-call with INVALID_ARGUMENT when it receives one. A flood of bad messages logs one line per
+`Undecodable` placeholder, and the handler wrapper (errors.ErrorMappingInterceptor) answers
+INVALID_ARGUMENT (field `request`, the parser's words naming the message) when it receives one. A flood of bad messages logs one line per
 method at most every `LOG_INTERVAL_S`, with the count it stood for.
 """
 
@@ -31,8 +31,8 @@ class Undecodable:
     reason: str
 
     @property
-    def message(self) -> str:
-        return f"request to {self.method} is not a valid protobuf message: {self.reason}"
+    def problem(self) -> str:
+        return f"not a valid protobuf message for {self.method}: {self.reason}"
 
 
 class _RateLimitedLog:
