@@ -46,3 +46,8 @@ def add_server_arguments(
         "aborted (default: %(default)s)",
     )
     return group
+
+
+def server_options(args: argparse.Namespace) -> dict:
+    """The values of the flags every service config shares (host, port, port file, grace)."""
+    return {"host": args.host, "port": args.port, "port_file": args.port_file, "grace_period_s": args.grace_period_s}

@@ -63,3 +63,14 @@ def running_service(
         yield service
     finally:
         stop_service(service)
+
+
+@contextlib.contextmanager
+def running_stack(model_dir: Path, log_dir: Path, *, backend: str = "torch") -> Iterator[dict[str, ServiceProcess]]:
+    """Preprocess, inference (on `backend`) and a gateway in front of them, on one model."""
+    model = ["--model", str(model_dir)]
+    with running_service("preprocess", model, log_dir) as preprocess, \
+            running_service("inference", [*model, "--backend", backend], log_dir) as inference, \
+            running_service("gateway", [*model, "--preprocess", preprocess.address, "--inference", inference.address],
+                            log_dir) as gateway:
+        yield {"preprocess": preprocess, "inference": inference, "gateway": gateway}

@@ -14,7 +14,7 @@ import pytest
 from llmserve.loadgen.client import RequestRecord
 from llmserve.loadgen.stats import itl_samples_ms, percentile, summarize, timeline, tpot_ms
 from llmserve.loadgen.workload import LengthDistribution, PromptBuilder, WorkloadConfig, plan_requests
-from tests.procs import running_service
+from tests.procs import running_stack
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
@@ -98,13 +98,8 @@ def test_statistics_spread_coalesced_messages_over_their_tokens():
 
 @pytest.fixture(scope="module")
 def gateway_address(tiny_model_dir, tmp_path_factory):
-    log_dir = tmp_path_factory.mktemp("loadgen-logs")
-    model = ["--model", str(tiny_model_dir)]
-    with running_service("preprocess", model, log_dir) as preprocess, \
-            running_service("inference", [*model, "--backend", "torch"], log_dir) as inference, \
-            running_service("gateway", [*model, "--preprocess", preprocess.address, "--inference", inference.address],
-                            log_dir) as gateway:
-        yield gateway.address
+    with running_stack(tiny_model_dir, tmp_path_factory.mktemp("loadgen-logs")) as services:
+        yield services["gateway"].address
 
 
 def _bench(address, tiny_model_dir, out_dir, *args) -> subprocess.CompletedProcess:

@@ -16,7 +16,7 @@ import grpc
 import pytest
 
 from llmserve.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc, preprocess_pb2, preprocess_pb2_grpc
-from tests.procs import start_service, stop_service
+from tests.procs import running_stack
 
 NODE_DIR = Path(__file__).resolve().parent / "node"
 NODE_TIMEOUT_S = 120
@@ -37,21 +37,8 @@ def node() -> str:
 @pytest.fixture(scope="module")
 def services(tiny_model_dir, tmp_path_factory):
     """Running preprocess, inference (torch) and gateway subprocesses."""
-    log_dir = tmp_path_factory.mktemp("node-client-logs")
-    model = ["--model", str(tiny_model_dir)]
-    started = [start_service("preprocess", model, log_dir)]
-    try:
-        started.append(start_service("inference", [*model, "--backend", "torch"], log_dir))
-        preprocess, inference = started
-        started.append(
-            start_service(
-                "gateway", [*model, "--preprocess", preprocess.address, "--inference", inference.address], log_dir
-            )
-        )
-        yield dict(zip(("preprocess", "inference", "gateway"), started))
-    finally:
-        for service in reversed(started):
-            stop_service(service)
+    with running_stack(tiny_model_dir, tmp_path_factory.mktemp("node-client-logs")) as started:
+        yield started
 
 
 def node_stream(node: str, address: str, params: dict) -> subprocess.CompletedProcess:

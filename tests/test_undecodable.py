@@ -8,7 +8,7 @@ import grpc
 import pytest
 
 from llmserve.v1 import common_pb2, gateway_pb2, inference_pb2, preprocess_pb2
-from tests.procs import running_service
+from tests.procs import running_stack
 
 MARK = "Xmark-utf8"
 NUM_BAD_REQUESTS = 5
@@ -24,12 +24,8 @@ def invalid_utf8(message) -> bytes:
 @pytest.fixture(scope="module")
 def stack(tiny_model_dir, tmp_path_factory):
     log_dir = tmp_path_factory.mktemp("undecodable-logs")
-    model = ["--model", str(tiny_model_dir)]
-    with running_service("preprocess", model, log_dir) as preprocess, \
-            running_service("inference", [*model, "--backend", "torch"], log_dir) as inference, \
-            running_service("gateway", [*model, "--preprocess", preprocess.address, "--inference", inference.address],
-                            log_dir) as gateway:
-        yield {"preprocess": preprocess, "inference": inference, "gateway": gateway, "log_dir": log_dir}
+    with running_stack(tiny_model_dir, log_dir) as services:
+        yield {**services, "log_dir": log_dir}
 
 
 CASES = [

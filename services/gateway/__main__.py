@@ -18,7 +18,7 @@ from llmserve.gateway.app import start_gateway
 from llmserve.gateway.block_layout import BlockLayoutMismatch
 from llmserve.gateway.config import DEFAULT_DOWNSTREAM_READY_TIMEOUT_S, GatewayConfig
 from llmserve.server import configure_logging, exit_with_parent, serve_until_signal, write_port_file
-from llmserve.server_flags import GATEWAY_PORT, add_server_arguments
+from llmserve.server_flags import GATEWAY_PORT, add_server_arguments, server_options
 
 log = logging.getLogger("llmserve.gateway")
 
@@ -60,11 +60,8 @@ def config_from_args(args: argparse.Namespace) -> GatewayConfig:
         inference_addresses=tuple(args.inference),
         model_path=Path(args.model).expanduser().resolve(),
         model_name=args.model_name,
-        host=args.host,
-        port=args.port,
-        port_file=args.port_file,
+        **server_options(args),
         log_level=args.log_level,
-        grace_period_s=args.grace_period_s,
         downstream_ready_timeout_s=args.downstream_ready_timeout_s,
     )
 

@@ -20,7 +20,7 @@ from llmserve.inference.engine_flags import add_engine_arguments, engine_config,
 from llmserve.inference.servicer import SERVICE_NAME, InferenceServicer
 from llmserve.model_files import ModelFiles
 from llmserve.server import configure_logging, create_server, exit_with_parent, serve_until_signal, write_port_file
-from llmserve.server_flags import add_server_arguments
+from llmserve.server_flags import add_server_arguments, server_options
 from llmserve.v1 import inference_pb2_grpc
 
 log = logging.getLogger("llmserve.inference")
@@ -45,10 +45,7 @@ def config_from_args(args: argparse.Namespace) -> InferenceConfig:
     model_name = args.model_name or ModelFiles.load(model_path).model_name
     return InferenceConfig(
         engine=engine_config(engine_options(args), model_path, model_name),
-        host=args.host,
-        port=args.port,
-        port_file=args.port_file,
-        grace_period_s=args.grace_period_s,
+        **server_options(args),
         replica_id=args.replica_id,
         log_level=args.log_level,
     )

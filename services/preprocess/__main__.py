@@ -17,7 +17,7 @@ from llmserve.buckets import DEFAULT_BUCKET_BOUNDS, BucketConfig
 from llmserve.preprocess.config import DEFAULT_MAX_OUTPUT_TOKENS, DEFAULT_NUM_WORKERS, PreprocessConfig
 from llmserve.preprocess.server import start_server
 from llmserve.server import configure_logging, exit_with_parent, serve_until_signal
-from llmserve.server_flags import PREPROCESS_PORT, add_server_arguments
+from llmserve.server_flags import PREPROCESS_PORT, add_server_arguments, server_options
 
 log = logging.getLogger("llmserve.preprocess")
 
@@ -80,10 +80,7 @@ def config_from_args(args: argparse.Namespace) -> PreprocessConfig:
     return PreprocessConfig(
         model_path=Path(args.model),
         model_name=args.model_name,
-        host=args.host,
-        port=args.port,
-        port_file=args.port_file,
-        grace_period_s=args.grace_period_s,
+        **server_options(args),
         block_size_tokens=args.block_size,
         buckets=args.buckets,
         max_output_tokens=args.max_output_tokens,
