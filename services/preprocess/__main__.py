@@ -70,6 +70,11 @@ def build_parser() -> argparse.ArgumentParser:
         "started with a shorter --max-context-tokens (default: the model's context)",
     )
     parser.add_argument(
+        "--max-prompt-bytes", type=_positive_int, metavar="BYTES",
+        help="refuse a prompt (or the chat turns together) over this many UTF-8 bytes before "
+        "tokenizing it (default: the context x the longest token's bytes x 2, more than can fit)",
+    )
+    parser.add_argument(
         "--workers", type=_positive_int, default=DEFAULT_NUM_WORKERS, metavar="N",
         help="threads that tokenize concurrently off the event loop (default: %(default)s)",
     )
@@ -86,6 +91,7 @@ def config_from_args(args: argparse.Namespace) -> PreprocessConfig:
         max_output_tokens=args.max_output_tokens,
         max_context_tokens=args.max_context_tokens,
         num_workers=args.workers,
+        max_prompt_bytes=args.max_prompt_bytes,
     )
 
 

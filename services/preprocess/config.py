@@ -28,6 +28,8 @@ class PreprocessConfig:
     # shorter --max-context-tokens.
     max_context_tokens: int | None = None
     num_workers: int = DEFAULT_NUM_WORKERS  # threads that run tokenization off the event loop
+    # None: derived (context x the longest token's bytes x 2): larger prompts are refused untokenized.
+    max_prompt_bytes: int | None = None
 
     def __post_init__(self) -> None:
         for name in ("block_size_tokens", "max_output_tokens", "num_workers"):

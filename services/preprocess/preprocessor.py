@@ -106,7 +106,10 @@ class Preprocessor:
         """Read the checkpoint's tokenizer, template and context once (blocking)."""
         model = ModelFiles.load(config.model_path, config.model_name)
         tokenizer = ModelTokenizer.load(model.path)
-        limits = Limits.resolve(model.max_context_tokens, config.max_context_tokens, config.max_output_tokens)
+        limits = Limits.resolve(
+            model.max_context_tokens, config.max_context_tokens, config.max_output_tokens,
+            config.max_prompt_bytes, tokenizer.max_token_bytes,
+        )
         if limits.max_output_tokens < config.max_output_tokens:
             log.info(
                 "max output tokens capped to %d by the context of %d tokens",
@@ -155,9 +158,12 @@ class Preprocessor:
         """Ids plus the rendered chat ("" for text). `add_special_tokens` applies to text only
         (unset: true); a rendered chat already holds its special tokens as text."""
         if isinstance(request_input, str):
+            validation.check_prompt_bytes("prompt", len(request_input.encode("utf-8")), self.limits)
             add = True if add_special_tokens is None else add_special_tokens
             return self.tokenizer.encode(request_input, add_special_tokens=add), ""
         validation.check_chat(request_input.messages, has_chat_template=self.chat_template is not None)
+        num_bytes = sum(len(m.content.encode("utf-8")) + len(m.role) for m in request_input.messages)
+        validation.check_prompt_bytes("chat.messages", num_bytes, self.limits)
         rendered = self.chat_template.render(
             request_input.messages, add_generation_prompt=request_input.add_generation_prompt
         )

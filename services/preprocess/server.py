@@ -52,13 +52,14 @@ async def start_server(config: PreprocessConfig) -> PreprocessServer:
     write_port_file(config.port_file, running.port)
     info = preprocessor.info
     log.info(
-        "serving %s on port %d: vocab %d, context %d tokens, max output %d tokens, block size %d, "
-        "buckets %s, chat template %s, %d workers",
+        "serving %s on port %d: vocab %d, context %d tokens, max output %d tokens, max prompt %d bytes, "
+        "block size %d, buckets %s, chat template %s, %d workers",
         info.model_name,
         running.port,
         info.vocab_size,
         info.max_context_tokens,
         info.max_output_tokens,
+        preprocessor.limits.max_prompt_bytes,
         info.block_size_tokens,
         ",".join(str(b.max_prompt_tokens) for b in info.buckets),
         "yes" if info.has_chat_template else "no",

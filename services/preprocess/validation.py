@@ -22,17 +22,42 @@ class Limits:
 
     max_context_tokens: int  # prompt + output, in tokens
     max_output_tokens: int  # largest max_tokens accepted (< max_context_tokens)
+    max_prompt_bytes: int  # larger prompt or chat text is refused before tokenizing
 
     @classmethod
-    def resolve(cls, model_context_tokens: int, context_flag: int | None, output_flag: int) -> "Limits":
-        """Apply --max-context-tokens (may only lower the model's context) and cap the output
-        limit so that at least one prompt token fits."""
+    def resolve(
+        cls, model_context_tokens: int, context_flag: int | None, output_flag: int,
+        prompt_bytes_flag: int | None = None, max_token_bytes: int = 1,
+    ) -> "Limits":
+        """Apply --max-context-tokens (may only lower the model's context), cap the output limit
+        so that at least one prompt token fits, and derive the prompt byte cap unless given."""
         if context_flag is not None and context_flag > model_context_tokens:
             raise ValueError(
                 f"--max-context-tokens {context_flag} exceeds the model's context of {model_context_tokens} tokens"
             )
         context = context_flag or model_context_tokens
-        return cls(max_context_tokens=context, max_output_tokens=min(output_flag, context - 1))
+        return cls(
+            max_context_tokens=context, max_output_tokens=min(output_flag, context - 1),
+            max_prompt_bytes=prompt_bytes_flag or default_max_prompt_bytes(context, max_token_bytes),
+        )
+
+
+# A normalizer may shrink text before tokenizing (NFC composes characters): the derived cap
+# allows twice what the longest tokens could cover.
+_NORMALIZATION_SLACK = 2
+
+
+def default_max_prompt_bytes(max_context_tokens: int, max_token_bytes: int) -> int:
+    """More UTF-8 bytes than this cannot fit the context even if every token were the longest
+    one, so they are refused at once instead of being tokenized (seconds of CPU for megabytes)."""
+    return max_context_tokens * max_token_bytes * _NORMALIZATION_SLACK
+
+
+def check_prompt_bytes(field: str, num_bytes: int, limits: Limits) -> None:
+    if num_bytes > limits.max_prompt_bytes:
+        raise InvalidArgument(
+            field, f"{num_bytes} bytes exceeds the limit of {limits.max_prompt_bytes} bytes; not tokenized",
+        )
 
 
 def check_requested_max_tokens(max_tokens: int | None, limits: Limits) -> None:
