@@ -1,4 +1,4 @@
-"""The gateway against real preprocess and inference (hf backend) processes on a tiny model.
+"""The gateway against real preprocess and inference processes (torch and hf backends) on a tiny model.
 
 The model is a copy of the tiny Llama with a 4096-token context, so that a request with
 ignore_eos and a large max_tokens is still generating when the test cancels it, lets its
@@ -46,15 +46,15 @@ def model_dir(tiny_model_dir, tmp_path_factory) -> Path:
     return out
 
 
-@pytest.fixture(scope="module")
-def services(model_dir, tmp_path_factory):
-    """Running preprocess, inference and gateway (all subprocesses)."""
-    log_dir = tmp_path_factory.mktemp("gateway-service-logs")
+@pytest.fixture(scope="module", params=["torch", "hf"])
+def services(request, model_dir, tmp_path_factory):
+    """Running preprocess, inference (each backend in turn) and gateway (all subprocesses)."""
+    log_dir = tmp_path_factory.mktemp(f"gateway-service-logs-{request.param}")
     preprocess = start_service("preprocess", ["--model", str(model_dir)], log_dir)
     inference = None
     gateway = None
     try:
-        inference = start_service("inference", ["--model", str(model_dir), "--backend", "hf"], log_dir)
+        inference = start_service("inference", ["--model", str(model_dir), "--backend", request.param], log_dir)
         gateway = start_service(
             "gateway",
             ["--model", str(model_dir), "--preprocess", preprocess.address, "--inference", inference.address],
@@ -341,7 +341,7 @@ def test_list_models(gateway, inference):
             architecture="LlamaForCausalLM",
             max_context_tokens=LONG_CONTEXT_TOKENS,
             eos_token_ids=info.model.eos_token_ids,
-            backend="hf",
+            backend=info.model.backend,
         )
     ]
     # The listed name is accepted as GenerateParams.model.

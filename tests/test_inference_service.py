@@ -379,12 +379,13 @@ DRAIN_TOKENS = 50
 DRAIN_GRACE_S = 120
 
 
-async def test_subprocess_serves_and_drains_on_sigterm(tiny_model_dir, tmp_path):
+@pytest.mark.parametrize("backend", ["torch", "hf"])
+async def test_subprocess_serves_and_drains_on_sigterm(tiny_model_dir, tmp_path, backend):
     port_file = tmp_path / "port"
     log_path = tmp_path / "server.log"
     process = subprocess.Popen(
         [
-            sys.executable, "-m", "llmserve.inference", "--backend", "hf", "--model", str(tiny_model_dir),
+            sys.executable, "-m", "llmserve.inference", "--backend", backend, "--model", str(tiny_model_dir),
             "--model-name", "tiny", "--host", "127.0.0.1", "--port", "0", "--port-file", str(port_file),
             "--grace-period-s", str(DRAIN_GRACE_S), "--log-level", "INFO",
         ],
@@ -402,7 +403,7 @@ async def test_subprocess_serves_and_drains_on_sigterm(tiny_model_dir, tmp_path)
             assert "llmserve.v1.InferenceService" in services
             stub = inference_pb2_grpc.InferenceServiceStub(channel)
             info = await stub.GetModelInfo(inference_pb2.GetModelInfoRequest())
-            assert (info.model.backend, info.replica_id) == ("hf", f"{socket.gethostname()}-{port}")
+            assert (info.model.backend, info.replica_id) == (backend, f"{socket.gethostname()}-{port}")
 
             sampling = common_pb2.SamplingParams(max_tokens=DRAIN_TOKENS, temperature=0.0, ignore_eos=True, n=4)
             call = stub.GenerateTokens(
@@ -421,7 +422,7 @@ async def test_subprocess_serves_and_drains_on_sigterm(tiny_model_dir, tmp_path)
             process.kill()
             process.wait()
     log_text = log_path.read_text()
-    assert "backend=hf device=cpu dtype=float32" in log_text
+    assert f"backend={backend} device=cpu dtype=float32" in log_text
     assert "signal received: draining" in log_text
 
 
