@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import IO
 
 from llmserve.loadgen.client import RequestRecord
-from llmserve.loadgen.stats import PERCENTILES, itl_samples_ms, ttft_ms
+from llmserve.loadgen.stats import PERCENTILES, latency_samples_ms
 
 _LATENCIES = (("TTFT", "ttft_ms"), ("ITL", "itl_ms"), ("TPOT", "tpot_ms"), ("E2E", "e2e_ms"))
 
@@ -66,12 +66,8 @@ def write_plots(out_dir: Path, stem: str, records: list[RequestRecord], timeline
     matplotlib.use("Agg")  # files only, never a window
     from matplotlib import pyplot as plt
 
-    ok = [r for r in records if r.is_ok]
-    series = {
-        "TTFT": [v for r in ok if (v := ttft_ms(r)) is not None],
-        "ITL": [v for r in ok for v in itl_samples_ms(r)],
-        "E2E": [(r.end_s - r.start_s) * 1e3 for r in ok],
-    }
+    samples = latency_samples_ms(records)
+    series = {"TTFT": samples["ttft_ms"], "ITL": samples["itl_ms"], "E2E": samples["e2e_ms"]}
     figure, axes = plt.subplots(1, 3, figsize=(13, 3.8))
     for axis, (label, values) in zip(axes, series.items()):
         ordered = sorted(values)

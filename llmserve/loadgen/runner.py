@@ -82,7 +82,7 @@ def _collect(workers, events, start_at, num_requests: int, show_progress: bool) 
             try:
                 kind, payload = events.get(timeout=_POLL_S)
             except queue.Empty:
-                _check_alive(workers, num_finished_workers)
+                _check_alive(workers)
                 continue
             if kind == "ready":
                 num_ready += 1
@@ -102,7 +102,7 @@ def _collect(workers, events, start_at, num_requests: int, show_progress: bool) 
     return RunResult(records, start_at.value, end_s)
 
 
-def _check_alive(workers, num_finished_workers: int) -> None:
+def _check_alive(workers) -> None:
     dead = [w for w in workers if not w.is_alive() and w.exitcode not in (0, None)]
     if dead:
         raise RuntimeError(f"a load-generator worker exited with code {dead[0].exitcode}")

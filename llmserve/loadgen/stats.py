@@ -58,6 +58,17 @@ def tpot_ms(record: RequestRecord) -> float | None:
     return (record.end_s - first) * 1e3 / (record.num_completion_tokens - 1)
 
 
+def latency_samples_ms(records: list[RequestRecord]) -> dict[str, list[float]]:
+    """TTFT, ITL, TPOT and E2E samples of the successful requests."""
+    ok = [r for r in records if r.is_ok]
+    return {
+        "ttft_ms": [v for r in ok if (v := ttft_ms(r)) is not None],
+        "itl_ms": [v for r in ok for v in itl_samples_ms(r)],
+        "tpot_ms": [v for r in ok if (v := tpot_ms(r)) is not None],
+        "e2e_ms": [(r.end_s - r.start_s) * 1e3 for r in ok],
+    }
+
+
 def summarize(records: list[RequestRecord], start_s: float, end_s: float) -> dict:
     ok = [r for r in records if r.is_ok]
     duration_s = max(end_s - start_s, 1e-9)
@@ -74,10 +85,7 @@ def summarize(records: list[RequestRecord], start_s: float, end_s: float) -> dic
         "num_prompt_tokens": num_prompt,
         "num_completion_tokens": num_completion,
         "num_cached_tokens": sum(r.num_cached_tokens for r in ok),
-        "ttft_ms": distribution([v for r in ok if (v := ttft_ms(r)) is not None]),
-        "itl_ms": distribution([v for r in ok for v in itl_samples_ms(r)]),
-        "tpot_ms": distribution([v for r in ok if (v := tpot_ms(r)) is not None]),
-        "e2e_ms": distribution([(r.end_s - r.start_s) * 1e3 for r in ok]),
+        **{name: distribution(values) for name, values in latency_samples_ms(records).items()},
         "first_errors": [f"{r.status}: {r.error}" for r in records if not r.is_ok][:5],
     }
 

@@ -73,8 +73,11 @@ class PlannedRequest:
     prefix_text: str
     suffix_text: str
     prompt_token_ids: tuple[int, ...]
-    num_prompt_tokens: int
     max_tokens: int
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
 
 
 class PromptBuilder:
@@ -128,11 +131,9 @@ def plan_requests(config: WorkloadConfig, builder: PromptBuilder) -> list[Planne
         num_suffix_tokens = max(1, config.prompt_tokens.sample(rng) - (config.prefix_tokens if prefixes else 0))
         suffix = builder.text(num_suffix_tokens, rng)
         joined = f"{prefix}{suffix}" if prefix else suffix
-        token_ids = builder.token_ids(joined)
         planned.append(PlannedRequest(
             index=index, send_at_s=send_at_s if config.request_rate else 0.0, prefix_group=group,
-            prefix_text=prefix, suffix_text=suffix, prompt_token_ids=token_ids,
-            num_prompt_tokens=len(token_ids),
+            prefix_text=prefix, suffix_text=suffix, prompt_token_ids=builder.token_ids(joined),
             max_tokens=config.output_tokens.sample(rng),
         ))
     return planned
