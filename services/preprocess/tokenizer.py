@@ -42,10 +42,10 @@ class ModelTokenizer:
         self._decoder = decoder
         # One past the largest id, so that every id below it can be decoded. Equal to the
         # number of tokens (special tokens included) unless the vocabulary has holes.
-        self.vocab_size = 1 + max(backend.get_vocab(with_added_tokens=True).values())
+        vocab_ids = backend.get_vocab(with_added_tokens=True).values()
+        self.vocab_size = 1 + max(vocab_ids)
         # The most UTF-8 bytes one token stands for: a text of N bytes needs at least
         # N / max_token_bytes tokens, which bounds the prompt bytes worth tokenizing.
-        vocab_ids = sorted(backend.get_vocab(with_added_tokens=True).values())
         texts = backend.decode_batch([[i] for i in vocab_ids], skip_special_tokens=False)
         self.max_token_bytes = max(1, max(len(text.encode("utf-8")) for text in texts))
         # `encode_batch_fast` (tokenizers >= 0.21) skips offset tracking we do not use.
