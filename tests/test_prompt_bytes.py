@@ -6,27 +6,13 @@ from __future__ import annotations
 
 import grpc
 import pytest
-from grpc_status import rpc_status
 
-from llmserve.preprocess.validation import default_max_prompt_bytes
+from llmserve.preprocess.tokenizer import ModelTokenizer
 from llmserve.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc, preprocess_pb2, preprocess_pb2_grpc
 from tests.procs import running_service, running_stack
+from tests.rich_status import field_violation
 
 TEN_MB = 10 * 1024 * 1024
-
-
-def field_violation(error: grpc.RpcError) -> tuple[str, str]:
-    from google.rpc import error_details_pb2
-
-    status = rpc_status.from_call(error)
-    bad_request = error_details_pb2.BadRequest()
-    assert status.details[0].Unpack(bad_request)
-    violation = bad_request.field_violations[0]
-    return violation.field, violation.description
-
-
-def test_the_derived_cap_exceeds_what_the_context_can_hold():
-    assert default_max_prompt_bytes(8192, 81) == 8192 * 81 * 2
 
 
 @pytest.fixture(scope="module")
@@ -48,6 +34,22 @@ def test_a_10_mb_prompt_is_refused_untokenized_and_the_gateway_still_serves(stac
         sampling = common_pb2.SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True)
         normal = gateway_pb2.GenerateRequest(params=gateway_pb2.GenerateParams(prompt="hello", sampling=sampling))
         assert gateway.Generate(normal, timeout=60).result.usage.completion_tokens == 2
+
+
+def test_the_derived_cap_never_refuses_a_prompt_of_context_many_longest_tokens(stack, tiny_model_dir):
+    tokenizer = ModelTokenizer.load(tiny_model_dir)
+    context = 256  # the tiny model's
+    longest = max((tokenizer.decode([i], skip_special_tokens=False) for i in range(tokenizer.vocab_size)),
+                  key=lambda text: len(text.encode("utf-8")))
+    prompt = longest * (context - 1)
+    assert len(prompt.encode("utf-8")) == (context - 1) * tokenizer.max_token_bytes
+    with grpc.insecure_channel(stack["preprocess"].address) as channel:
+        stub = preprocess_pb2_grpc.PreprocessServiceStub(channel)
+        request = preprocess_pb2.PreprocessRequest(request_id="long", prompt=prompt, max_tokens=1)
+        try:
+            stub.Preprocess(request, timeout=60)
+        except grpc.RpcError as error:  # too many tokens is allowed here; too many bytes is not
+            assert "bytes" not in field_violation(error)[1], error.details()
 
 
 def test_chat_turns_count_together(stack):
