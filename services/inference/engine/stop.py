@@ -14,8 +14,14 @@ from __future__ import annotations
 from llmserve.sampling import FinishReason, SamplingParams
 
 
+_NO_TOKENS: frozenset[int] = frozenset()
+
+
 def stop_token_ids(sampling: SamplingParams, eos_token_ids: frozenset[int]) -> frozenset[int]:
-    """The token ids that end this request's sequences with STOP."""
+    """The token ids that end this request's sequences with STOP. Called per token on the step's
+    hot path: the common request (no stop ids of its own) gets the EOS set itself, no new set."""
+    if not sampling.stop_token_ids:
+        return _NO_TOKENS if sampling.ignore_eos else eos_token_ids
     requested = frozenset(sampling.stop_token_ids)
     return requested if sampling.ignore_eos else requested | eos_token_ids
 
