@@ -150,4 +150,11 @@ class ErrorMappingInterceptor(grpc.aio.ServerInterceptor):
                 request_deserializer=guard_deserializer(handler.request_deserializer, method),
                 response_serializer=handler.response_serializer,
             )
+        if handler.stream_stream is not None:
+            return grpc.stream_stream_rpc_method_handler(
+                # the request is an iterator here: the handler checks each message it reads
+                _wrap_stream(handler.stream_stream, method),
+                request_deserializer=guard_deserializer(handler.request_deserializer, method),
+                response_serializer=handler.response_serializer,
+            )
         return handler

@@ -17,6 +17,11 @@ class FinishReason(enum.Enum):
     ERROR = "error"  # the engine failed on this request
 
 
+# The error_message of a CANCELLED finish when the replica aborted the request at its deadline
+# (at a step boundary): the gateway answers DEADLINE_EXCEEDED for it.
+DEADLINE_EXCEEDED_MESSAGE = "deadline exceeded"
+
+
 @dataclass(frozen=True, slots=True)
 class SamplingParams:
     """Sampling settings with every default resolved. temperature == 0 means greedy.

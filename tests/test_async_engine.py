@@ -11,6 +11,7 @@ import pytest
 from llmserve.errors import InvalidArgument, Unavailable
 from llmserve.inference.engine.async_engine import AsyncEngine
 from llmserve.inference.engine.config import EngineConfig
+from llmserve.inference.engine.engine_thread import EngineThread
 from llmserve.inference.engine.hf_engine import HFEngineCore
 from llmserve.inference.engine.types import EngineOutput, EngineRequest
 from llmserve.sampling import FinishReason, SamplingParams
@@ -70,7 +71,7 @@ def reference_tokens(model_dir, request: EngineRequest) -> list[int]:
 
 @pytest.fixture
 async def engine(tiny_model_dir):
-    engine = AsyncEngine(HFEngineCore(hf_config(tiny_model_dir)))
+    engine = AsyncEngine(EngineThread(HFEngineCore(hf_config(tiny_model_dir))))
     await engine.start()
     yield engine
     await engine.shutdown(drain_timeout_s=0.0)
@@ -172,7 +173,7 @@ class FailingForwardCore(HFEngineCore):
 
 
 async def test_a_failing_step_errors_all_unnamed_requests_and_keeps_serving(tiny_model_dir):
-    engine = AsyncEngine(FailingStepCore(hf_config(tiny_model_dir)))
+    engine = AsyncEngine(EngineThread(FailingStepCore(hf_config(tiny_model_dir))))
     await engine.start()
     try:
         outputs = await collect(engine, make_request("doomed", max_tokens=5))
@@ -189,7 +190,7 @@ async def test_a_failing_step_errors_all_unnamed_requests_and_keeps_serving(tiny
 
 async def test_a_failing_forward_errors_only_its_request(tiny_model_dir):
     core = FailingForwardCore(hf_config(tiny_model_dir))
-    engine = AsyncEngine(core)
+    engine = AsyncEngine(EngineThread(core))
     await engine.start()
     try:
         first = make_request("first", max_tokens=4, ignore_eos=True)
@@ -205,7 +206,7 @@ async def test_a_failing_forward_errors_only_its_request(tiny_model_dir):
 
 
 async def test_shutdown_drains_running_requests_and_refuses_new_ones(tiny_model_dir):
-    engine = AsyncEngine(HFEngineCore(hf_config(tiny_model_dir)))
+    engine = AsyncEngine(EngineThread(HFEngineCore(hf_config(tiny_model_dir))))
     await engine.start()
     stream = engine.generate(make_request("draining", max_tokens=30, ignore_eos=True))
     first = await anext(stream)
@@ -220,7 +221,7 @@ async def test_shutdown_drains_running_requests_and_refuses_new_ones(tiny_model_
 
 
 async def test_shutdown_aborts_what_the_drain_timeout_leaves(tiny_model_dir):
-    engine = AsyncEngine(HFEngineCore(hf_config(tiny_model_dir)))
+    engine = AsyncEngine(EngineThread(HFEngineCore(hf_config(tiny_model_dir))))
     await engine.start()
     stream = engine.generate(make_request("too-long", max_tokens=240, ignore_eos=True))
     await anext(stream)

@@ -7,8 +7,8 @@ Lifecycle (the servicer turns each step's output into protobuf):
      (holds back text that may start a stop string) → a GenerationDelta.
   4. the last delta carries finish reason, usage and timings.
   5. if the request ends before inference finished it (client cancel, deadline, stop string,
-     error), the inference call is cancelled and Abort(request_id) sent, so its KV blocks are
-     freed at once.
+     error), the inference request is cancelled (an abort on the Multiplex stream, or the call
+     cancelled plus Abort(request_id)), so its KV blocks are freed at once.
 """
 
 from __future__ import annotations
@@ -18,12 +18,16 @@ import time
 from dataclasses import dataclass, replace
 from typing import AsyncIterator, Callable
 
+import grpc
+
 from llmserve.errors import ServiceError
+from llmserve.gateway.hop_errors import DownstreamError
 from llmserve.gateway.detokenizer import Detokenizer, DetokenizerStream
-from llmserve.gateway.inference_client import InferenceClient, TokenChunk
+from llmserve.gateway.inference_client import InferenceClient
 from llmserve.gateway.preprocess_client import PreparedPrompt, PreprocessClient, PromptInput
 from llmserve.gateway.stop_strings import StopStringMatcher
-from llmserve.sampling import FinishReason, SamplingParams, TokenLogprob
+from llmserve.gateway.token_chunks import TokenChunk
+from llmserve.sampling import DEADLINE_EXCEEDED_MESSAGE, FinishReason, SamplingParams, TokenLogprob
 
 log = logging.getLogger(__name__)
 
@@ -128,7 +132,6 @@ class GenerationPipeline:
             # Cancel, deadline, stop string or error: inference must not keep generating.
             if not is_finished_by_inference:
                 stream.cancel()
-                self._inference.abort_soon(request.request_id)
 
     def _on_chunk(self, request: GenerationRequest, state: _RequestState, chunk: TokenChunk) -> GenerationDelta:
         now_ns = time.monotonic_ns()
@@ -145,6 +148,8 @@ class GenerationPipeline:
         elif chunk.is_finished:
             if chunk.finish_reason == FinishReason.ERROR:
                 raise ServiceError(f"inference failed on request {request.request_id}: {chunk.error_message}")
+            if chunk.finish_reason == FinishReason.CANCELLED and chunk.error_message == DEADLINE_EXCEEDED_MESSAGE:
+                raise DownstreamError(grpc.StatusCode.DEADLINE_EXCEEDED, f"request {request.request_id}: deadline exceeded")
             delta.text += state.stop_matcher.flush()
             delta.result = self._result(request, state, chunk, chunk.finish_reason, None, now_ns)
         return delta

@@ -76,11 +76,24 @@ def error_from_rpc(
 ) -> ServiceError:
     """Map a hop's status to the one the gateway's client sees. `client_fields` renames the
     hop's field names to the client's (e.g. preprocess's max_tokens → sampling.max_tokens)."""
-    code, details = error.code(), error.details() or ""
-    status = _rich_status(error)
+    return _client_error(service, error.code(), error.details() or "", _rich_status(error), client_fields or {})
+
+
+def error_from_status(service: str, status: status_pb2.Status) -> ServiceError:
+    """Map a status a hop sent as data (a refused request on a Multiplex stream), as above."""
+    code = _STATUS_CODES.get(status.code, grpc.StatusCode.UNKNOWN)
+    return _client_error(service, code, status.message, status, {})
+
+
+_STATUS_CODES = {code.value[0]: code for code in grpc.StatusCode}
+
+
+def _client_error(
+    service: str, code: grpc.StatusCode, details: str, status: status_pb2.Status, client_fields: Mapping[str, str]
+) -> ServiceError:
     retry_after_ms = _retry_after_ms(status)
     if code == grpc.StatusCode.INVALID_ARGUMENT:
-        invalid = _invalid_argument(status, client_fields or {})
+        invalid = _invalid_argument(status, client_fields)
         if invalid is not None:
             return invalid
     if code == grpc.StatusCode.UNAVAILABLE:
@@ -90,4 +103,3 @@ def error_from_rpc(
     if code in _PASS_THROUGH_CODES:
         return DownstreamError(code, details, retry_after_ms=retry_after_ms)
     return ServiceError(f"{service} failed: {code.name}: {details}")
-

@@ -10,7 +10,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from dataclasses import dataclass
-from typing import AsyncIterator
+from typing import AsyncIterator, Protocol
 
 import grpc
 
@@ -19,8 +19,10 @@ from llmserve.gateway.health import wait_until_serving
 from llmserve.gateway.hop_errors import error_from_rpc
 from llmserve.gateway.preprocess_client import PreparedPrompt
 from llmserve.gateway.request_id import request_metadata
-from llmserve.pb import finish_reason_from_pb, logprobs_from_pb, sampling_to_pb
-from llmserve.sampling import FinishReason, SamplingParams, TokenLogprob
+from llmserve.gateway.replica_stream import ReplicaStream
+from llmserve.gateway.token_chunks import TokenChunk, chunk_from_pb
+from llmserve.pb import sampling_to_pb
+from llmserve.sampling import SamplingParams
 from llmserve.server import CHANNEL_OPTIONS
 from llmserve.v1 import inference_pb2, inference_pb2_grpc
 
@@ -39,57 +41,47 @@ class ModelCard:
     block_layout: BlockLayout
 
 
-@dataclass(slots=True)
-class TokenChunk:
-    """Tokens of one inference stream message; the last one has finish_reason and usage."""
+class TokenStream(Protocol):
+    """One in-flight inference request: iterate for TokenChunks; `cancel` stops it on the
+    replica (freeing its KV blocks) and is harmless once it has ended."""
 
-    token_ids: list[int]
-    logprobs: list[TokenLogprob] | None
-    finish_reason: FinishReason | None
-    error_message: str = ""
-    num_cached_tokens: int = 0
-    queue_time_ns: int = 0
+    def __aiter__(self) -> AsyncIterator[TokenChunk]: ...
 
-    @property
-    def is_finished(self) -> bool:
-        return self.finish_reason is not None
+    def cancel(self) -> None: ...
 
 
-def _chunk_from_pb(response: inference_pb2.GenerateTokensResponse) -> TokenChunk:
-    return TokenChunk(
-        token_ids=list(response.token_ids),
-        logprobs=logprobs_from_pb(response.logprobs) if response.logprobs else None,
-        finish_reason=finish_reason_from_pb(response.finish_reason),
-        error_message=response.error_message,
-        num_cached_tokens=response.usage.cached_tokens,
-        queue_time_ns=response.timings.queue_time_ns,
-    )
+class CallTokens:
+    """A request on a GenerateTokens call of its own."""
 
-
-class TokenStream:
-    """One in-flight inference GenerateTokens call: iterate for TokenChunks, `cancel` to drop it."""
-
-    def __init__(self, call: grpc.aio.UnaryStreamCall):
+    def __init__(self, call: grpc.aio.UnaryStreamCall, request_id: str, client: "InferenceClient"):
         self._call = call
+        self._request_id = request_id
+        self._client = client
 
     async def __aiter__(self) -> AsyncIterator[TokenChunk]:
         try:
             async for response in self._call:
-                yield _chunk_from_pb(response)
+                yield chunk_from_pb(response)
         except grpc.aio.AioRpcError as error:
             raise error_from_rpc("inference", error) from None
 
     def cancel(self) -> None:
-        """Cancel the call (inference aborts the request); harmless once it has ended."""
+        # Cancelling the call aborts the request on the replica; the Abort makes sure of it when
+        # the cancel raced the request's start.
         self._call.cancel()
+        self._client.abort_soon(self._request_id)
 
 
 class InferenceClient:
-    def __init__(self, address: str, *, abort_timeout_s: float = 5.0):
+    """`multiplex`: every request on one Multiplex stream (replica_stream.py), else one
+    GenerateTokens call per request."""
+
+    def __init__(self, address: str, *, multiplex: bool = True, abort_timeout_s: float = 5.0):
         self.address = address
         self._abort_timeout_s = abort_timeout_s
         self._channel = grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
         self._stub = inference_pb2_grpc.InferenceServiceStub(self._channel)
+        self._replica_stream = ReplicaStream(self._stub) if multiplex else None
         # Aborts run in the background so an ending request never waits for them; kept here so
         # they are not garbage-collected mid-flight and `close` can wait for them.
         self._pending_aborts: set[asyncio.Task] = set()
@@ -130,9 +122,12 @@ class InferenceClient:
             block_size_tokens=prompt.block_layout.block_size_tokens,
             block_hash_version=prompt.block_layout.block_hash_version,
             priority=priority,
+            timeout_ms=max(1, int(timeout_s * 1000)) if timeout_s is not None else 0,
         )
+        if self._replica_stream is not None:
+            return self._replica_stream.generate(request)
         call = self._stub.GenerateTokens(request, timeout=timeout_s, metadata=request_metadata(request_id))
-        return TokenStream(call)
+        return CallTokens(call, request_id, self)
 
     async def abort(self, request_id: str) -> bool:
         """Abort a request (idempotent); True if it was still running. Never raises."""
@@ -154,6 +149,8 @@ class InferenceClient:
         task.add_done_callback(self._pending_aborts.discard)
 
     async def close(self) -> None:
+        if self._replica_stream is not None:
+            await self._replica_stream.close()
         if self._pending_aborts:
             await asyncio.wait(self._pending_aborts, timeout=self._abort_timeout_s)
         await self._channel.close()

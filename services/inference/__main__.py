@@ -53,7 +53,7 @@ def config_from_args(args: argparse.Namespace) -> InferenceConfig:
 
 async def serve(config: InferenceConfig) -> None:
     try:
-        engine = create_engine(config.engine)  # loads the weights and sizes the KV pool
+        engine = create_engine(config.engine, log_level=config.log_level)  # loads the weights and sizes the KV pool
     except ValueError as exc:  # a model or a flag combination this engine cannot run: say why
         log.error("cannot start the engine: %s", exc)
         raise SystemExit(1) from None

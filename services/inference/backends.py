@@ -16,6 +16,8 @@ from typing import AsyncIterator, Protocol
 
 from llmserve.inference.engine.async_engine import AsyncEngine
 from llmserve.inference.engine.config import BACKENDS, EngineConfig
+from llmserve.inference.engine.engine_process import EngineProcess
+from llmserve.inference.engine.engine_thread import EngineThread
 from llmserve.inference.engine.types import EngineCore, EngineLoad, EngineOutput, EngineRequest, ModelInfo
 
 # backend → (module, class) of the EngineCore; imported only when that backend is chosen.
@@ -50,15 +52,18 @@ class BackendUnavailable(RuntimeError):
     """The chosen backend's module (or a library it needs) cannot be imported here."""
 
 
-def create_engine(config: EngineConfig) -> ServingEngine:
-    """The engine for `config.backend`, weights loaded, not yet started."""
+def create_engine(config: EngineConfig, *, log_level: str = "INFO") -> ServingEngine:
+    """The engine for `config.backend`, weights loaded, not yet started. A core backend's core
+    runs in a process of its own unless config.core_process is off (`log_level` is its)."""
     if config.backend in _ENGINE_CLASSES:
         engine_class = _load_class(config.backend, *_ENGINE_CLASSES[config.backend])
         try:
             return engine_class(config)
         except ImportError as exc:  # the backend imports its library on construction
             raise BackendUnavailable(f"backend {config.backend!r} is not available: {exc}") from exc
-    return AsyncEngine(create_engine_core(config))
+    if config.core_process:
+        return AsyncEngine(EngineProcess(config, log_level=log_level))
+    return AsyncEngine(EngineThread(create_engine_core(config)))
 
 
 def create_engine_core(config: EngineConfig) -> EngineCore:

@@ -1,7 +1,8 @@
 """The Inference gRPC servicer: validates at the edge, converts, streams engine outputs.
 
-Protobuf stops here: requests become EngineRequest, EngineOutput becomes one
-GenerateTokensResponse each (nothing is coalesced). Errors are raised as llmserve.errors types;
+Protobuf stops here (wire.py converts): requests become EngineRequest; the engine's outputs,
+coalesced per sequence when the reader is behind, become GenerateTokensResponses (one call per
+request) or MultiplexResponses (many requests on one stream, multiplex.py). Errors are raised as llmserve.errors types;
 the interceptor installed by create_server maps them to status codes.
 
 Cancellation: when the client cancels or the deadline passes, grpc.aio cancels the handler
@@ -11,17 +12,17 @@ Cancellation: when the client cancels or the deadline passes, grpc.aio cancels t
 
 from __future__ import annotations
 
+import asyncio
 import time
 from contextlib import aclosing
 from typing import AsyncIterator
 
 import grpc
 
-from llmserve import pb
 from llmserve.block_hash import HASH_VERSION
-from llmserve.errors import InvalidArgument
 from llmserve.inference.backends import ServingEngine
-from llmserve.inference.engine.types import EngineOutput, EngineRequest, ModelInfo
+from llmserve.inference.multiplex import MultiplexedStream
+from llmserve.inference.wire import deadline_ns, output_to_pb, request_from_pb
 from llmserve.v1 import common_pb2, inference_pb2, inference_pb2_grpc
 
 SERVICE_NAME = inference_pb2.DESCRIPTOR.services_by_name["InferenceService"].full_name
@@ -38,10 +39,24 @@ class InferenceServicer(inference_pb2_grpc.InferenceServiceServicer):
         self, request: inference_pb2.GenerateTokensRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[inference_pb2.GenerateTokensResponse]:
         arrival_ns = time.monotonic_ns()
-        engine_request = request_from_pb(request, self._engine.model_info, arrival_ns)
+        deadline = deadline_ns(request, arrival_ns, context.time_remaining())
+        engine_request = request_from_pb(request, self._engine.model_info, arrival_ns, deadline)
         async with aclosing(self._engine.generate(engine_request)) as outputs:
             async for output in outputs:
                 yield output_to_pb(output)
+
+    async def Multiplex(
+        self, request_iterator: AsyncIterator[inference_pb2.MultiplexRequest], context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[inference_pb2.MultiplexResponse]:
+        stream = MultiplexedStream(self._engine)
+        reader = asyncio.create_task(stream.read_commands(request_iterator))
+        try:
+            async for response in stream.responses():
+                yield response
+            await reader  # raises what ended the reading (an undecodable command)
+        finally:
+            reader.cancel()
+            stream.close()
 
     async def Abort(
         self, request: inference_pb2.AbortRequest, context: grpc.aio.ServicerContext
@@ -82,125 +97,3 @@ class InferenceServicer(inference_pb2_grpc.InferenceServiceServicer):
             prefix_cache_hit_tokens_total=load.prefix_cache_hit_tokens_total,
             num_preemptions_total=load.num_preemptions_total,
         )
-
-
-def request_from_pb(
-    pb_request: inference_pb2.GenerateTokensRequest, info: ModelInfo, arrival_ns: int
-) -> EngineRequest:
-    """Validate a GenerateTokensRequest against the model and convert it.
-
-    `arrival_ns` is time.monotonic_ns() (engines measure queue and first-token times from it).
-    """
-    if not pb_request.request_id:
-        raise InvalidArgument("request_id", "must not be empty")
-    prompt_token_ids = list(pb_request.prompt_token_ids)
-    _check_prompt(prompt_token_ids, info)
-    sampling = pb.sampling_from_pb(pb_request.sampling)
-    _check_max_tokens(sampling.max_tokens, len(prompt_token_ids), info)
-    for i, token_id in enumerate(sampling.stop_token_ids):
-        if token_id >= info.vocab_size:
-            raise InvalidArgument(
-                f"sampling.stop_token_ids[{i}]", f"token id {token_id} is not below the vocab size {info.vocab_size}"
-            )
-    _check_block_hashes(pb_request, len(prompt_token_ids), info)
-    return EngineRequest(
-        request_id=pb_request.request_id,
-        prompt_token_ids=prompt_token_ids,
-        sampling=sampling,
-        arrival_ns=arrival_ns,
-        block_hashes=list(pb_request.block_hashes),
-        block_size_tokens=pb_request.block_size_tokens,
-        block_hash_version=pb_request.block_hash_version,
-        priority=pb_request.priority,
-    )
-
-
-def _check_prompt(prompt_token_ids: list[int], info: ModelInfo) -> None:
-    if not prompt_token_ids:
-        raise InvalidArgument("prompt_token_ids", "must not be empty")
-    if len(prompt_token_ids) >= info.max_context_tokens:
-        raise InvalidArgument(
-            "prompt_token_ids",
-            f"{len(prompt_token_ids)} tokens leave no room to generate: the context is "
-            f"{info.max_context_tokens} tokens, so at most {info.max_context_tokens - 1}",
-        )
-    if max(prompt_token_ids) >= info.vocab_size:  # one C-speed pass; find the index only on error
-        i, token_id = next((i, t) for i, t in enumerate(prompt_token_ids) if t >= info.vocab_size)
-        raise InvalidArgument(
-            f"prompt_token_ids[{i}]", f"token id {token_id} is not below the vocab size {info.vocab_size}"
-        )
-
-
-def _check_max_tokens(max_tokens: int | None, num_prompt_tokens: int, info: ModelInfo) -> None:
-    """An invariant, not a default: preprocess resolved max_tokens; a direct caller must set one
-    that fits."""
-    num_room_tokens = info.max_context_tokens - num_prompt_tokens
-    if max_tokens is None:
-        raise InvalidArgument(
-            "sampling.max_tokens",
-            f"must be set (preprocess resolves it for the prompt); at most {num_room_tokens} for this prompt",
-        )
-    if max_tokens > num_room_tokens:
-        raise InvalidArgument(
-            "sampling.max_tokens",
-            f"{max_tokens} tokens do not fit: the prompt has {num_prompt_tokens} tokens "
-            f"and the context is {info.max_context_tokens}, so at most {num_room_tokens}",
-        )
-
-
-def _check_block_hashes(
-    pb_request: inference_pb2.GenerateTokensRequest, num_prompt_tokens: int, info: ModelInfo
-) -> None:
-    """Hashes are optional hints, but hashes cut or computed unlike this replica's would miss the
-    prefix cache in silence, and more hashes than full blocks is a bug upstream."""
-    num_hashes = len(pb_request.block_hashes)
-    if not num_hashes:
-        return
-    block_size = pb_request.block_size_tokens
-    if block_size != info.block_size_tokens:
-        raise InvalidArgument(
-            "block_size_tokens",
-            f"must be this replica's block size of {info.block_size_tokens} tokens when block_hashes "
-            f"are given, got {block_size}",
-        )
-    if pb_request.block_hash_version != HASH_VERSION:
-        raise InvalidArgument(
-            "block_hash_version",
-            f"must be this replica's version {HASH_VERSION} when block_hashes are given, "
-            f"got {pb_request.block_hash_version}",
-        )
-    num_full_blocks = num_prompt_tokens // block_size
-    if num_hashes > num_full_blocks:
-        raise InvalidArgument(
-            "block_hashes",
-            f"{num_hashes} hashes but the prompt has only {num_full_blocks} full blocks of {block_size} tokens",
-        )
-
-
-def output_to_pb(output: EngineOutput) -> inference_pb2.GenerateTokensResponse:
-    response = inference_pb2.GenerateTokensResponse(
-        sequence_index=output.sequence_index,
-        token_ids=output.new_token_ids,
-        finish_reason=pb.finish_reason_to_pb(output.finish_reason),
-        error_message=output.error_message,
-    )
-    if output.logprobs:
-        response.logprobs.extend(pb.logprobs_to_pb(output.logprobs))
-    if output.stop_token_id is not None:
-        response.stop_token_id = output.stop_token_id
-    if output.is_finished:
-        response.usage.CopyFrom(
-            common_pb2.Usage(
-                prompt_tokens=output.num_prompt_tokens,
-                completion_tokens=output.num_completion_tokens,
-                cached_tokens=output.num_cached_tokens,
-            )
-        )
-        response.timings.CopyFrom(
-            common_pb2.Timings(
-                queue_time_ns=output.queue_time_ns,
-                time_to_first_token_ns=output.time_to_first_token_ns,
-                total_time_ns=output.total_time_ns,
-            )
-        )
-    return response

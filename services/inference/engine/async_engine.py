@@ -1,51 +1,76 @@
-"""AsyncEngine: the asyncio face of one EngineCore, which runs on an EngineThread.
+"""AsyncEngine: the asyncio face of one EngineCore, which runs behind a CoreClient: an
+EngineThread (a thread of this process) or an EngineProcess (a process of its own).
 
-    event loop (servicer)                               engine thread (engine_thread.py)
-    generate() ──add_request──▶ command queue ──▶ core.add_request
-    abort()    ──abort_request─▶              ──▶ core.abort_request (+ CANCELLED outputs)
-                                                  core.step() → [EngineOutput]
-    per-request asyncio.Queue ◀── call_soon_threadsafe(_deliver, outputs) ◀──┘
+    event loop (servicer)                             core client
+    submit()/generate() ──add_request──▶   ──▶ core.add_request
+    abort()             ──abort_request─▶  ──▶ core.abort_request (+ CANCELLED outputs)
+                                               core.step() → [EngineOutput]
+    each request's on_output ◀── _deliver(outputs), once per engine step ◀──┘
 
-Generation never blocks the event loop: the core only runs on the engine thread (torch releases
-the GIL inside its kernels). The thread sleeps on the command queue when the core is idle.
+Two ways to consume a request: `submit(request, on_output)` calls `on_output` for every
+output as it is delivered (the multiplexed stream hands a whole step to its writer this way);
+`generate(request)` is an async iterator over the same outputs, coalesced: an output carries
+every token its sequence produced since the consumer last read, so a slow reader gets fewer,
+larger outputs and never a backlog of one-token ones.
 
-A request is *in flight* from generate() until its stream has received the final output of
-each of its sequences, even when its consumer left early: its request id stays taken until the
+A request is *in flight* from submit() until every one of its sequences has had its final
+output delivered, even when its consumer left early: its request id stays taken until the
 core has let go of it, so a new request reusing the id never receives the old one's outputs.
-The engine thread guarantees each sequence exactly one final output (see engine_thread.py).
+The engine loop guarantees each sequence exactly one final output (see engine_loop.py).
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import AsyncIterator
+from typing import AsyncIterator, Protocol
 
 from llmserve.errors import InvalidArgument, Unavailable
-from llmserve.inference.engine.engine_thread import EngineThread
-from llmserve.inference.engine.types import EngineCore, EngineLoad, EngineOutput, EngineRequest, ModelInfo
+from llmserve.inference.engine.types import EngineLoad, EngineOutput, EngineRequest, ModelInfo
 
 log = logging.getLogger(__name__)
+
+OnOutput = Callable[[EngineOutput], None]
+
+
+class CoreClient(Protocol):
+    """Runs a core off the event loop: engine_thread.EngineThread or engine_process.EngineProcess."""
+
+    model_info: ModelInfo
+
+    def start(self, loop: asyncio.AbstractEventLoop, deliver: Callable[[list[EngineOutput]], None]) -> None: ...
+
+    @property
+    def is_running(self) -> bool: ...
+
+    def stop(self) -> None:
+        """Cancel what is unfinished and end; blocks (call it off the loop)."""
+        ...
+
+    def add_request(self, request: EngineRequest) -> None: ...
+
+    def abort_request(self, request_id: str) -> None: ...
+
+    def load(self) -> EngineLoad: ...
 
 
 @dataclass(slots=True)
 class _Stream:
     """The loop-side state of one in-flight request."""
 
-    outputs: asyncio.Queue[EngineOutput]
+    on_output: OnOutput | None  # None once the consumer left: outputs are counted, not passed on
     num_unfinished_sequences: int
-    is_detached: bool = False  # the consumer left; outputs are counted, not queued
     is_aborting: bool = False
 
 
 class AsyncEngine:
-    """Owns an EngineCore and the EngineThread that drives it. Every public method runs on the
-    event loop."""
+    """Owns a CoreClient. Every public method runs on the event loop."""
 
-    def __init__(self, core: EngineCore):
-        self.model_info: ModelInfo = core.model_info
-        self._engine_thread = EngineThread(core)
+    def __init__(self, client: CoreClient):
+        self.model_info: ModelInfo = client.model_info
+        self._client = client
         self._streams: dict[str, _Stream] = {}  # request_id → stream, for each in-flight request
         self._is_accepting = False
         self._none_in_flight = asyncio.Event()
@@ -54,14 +79,14 @@ class AsyncEngine:
     # --- lifecycle --------------------------------------------------------------------------
 
     async def start(self) -> None:
-        self._engine_thread.start(asyncio.get_running_loop(), self._deliver)
+        self._client.start(asyncio.get_running_loop(), self._deliver)
         self._is_accepting = True
 
     async def shutdown(self, drain_timeout_s: float) -> None:
         """Stop accepting (Unavailable), let in-flight requests finish for up to
-        `drain_timeout_s`, abort the rest, then stop and join the engine thread."""
+        `drain_timeout_s`, abort the rest, then stop the core client."""
         self._is_accepting = False
-        if not self._engine_thread.is_running:
+        if not self._client.is_running:
             return
         if self._streams:
             try:
@@ -70,34 +95,52 @@ class AsyncEngine:
                 log.warning("drain timeout (%.1fs): aborting %d requests", drain_timeout_s, len(self._streams))
                 for request_id in list(self._streams):
                     self.abort(request_id)
-        await asyncio.to_thread(self._engine_thread.stop)
+        await asyncio.to_thread(self._client.stop)
 
     # --- requests ---------------------------------------------------------------------------
 
-    async def generate(self, request: EngineRequest) -> AsyncIterator[EngineOutput]:
-        """Stream the request's outputs until every sequence has finished.
-
-        Leaving early (break + aclose, cancellation, an exception in the consumer) aborts the
-        request in the core, which frees its KV blocks.
-        """
-        if not self._is_accepting:
+    def submit(self, request: EngineRequest, on_output: OnOutput) -> None:
+        """Start the request; `on_output` gets each of its outputs on the loop, the final one of
+        every sequence included. Raises (Unavailable, InvalidArgument) before anything is queued."""
+        if not self._is_accepting or not self._client.is_running:
             raise Unavailable("the inference engine is shutting down")
         if request.request_id in self._streams:
             raise InvalidArgument("request_id", f"{request.request_id!r} is already in flight")
-        stream = _Stream(outputs=asyncio.Queue(), num_unfinished_sequences=request.sampling.n)
-        self._streams[request.request_id] = stream
+        self._streams[request.request_id] = _Stream(on_output=on_output, num_unfinished_sequences=request.sampling.n)
         self._none_in_flight.clear()
-        self._engine_thread.add_request(request)
+        self._client.add_request(request)
+
+    def detach(self, request_id: str) -> None:
+        """The consumer left: stop passing outputs on, and abort the request."""
+        stream = self._streams.get(request_id)
+        if stream is not None:
+            stream.on_output = None
+            self.abort(request_id)
+
+    async def generate(self, request: EngineRequest) -> AsyncIterator[EngineOutput]:
+        """Stream the request's outputs, coalesced per sequence, until every sequence has
+        finished. Leaving early (break + aclose, cancellation, an exception in the consumer)
+        aborts the request in the core, which frees its KV blocks."""
+        pending: list[EngineOutput] = []
+        has_pending = asyncio.Event()
+
+        def on_output(output: EngineOutput) -> None:
+            pending.append(output)
+            has_pending.set()
+
+        self.submit(request, on_output)
         num_finished_sequences = 0
         try:
             while num_finished_sequences < request.sampling.n:
-                output = await stream.outputs.get()
-                num_finished_sequences += int(output.is_finished)
-                yield output
+                await has_pending.wait()
+                has_pending.clear()
+                taken, pending[:] = list(pending), []
+                for output in coalesced(taken):
+                    num_finished_sequences += int(output.is_finished)
+                    yield output
         finally:
             if num_finished_sequences < request.sampling.n:
-                stream.is_detached = True
-                self.abort(request.request_id)
+                self.detach(request.request_id)
 
     def abort(self, request_id: str) -> bool:
         """Abort a request; True if it was in flight and not already being aborted. Idempotent.
@@ -108,12 +151,12 @@ class AsyncEngine:
         if stream is None or stream.is_aborting:
             return False
         stream.is_aborting = True
-        self._engine_thread.abort_request(request_id)
+        self._client.abort_request(request_id)
         return True
 
     def load(self) -> EngineLoad:
-        """The engine thread's latest snapshot; no call into the core."""
-        return self._engine_thread.load()
+        """The core client's latest snapshot; no call into the core."""
+        return self._client.load()
 
     def _deliver(self, outputs: list[EngineOutput]) -> None:
         """Runs on the loop: route outputs to their streams; a request whose every sequence
@@ -123,11 +166,31 @@ class AsyncEngine:
             if stream is None:
                 log.error("output for unknown request %r dropped", output.request_id)
                 continue
-            if not stream.is_detached:
-                stream.outputs.put_nowait(output)
+            if stream.on_output is not None:
+                stream.on_output(output)
             if output.is_finished:
                 stream.num_unfinished_sequences -= 1
                 if stream.num_unfinished_sequences == 0:
                     del self._streams[output.request_id]
         if not self._streams:
             self._none_in_flight.set()
+
+
+def coalesced(outputs: list[EngineOutput]) -> list[EngineOutput]:
+    """One output per sequence: its tokens and logprobs appended in order, the finish fields of
+    its last output (only a sequence's last output can be final)."""
+    by_sequence: dict[tuple[str, int], EngineOutput] = {}
+    for output in outputs:
+        key = (output.request_id, output.sequence_index)
+        earlier = by_sequence.get(key)
+        by_sequence[key] = output if earlier is None else _joined(earlier, output)
+    return list(by_sequence.values())
+
+
+def _joined(earlier: EngineOutput, later: EngineOutput) -> EngineOutput:
+    logprobs = None
+    if earlier.logprobs is not None or later.logprobs is not None:
+        logprobs = (earlier.logprobs or []) + (later.logprobs or [])
+    later.new_token_ids = earlier.new_token_ids + later.new_token_ids
+    later.logprobs = logprobs
+    return later

@@ -106,6 +106,12 @@ class EngineConfig:
     enable_prefix_caching: bool = _flagged(True, "--no-prefix-caching", "do not reuse KV blocks of shared prefixes")
     enable_chunked_prefill: bool = True
     enforce_eager: bool = _flagged(False, "--enforce-eager", "CUDA: skip CUDA-graph capture")
+    # The core's own process keeps the step loop off the GIL that gRPC serving holds
+    # (engine/engine_process.py says what it measured).
+    core_process: bool = _flagged(
+        True, "--no-core-process", "run the engine core on a thread of the server process instead of a "
+        "process of its own (one GIL for the step loop and gRPC serving: slower from ~32 streams up)",
+    )  # fmt: skip
     # CPU work of step N+1 (scheduling, input staging, streaming step N's tokens) runs while
     # the device computes step N.
     async_scheduling: bool = _flagged(

@@ -1,0 +1,199 @@
+"""EngineLoop: the loop that drives one EngineCore, wherever it runs (a thread of the server
+process, engine_thread.py, or a process of its own, engine_process.py).
+
+Each iteration reads top to bottom:
+  1. take the queued commands (waiting for one while the core has no unfinished request);
+  2. apply them: add a request to the core, or abort one (CANCELLED outputs);
+  3. abort the requests whose deadline has passed, all at this step boundary (CANCELLED);
+  4. step the core once, or, when a stop command came, cancel every unfinished request;
+  5. emit the outputs of 2-4 with the core's load, snapshot after the step: a consumer that
+     sees a final output reads a load that already counts it.
+
+A request is *unfinished* from the add command until each of its sequences has produced its
+final output here: from the core, from an abort (CANCELLED) or from a failure (ERROR). The
+loop keeps that table so every sequence handed to the core gets exactly one final output.
+
+A step that raises StepFailed fails only its `request_ids`; any other exception from the step
+fails every unfinished request. Each failed request is aborted in the core, which frees its KV
+blocks, and the loop logs the traceback and keeps serving.
+"""
+
+from __future__ import annotations
+
+import heapq
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from llmserve.inference.engine.types import EngineCore, EngineLoad, EngineOutput, EngineRequest, StepFailed
+from llmserve.sampling import DEADLINE_EXCEEDED_MESSAGE, FinishReason
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(slots=True)
+class AddRequest:
+    request: EngineRequest
+
+
+@dataclass(slots=True)
+class AbortRequest:
+    request_id: str
+
+
+@dataclass(slots=True)
+class Stop:
+    pass
+
+
+EngineCommand = AddRequest | AbortRequest | Stop
+
+# take_commands(block) -> the queued commands; with block=True it waits for at least one.
+TakeCommands = Callable[[bool], list[EngineCommand]]
+# emit(outputs, load) -> False when nobody is left to read them (the loop then ends).
+Emit = Callable[[list[EngineOutput], EngineLoad], bool]
+
+
+@dataclass(slots=True)
+class _UnfinishedRequest:
+    num_prompt_tokens: int
+    arrival_ns: int
+    unfinished_sequence_indexes: set[int]
+
+
+class EngineLoop:
+    """The only caller of its core: run() owns it until a Stop command has been applied."""
+
+    def __init__(self, core: EngineCore):
+        self._core = core
+        self._unfinished: dict[str, _UnfinishedRequest] = {}
+        self._deadlines: list[tuple[int, str]] = []  # heap of (deadline_ns, request_id)
+        self._last_load: EngineLoad | None = None
+
+    def run(self, take_commands: TakeCommands, emit: Emit) -> None:
+        is_stopping = False
+        while not is_stopping:
+            commands = take_commands(not self._has_work())
+            is_stopping = any(isinstance(command, Stop) for command in commands)
+            outputs = [output for command in commands for output in self._guarded(self._apply, command)]
+            outputs += self._guarded(self._abort_expired)
+            outputs += self._guarded(self._cancel_all if is_stopping else self._step)
+            load = self._load()
+            if (outputs or load != self._last_load) and not emit(outputs, load):
+                break
+            self._last_load = load
+        log.info("engine loop stopped")
+
+    def _guarded(self, stage: Callable[..., list[EngineOutput]], *args) -> list[EngineOutput]:
+        """Core failures are handled inside each stage; this catches our own bugs, which must
+        not end the loop and strand every stream."""
+        try:
+            return stage(*args)
+        except Exception as exc:  # noqa: BLE001
+            log.exception("engine loop: %s failed", stage.__name__)
+            return self._abort_all(FinishReason.ERROR, _describe(exc, "engine loop"))
+
+    def _has_work(self) -> bool:
+        try:
+            return self._core.has_unfinished_requests()
+        except Exception:  # noqa: BLE001 — a broken core must not end the loop
+            log.exception("has_unfinished_requests failed")
+            return bool(self._unfinished)
+
+    def _apply(self, command: EngineCommand) -> list[EngineOutput]:
+        if isinstance(command, Stop):
+            return []  # run() cancels what is unfinished once every command is applied
+        if isinstance(command, AbortRequest):
+            return self._abort(command.request_id, FinishReason.CANCELLED, "")
+        request = command.request
+        self._unfinished[request.request_id] = _UnfinishedRequest(
+            num_prompt_tokens=len(request.prompt_token_ids),
+            arrival_ns=request.arrival_ns,
+            unfinished_sequence_indexes=set(range(request.sampling.n)),
+        )
+        if request.deadline_ns:
+            heapq.heappush(self._deadlines, (request.deadline_ns, request.request_id))
+        try:
+            self._core.add_request(request)
+        except Exception as exc:  # noqa: BLE001
+            log.exception("add_request failed for %r", request.request_id)
+            return self._abort(request.request_id, FinishReason.ERROR, _describe(exc, "add_request"))
+        return []
+
+    def _abort_expired(self) -> list[EngineOutput]:
+        """Every request past its deadline, aborted at this step boundary (finished requests
+        leave stale heap entries, which _abort ignores)."""
+        if not self._deadlines or self._deadlines[0][0] > time.monotonic_ns():
+            return []
+        now_ns = time.monotonic_ns()
+        expired: list[str] = []
+        while self._deadlines and self._deadlines[0][0] <= now_ns:
+            expired.append(heapq.heappop(self._deadlines)[1])
+        outputs = [out for rid in expired for out in self._abort(rid, FinishReason.CANCELLED, DEADLINE_EXCEEDED_MESSAGE)]
+        if outputs:
+            log.info("aborted %d requests past their deadline", len({out.request_id for out in outputs}))
+        return outputs
+
+    def _step(self) -> list[EngineOutput]:
+        if not self._has_work():
+            return []
+        try:
+            outputs = self._core.step()
+        except Exception as exc:  # noqa: BLE001
+            log.exception("engine step failed")
+            failed_ids = exc.request_ids if isinstance(exc, StepFailed) else list(self._unfinished)
+            message = _describe(exc, "engine step")
+            return [out for rid in failed_ids for out in self._abort(rid, FinishReason.ERROR, message)]
+        for output in outputs:
+            if output.is_finished:
+                self._finish_sequence(output.request_id, output.sequence_index)
+        return outputs
+
+    def _finish_sequence(self, request_id: str, sequence_index: int) -> None:
+        unfinished = self._unfinished.get(request_id)
+        if unfinished is None:
+            return
+        unfinished.unfinished_sequence_indexes.discard(sequence_index)
+        if not unfinished.unfinished_sequence_indexes:
+            del self._unfinished[request_id]
+
+    def _abort(self, request_id: str, reason: FinishReason, error_message: str) -> list[EngineOutput]:
+        """Remove the request from the core; a final output for each unfinished sequence."""
+        unfinished = self._unfinished.pop(request_id, None)
+        if unfinished is None:
+            return []  # already finished; its final outputs are on their way
+        try:
+            self._core.abort_request(request_id)
+        except Exception:  # noqa: BLE001
+            log.exception("abort_request failed for %r", request_id)
+        total_time_ns = max(0, time.monotonic_ns() - unfinished.arrival_ns)
+        return [
+            EngineOutput(
+                request_id=request_id,
+                sequence_index=index,
+                new_token_ids=[],
+                finish_reason=reason,
+                error_message=error_message,
+                num_prompt_tokens=unfinished.num_prompt_tokens,
+                total_time_ns=total_time_ns,
+            )
+            for index in sorted(unfinished.unfinished_sequence_indexes)
+        ]
+
+    def _abort_all(self, reason: FinishReason, error_message: str) -> list[EngineOutput]:
+        return [out for rid in list(self._unfinished) for out in self._abort(rid, reason, error_message)]
+
+    def _cancel_all(self) -> list[EngineOutput]:
+        return self._abort_all(FinishReason.CANCELLED, "")
+
+    def _load(self) -> EngineLoad:
+        try:
+            return self._core.load()
+        except Exception:  # noqa: BLE001
+            log.exception("load() failed; keeping the previous snapshot")
+            return self._last_load
+
+
+def _describe(exc: BaseException, where: str) -> str:
+    return f"{where} failed: {type(exc).__name__}: {exc}"

@@ -1,0 +1,147 @@
+"""Protobuf ↔ engine types for the inference service: validation at the edge included.
+
+GenerateTokens and Multiplex both convert here, so a request is checked and an output encoded
+the same way on either.
+"""
+
+from __future__ import annotations
+
+from llmserve import pb
+from llmserve.block_hash import HASH_VERSION
+from llmserve.errors import InvalidArgument
+from llmserve.inference.engine.types import EngineOutput, EngineRequest, ModelInfo
+from llmserve.v1 import common_pb2, inference_pb2
+
+
+def deadline_ns(pb_request: inference_pb2.GenerateTokensRequest, arrival_ns: int, call_time_remaining_s: float | None) -> int:
+    """The request's deadline on time.monotonic_ns(): its timeout_ms, else the call's own
+    deadline, else none (0)."""
+    if pb_request.timeout_ms:
+        return arrival_ns + pb_request.timeout_ms * 1_000_000
+    if call_time_remaining_s is not None:
+        return arrival_ns + max(1, int(call_time_remaining_s * 1e9))
+    return 0
+
+
+def request_from_pb(
+    pb_request: inference_pb2.GenerateTokensRequest, info: ModelInfo, arrival_ns: int, deadline_ns: int = 0
+) -> EngineRequest:
+    """Validate a GenerateTokensRequest against the model and convert it.
+
+    `arrival_ns` is time.monotonic_ns() (engines measure queue and first-token times from it);
+    `deadline_ns` is on the same clock, 0 = none.
+    """
+    if not pb_request.request_id:
+        raise InvalidArgument("request_id", "must not be empty")
+    prompt_token_ids = list(pb_request.prompt_token_ids)
+    _check_prompt(prompt_token_ids, info)
+    sampling = pb.sampling_from_pb(pb_request.sampling)
+    _check_max_tokens(sampling.max_tokens, len(prompt_token_ids), info)
+    for i, token_id in enumerate(sampling.stop_token_ids):
+        if token_id >= info.vocab_size:
+            raise InvalidArgument(
+                f"sampling.stop_token_ids[{i}]", f"token id {token_id} is not below the vocab size {info.vocab_size}"
+            )
+    _check_block_hashes(pb_request, len(prompt_token_ids), info)
+    return EngineRequest(
+        request_id=pb_request.request_id,
+        prompt_token_ids=prompt_token_ids,
+        sampling=sampling,
+        arrival_ns=arrival_ns,
+        block_hashes=list(pb_request.block_hashes),
+        block_size_tokens=pb_request.block_size_tokens,
+        block_hash_version=pb_request.block_hash_version,
+        priority=pb_request.priority,
+        deadline_ns=deadline_ns,
+    )
+
+
+def _check_prompt(prompt_token_ids: list[int], info: ModelInfo) -> None:
+    if not prompt_token_ids:
+        raise InvalidArgument("prompt_token_ids", "must not be empty")
+    if len(prompt_token_ids) >= info.max_context_tokens:
+        raise InvalidArgument(
+            "prompt_token_ids",
+            f"{len(prompt_token_ids)} tokens leave no room to generate: the context is "
+            f"{info.max_context_tokens} tokens, so at most {info.max_context_tokens - 1}",
+        )
+    if max(prompt_token_ids) >= info.vocab_size:  # one C-speed pass; find the index only on error
+        i, token_id = next((i, t) for i, t in enumerate(prompt_token_ids) if t >= info.vocab_size)
+        raise InvalidArgument(
+            f"prompt_token_ids[{i}]", f"token id {token_id} is not below the vocab size {info.vocab_size}"
+        )
+
+
+def _check_max_tokens(max_tokens: int | None, num_prompt_tokens: int, info: ModelInfo) -> None:
+    """An invariant, not a default: preprocess resolved max_tokens; a direct caller must set one
+    that fits."""
+    num_room_tokens = info.max_context_tokens - num_prompt_tokens
+    if max_tokens is None:
+        raise InvalidArgument(
+            "sampling.max_tokens",
+            f"must be set (preprocess resolves it for the prompt); at most {num_room_tokens} for this prompt",
+        )
+    if max_tokens > num_room_tokens:
+        raise InvalidArgument(
+            "sampling.max_tokens",
+            f"{max_tokens} tokens do not fit: the prompt has {num_prompt_tokens} tokens "
+            f"and the context is {info.max_context_tokens}, so at most {num_room_tokens}",
+        )
+
+
+def _check_block_hashes(
+    pb_request: inference_pb2.GenerateTokensRequest, num_prompt_tokens: int, info: ModelInfo
+) -> None:
+    """Hashes are optional hints, but hashes cut or computed unlike this replica's would miss the
+    prefix cache in silence, and more hashes than full blocks is a bug upstream."""
+    num_hashes = len(pb_request.block_hashes)
+    if not num_hashes:
+        return
+    block_size = pb_request.block_size_tokens
+    if block_size != info.block_size_tokens:
+        raise InvalidArgument(
+            "block_size_tokens",
+            f"must be this replica's block size of {info.block_size_tokens} tokens when block_hashes "
+            f"are given, got {block_size}",
+        )
+    if pb_request.block_hash_version != HASH_VERSION:
+        raise InvalidArgument(
+            "block_hash_version",
+            f"must be this replica's version {HASH_VERSION} when block_hashes are given, "
+            f"got {pb_request.block_hash_version}",
+        )
+    num_full_blocks = num_prompt_tokens // block_size
+    if num_hashes > num_full_blocks:
+        raise InvalidArgument(
+            "block_hashes",
+            f"{num_hashes} hashes but the prompt has only {num_full_blocks} full blocks of {block_size} tokens",
+        )
+
+
+def output_to_pb(output: EngineOutput) -> inference_pb2.GenerateTokensResponse:
+    response = inference_pb2.GenerateTokensResponse(
+        sequence_index=output.sequence_index,
+        token_ids=output.new_token_ids,
+        finish_reason=pb.finish_reason_to_pb(output.finish_reason),
+        error_message=output.error_message,
+    )
+    if output.logprobs:
+        response.logprobs.extend(pb.logprobs_to_pb(output.logprobs))
+    if output.stop_token_id is not None:
+        response.stop_token_id = output.stop_token_id
+    if output.is_finished:
+        response.usage.CopyFrom(
+            common_pb2.Usage(
+                prompt_tokens=output.num_prompt_tokens,
+                completion_tokens=output.num_completion_tokens,
+                cached_tokens=output.num_cached_tokens,
+            )
+        )
+        response.timings.CopyFrom(
+            common_pb2.Timings(
+                queue_time_ns=output.queue_time_ns,
+                time_to_first_token_ns=output.time_to_first_token_ns,
+                total_time_ns=output.total_time_ns,
+            )
+        )
+    return response

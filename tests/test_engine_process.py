@@ -1,0 +1,157 @@
+"""AsyncEngine over an EngineProcess (the torch core in a process of its own) on the tiny
+checkpoint: same tokens as the core driven directly, coalescing, aborts, deadlines at the step
+boundary, start-up failures and a dying process."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import time
+
+import pytest
+
+from llmserve.errors import Unavailable
+from llmserve.inference.engine.async_engine import AsyncEngine, coalesced
+from llmserve.inference.engine.config import EngineConfig
+from llmserve.inference.engine.engine_process import EngineProcess
+from llmserve.inference.engine.torch_engine import TorchEngineCore
+from llmserve.inference.engine.types import EngineOutput, EngineRequest
+from llmserve.sampling import DEADLINE_EXCEEDED_MESSAGE, FinishReason, SamplingParams, TokenLogprob
+
+pytestmark = pytest.mark.asyncio(loop_scope="session")
+
+PROMPT = [5, 17, 42, 99, 100, 7, 250, 31]
+HANG_GUARD_S = 60.0
+
+
+def torch_config(model_dir, **overrides) -> EngineConfig:
+    return EngineConfig(model_path=model_dir, model_name="tiny", backend="torch", num_kv_blocks=64, **overrides)
+
+
+def make_request(request_id: str, *, deadline_ns: int = 0, **sampling) -> EngineRequest:
+    sampling.setdefault("max_tokens", 16)
+    sampling.setdefault("temperature", 0.0)
+    sampling.setdefault("ignore_eos", True)
+    return EngineRequest(request_id, list(PROMPT), SamplingParams(**sampling), time.monotonic_ns(), deadline_ns=deadline_ns)
+
+
+def direct_tokens(model_dir, request: EngineRequest) -> dict[int, list[int]]:
+    core = TorchEngineCore(torch_config(model_dir))
+    core.add_request(request)
+    tokens: dict[int, list[int]] = {}
+    while core.has_unfinished_requests():
+        for output in core.step():
+            tokens.setdefault(output.sequence_index, []).extend(output.new_token_ids)
+    return tokens
+
+
+async def collect(engine: AsyncEngine, request: EngineRequest) -> list[EngineOutput]:
+    async def consume():
+        return [output async for output in engine.generate(request)]
+
+    return await asyncio.wait_for(consume(), HANG_GUARD_S)
+
+
+async def wait_until(predicate) -> None:
+    deadline = time.monotonic() + HANG_GUARD_S
+    while not predicate():
+        assert time.monotonic() < deadline, "condition not reached"
+        await asyncio.sleep(0.01)
+
+
+@pytest.fixture(scope="module")
+async def engine(tiny_model_dir):
+    engine = AsyncEngine(EngineProcess(torch_config(tiny_model_dir)))
+    await engine.start()
+    yield engine
+    await engine.shutdown(drain_timeout_s=5.0)
+
+
+async def test_the_process_generates_what_the_core_generates(engine, tiny_model_dir):
+    requests = [make_request(f"same-{i}", max_tokens=12 + i, n=1 + i % 2, temperature=0.7, seed=i) for i in range(4)]
+    results = await asyncio.gather(*(collect(engine, request) for request in requests))
+    for request, outputs in zip(requests, results):
+        got: dict[int, list[int]] = {}
+        for output in outputs:
+            got.setdefault(output.sequence_index, []).extend(output.new_token_ids)
+        assert got == direct_tokens(tiny_model_dir, request)
+        finals = [output for output in outputs if output.is_finished]
+        assert sorted(o.sequence_index for o in finals) == list(range(request.sampling.n))
+        assert all(o.finish_reason is FinishReason.LENGTH for o in finals)
+    await wait_until(lambda: engine.load().kv_blocks_used == 0)
+
+
+async def test_an_abort_frees_the_blocks_in_the_process(engine):
+    request = make_request("abort-me", max_tokens=240)
+    outputs = []
+
+    async def consume():
+        async for output in engine.generate(request):
+            outputs.append(output)
+            if len(outputs) == 1:
+                engine.abort("abort-me")
+
+    await asyncio.wait_for(consume(), HANG_GUARD_S)
+    assert outputs[-1].finish_reason is FinishReason.CANCELLED
+    assert sum(len(o.new_token_ids) for o in outputs) < 240
+    await wait_until(lambda: engine.load().kv_blocks_used == 0)
+
+
+async def test_a_request_past_its_deadline_is_aborted_at_a_step_boundary(engine):
+    deadline_ns = time.monotonic_ns() + 300_000_000
+    outputs = await collect(engine, make_request("late", max_tokens=240, deadline_ns=deadline_ns))
+    last = outputs[-1]
+    if last.finish_reason is FinishReason.LENGTH:
+        pytest.skip("this machine generated 240 tokens within 0.3 s: the deadline never came")
+    assert (last.finish_reason, last.error_message) == (FinishReason.CANCELLED, DEADLINE_EXCEEDED_MESSAGE)
+    assert time.monotonic_ns() >= deadline_ns
+    await wait_until(lambda: engine.load().kv_blocks_used == 0)
+
+
+async def test_a_deadline_already_past_ends_the_request_before_any_token(engine):
+    outputs = await collect(engine, make_request("too-late", deadline_ns=time.monotonic_ns() - 1))
+    assert [(o.new_token_ids, o.finish_reason, o.error_message) for o in outputs] == [
+        ([], FinishReason.CANCELLED, DEADLINE_EXCEEDED_MESSAGE)
+    ]
+
+
+async def test_a_bad_model_path_raises_the_core_error_in_the_server(tmp_path):
+    with pytest.raises((FileNotFoundError, ValueError, OSError)):
+        EngineProcess(torch_config(tmp_path / "no-such-model"))
+
+
+async def test_a_dying_process_fails_its_requests_and_refuses_new_ones(tiny_model_dir):
+    client = EngineProcess(torch_config(tiny_model_dir))
+    engine = AsyncEngine(client)
+    await engine.start()
+    outputs = []
+
+    async def consume():
+        async for output in engine.generate(make_request("orphan", max_tokens=240)):
+            outputs.append(output)
+            if len(outputs) == 1:
+                os.kill(client._process.pid, signal.SIGKILL)
+
+    await asyncio.wait_for(consume(), HANG_GUARD_S)
+    assert (outputs[-1].finish_reason, outputs[-1].error_message) == (FinishReason.ERROR, "the engine-core process died")
+    with pytest.raises(Unavailable):
+        engine.submit(make_request("after"), lambda output: None)
+    await engine.shutdown(drain_timeout_s=1.0)
+
+
+async def test_coalesced_joins_each_sequence_in_order():
+    def out(rid, index, tokens, finish=None, logprob=False):
+        logprobs = [TokenLogprob(t, -1.0) for t in tokens] if logprob else None
+        return EngineOutput(rid, index, list(tokens), logprobs=logprobs, finish_reason=finish)
+
+    merged = coalesced(
+        [out("a", 0, [1]), out("b", 0, [7]), out("a", 1, [2]), out("a", 0, [3], logprob=True),
+         out("a", 0, [4], FinishReason.STOP)]
+    )  # fmt: skip
+    assert [(o.request_id, o.sequence_index, o.new_token_ids, o.finish_reason) for o in merged] == [
+        ("a", 0, [1, 3, 4], FinishReason.STOP),
+        ("b", 0, [7], None),
+        ("a", 1, [2], None),
+    ]
+    assert [lp.token_id for lp in merged[0].logprobs] == [3]
