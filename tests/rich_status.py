@@ -2,19 +2,20 @@
 
 from __future__ import annotations
 
-from google.rpc import error_details_pb2
+from google.rpc import error_details_pb2, status_pb2
 from grpc_status import rpc_status
 
 
 def _detail(error, message_type):
-    status = rpc_status.from_call(error)
+    """`error`: a failed call, or a google.rpc.Status sent as data (a Multiplex refusal)."""
+    status = error if isinstance(error, status_pb2.Status) else rpc_status.from_call(error)
     assert status is not None, f"no google.rpc.Status in the trailing metadata of {error.details()!r}"
     for packed in status.details:
         if packed.Is(message_type.DESCRIPTOR):
             detail = message_type()
             packed.Unpack(detail)
             return detail
-    raise AssertionError(f"no {message_type.DESCRIPTOR.name} in the details of {error.details()!r}")
+    raise AssertionError(f"no {message_type.DESCRIPTOR.name} in the details of {status.message!r}")
 
 
 def field_violation(error) -> tuple[str, str]:

@@ -1,0 +1,127 @@
+"""InferenceService.Multiplex on a real inference server (torch backend, core in its own
+process): many requests on one stream, refusals per request, aborts, and a stream that ends."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import grpc
+import pytest
+from google.rpc import status_pb2
+
+from llmserve.server import CHANNEL_OPTIONS
+from llmserve.v1 import common_pb2, inference_pb2, inference_pb2_grpc
+from tests.procs import running_service
+from tests.rich_status import field_violation
+
+pytestmark = pytest.mark.asyncio(loop_scope="session")
+
+PROMPT = [5, 17, 42, 99, 100, 7, 250, 31]
+HANG_GUARD_S = 60.0
+
+
+@pytest.fixture(scope="module")
+def inference_address(tiny_model_dir, tmp_path_factory):
+    log_dir = tmp_path_factory.mktemp("multiplex")
+    with running_service("inference", ["--model", str(tiny_model_dir), "--num-kv-blocks", "64"], log_dir) as service:
+        yield service.address
+
+
+@pytest.fixture
+async def stub(inference_address):
+    async with grpc.aio.insecure_channel(inference_address, options=CHANNEL_OPTIONS) as channel:
+        yield inference_pb2_grpc.InferenceServiceStub(channel)
+
+
+def generate(request_id: str, max_tokens: int = 12, prompt=PROMPT) -> inference_pb2.MultiplexRequest:
+    sampling = common_pb2.SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+    return inference_pb2.MultiplexRequest(
+        generate=inference_pb2.GenerateTokensRequest(request_id=request_id, prompt_token_ids=prompt, sampling=sampling)
+    )
+
+
+def abort(request_id: str) -> inference_pb2.MultiplexRequest:
+    return inference_pb2.MultiplexRequest(abort=inference_pb2.AbortRequest(request_id=request_id))
+
+
+async def read_until_done(call, request_ids: set[str]) -> dict[str, list[inference_pb2.RequestOutput]]:
+    """Outputs by request until each of `request_ids` has its last one."""
+    outputs: dict[str, list[inference_pb2.RequestOutput]] = {}
+    open_ids = set(request_ids)
+
+    async def read():
+        while open_ids:
+            response = await call.read()
+            assert response is not grpc.aio.EOF, "the stream ended early"
+            for output in response.outputs:
+                outputs.setdefault(output.request_id, []).append(output)
+                if output.error_status or output.output.finish_reason:
+                    open_ids.discard(output.request_id)
+
+    await asyncio.wait_for(read(), HANG_GUARD_S)
+    return outputs
+
+
+def tokens_of(outputs: list[inference_pb2.RequestOutput]) -> list[int]:
+    return [t for o in outputs for t in o.output.token_ids]
+
+
+async def wait_for_free_blocks(stub) -> None:
+    deadline = time.monotonic() + HANG_GUARD_S
+    while (await stub.GetLoad(inference_pb2.GetLoadRequest())).kv_blocks_used:
+        assert time.monotonic() < deadline, "KV blocks were never freed"
+        await asyncio.sleep(0.02)
+
+
+async def test_many_requests_on_one_stream_match_their_own_calls(stub):
+    call = stub.Multiplex()
+    ids = [f"mux-{i}" for i in range(6)]
+    for i, request_id in enumerate(ids):
+        await call.write(generate(request_id, max_tokens=8 + i))
+    outputs = await read_until_done(call, set(ids))
+    await call.done_writing()
+    for i, request_id in enumerate(ids):
+        single = [r async for r in stub.GenerateTokens(generate(f"single-{i}", max_tokens=8 + i).generate)]
+        assert tokens_of(outputs[request_id]) == [t for r in single for t in r.token_ids]
+        last = outputs[request_id][-1].output
+        assert (last.finish_reason, last.usage.completion_tokens) == (common_pb2.FINISH_REASON_LENGTH, 8 + i)
+    assert await call.read() is grpc.aio.EOF  # done writing and nothing left in flight: it ends
+    assert await call.code() == grpc.StatusCode.OK
+
+
+async def test_a_bad_request_is_refused_alone_with_its_status(stub):
+    call = stub.Multiplex()
+    await call.write(generate("bad", prompt=[10**6]))
+    await call.write(generate("good"))
+    outputs = await read_until_done(call, {"bad", "good"})
+    [refusal] = outputs["bad"]
+    status = status_pb2.Status.FromString(refusal.error_status)
+    assert status.code == grpc.StatusCode.INVALID_ARGUMENT.value[0]
+    assert field_violation(status)[0] == "prompt_token_ids[0]"
+    assert len(tokens_of(outputs["good"])) == 12
+    call.cancel()
+
+
+async def test_an_abort_on_the_stream_and_the_stream_ending_free_the_blocks(stub):
+    call = stub.Multiplex()
+    await call.write(generate("stay", max_tokens=240))
+    await call.write(generate("go", max_tokens=240))
+    await asyncio.wait_for(call.read(), HANG_GUARD_S)
+    await call.write(abort("go"))
+    outputs = await read_until_done(call, {"go"})
+    assert outputs["go"][-1].output.finish_reason == common_pb2.FINISH_REASON_CANCELLED
+    call.cancel()  # "stay" is still running: ending the stream aborts it
+    await wait_for_free_blocks(stub)
+
+
+async def test_an_undecodable_command_ends_the_stream_with_invalid_argument(inference_address):
+    async with grpc.aio.insecure_channel(inference_address) as channel:
+        multiplex = channel.stream_stream("/llmserve.v1.InferenceService/Multiplex")
+        call = multiplex()
+        await call.write(b"\x0a\x05\x0a\x03\xff\xfe\xfd")  # generate.request_id: invalid UTF-8
+        await call.done_writing()
+        with pytest.raises(grpc.aio.AioRpcError) as raised:
+            async for _ in call:
+                pass
+    assert raised.value.code() == grpc.StatusCode.INVALID_ARGUMENT
