@@ -12,6 +12,7 @@ these functions return is ready to serve.
 from __future__ import annotations
 
 import importlib
+from collections.abc import Callable
 from typing import AsyncIterator, Protocol
 
 from llmserve.inference.engine.async_engine import AsyncEngine
@@ -42,6 +43,10 @@ class ServingEngine(Protocol):
     async def shutdown(self, drain_timeout_s: float) -> None: ...
 
     def generate(self, request: EngineRequest) -> AsyncIterator[EngineOutput]: ...
+
+    def submit(self, request: EngineRequest, on_output: Callable[[EngineOutput], None]) -> None: ...
+
+    def detach(self, request_id: str) -> None: ...
 
     def abort(self, request_id: str) -> bool: ...
 

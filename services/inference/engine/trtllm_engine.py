@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import Callable
 from typing import AsyncIterator
 
 from llmserve.errors import InvalidArgument, Unavailable
@@ -123,6 +124,7 @@ class TrtllmEngine:
             device=config.device,
         )
         self._results: dict[str, object] = {}  # request_id → RequestOutput, for each in-flight request
+        self._forwarders: dict[str, asyncio.Task] = {}  # request_id → its submit() task
         self._is_accepting = False
         self._num_aborted_total = 0
         self._num_finished_total = 0
@@ -179,6 +181,35 @@ class TrtllmEngine:
             if not result.finished:
                 result.abort()
                 self._num_aborted_total += 1
+
+    def submit(self, request: EngineRequest, on_output: Callable[[EngineOutput], None]) -> None:
+        """AsyncEngine.submit's contract on top of generate(): a task forwards the outputs."""
+        if not self._is_accepting:
+            raise Unavailable("the inference engine is shutting down")
+        if request.request_id in self._results or request.request_id in self._forwarders:
+            raise InvalidArgument("request_id", f"{request.request_id!r} is already in flight")
+        task = asyncio.get_running_loop().create_task(self._forward(request, on_output))
+        self._forwarders[request.request_id] = task
+        task.add_done_callback(lambda _: self._forwarders.pop(request.request_id, None))
+
+    async def _forward(self, request: EngineRequest, on_output: Callable[[EngineOutput], None]) -> None:
+        finished_indexes: set[int] = set()
+        try:
+            async for output in self.generate(request):
+                if output.is_finished:
+                    finished_indexes.add(output.sequence_index)
+                on_output(output)
+        except Exception as exc:  # noqa: BLE001 — the request must still end with a final output
+            log.exception("trtllm request %r failed", request.request_id)
+            for index in sorted(set(range(request.sampling.n)) - finished_indexes):
+                on_output(EngineOutput(request.request_id, index, [], finish_reason=FinishReason.ERROR,
+                                       error_message=f"{type(exc).__name__}: {exc}"))
+
+    def detach(self, request_id: str) -> None:
+        """The consumer left: cancelling the forwarder leaves generate(), which aborts."""
+        task = self._forwarders.get(request_id)
+        if task is not None:
+            task.cancel()
 
     def abort(self, request_id: str) -> bool:
         result = self._results.get(request_id)
