@@ -1,0 +1,115 @@
+"""How bench_stack.py drives each path: the same planned requests, `concurrency` in flight (a new
+one starts as one finishes), greedy, ignore_eos; every request recorded as a loadgen
+RequestRecord (monotonic times of each message that carried tokens), so one set of statistics
+(llmserve.loadgen.stats) measures every path the same way.
+
+  drive_core          an EngineCore stepped by a plain loop on this thread;
+  drive_async_engine  an AsyncEngine (engine thread + this event loop), one task per stream;
+  send_to_inference   one request to an inference replica's GenerateTokens, for loadgen's
+                      workers (WorkerPlan.send); the gateway path uses loadgen's own send_one.
+
+This module is imported by spawned loadgen workers: it must not import torch.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import time
+
+import grpc
+
+from llmserve.inference.engine.types import EngineCore, EngineOutput, EngineRequest
+from llmserve.loadgen.client import RequestRecord, WorkerPlan
+from llmserve.loadgen.workload import PlannedRequest
+from llmserve.sampling import SamplingParams
+from llmserve.v1 import common_pb2, inference_pb2, inference_pb2_grpc
+
+
+def engine_request(planned: PlannedRequest, request_id: str) -> EngineRequest:
+    sampling = SamplingParams(max_tokens=planned.max_tokens, temperature=0.0, ignore_eos=True)
+    return EngineRequest(request_id, list(planned.prompt_token_ids), sampling, time.monotonic_ns())
+
+
+def new_record(planned: PlannedRequest) -> RequestRecord:
+    record = RequestRecord(planned.index, planned.prefix_group, planned.num_prompt_tokens, planned.max_tokens)
+    record.start_s = time.monotonic()
+    return record
+
+
+def record_output(record: RequestRecord, output: EngineOutput, now_s: float) -> None:
+    if output.new_token_ids:
+        record.message_times_s.append(now_s)
+        record.message_num_tokens.append(len(output.new_token_ids))
+    if output.error_message:
+        record.status, record.error = "INTERNAL", output.error_message
+    if output.is_finished:
+        record.end_s = now_s
+        record.num_prompt_tokens = output.num_prompt_tokens
+        record.num_completion_tokens = output.num_completion_tokens
+        record.num_cached_tokens = output.num_cached_tokens
+
+
+def drive_core(core: EngineCore, planned: list[PlannedRequest], concurrency: int, tag: str) -> list[RequestRecord]:
+    """`while core.has_unfinished_requests(): core.step()`, topping the batch up to
+    `concurrency` after each step: the baseline every other path is compared with."""
+    waiting = collections.deque(planned)
+    records: dict[str, RequestRecord] = {}
+
+    def add_next() -> None:
+        request = waiting.popleft()
+        request_id = f"{tag}-{request.index}"
+        records[request_id] = new_record(request)
+        core.add_request(engine_request(request, request_id))
+
+    for _ in range(min(concurrency, len(waiting))):
+        add_next()
+    while core.has_unfinished_requests():
+        outputs = core.step()
+        now_s = time.monotonic()
+        for output in outputs:
+            record_output(records[output.request_id], output, now_s)
+            if output.is_finished and waiting:
+                add_next()
+    return sorted(records.values(), key=lambda record: record.index)
+
+
+async def drive_async_engine(engine, planned: list[PlannedRequest], concurrency: int, tag: str) -> list[RequestRecord]:
+    """`concurrency` tasks, each streaming one request at a time through engine.generate()."""
+    waiting = iter(planned)
+    records: list[RequestRecord] = []
+
+    async def stream() -> None:
+        for request in waiting:  # one iterator shared by the tasks: each request is taken once
+            record = new_record(request)
+            async for output in engine.generate(engine_request(request, f"{tag}-{request.index}")):
+                record_output(record, output, time.monotonic())
+            records.append(record)
+
+    await asyncio.gather(*(stream() for _ in range(concurrency)))
+    return sorted(records, key=lambda record: record.index)
+
+
+async def send_to_inference(channel: grpc.aio.Channel, planned: PlannedRequest, plan: WorkerPlan) -> RequestRecord:
+    """One GenerateTokens call with the planned prompt's token ids (WorkerPlan.send)."""
+    stub = inference_pb2_grpc.InferenceServiceStub(channel)
+    sampling = common_pb2.SamplingParams(max_tokens=planned.max_tokens, temperature=0.0, ignore_eos=plan.ignore_eos)
+    request = inference_pb2.GenerateTokensRequest(
+        request_id=f"bench-{planned.index}-{time.monotonic_ns()}", prompt_token_ids=planned.prompt_token_ids,
+        sampling=sampling,
+    )
+    record = new_record(planned)
+    try:
+        async for message in stub.GenerateTokens(request, timeout=plan.timeout_s):
+            now_s = time.monotonic()
+            if message.token_ids:
+                record.message_times_s.append(now_s)
+                record.message_num_tokens.append(len(message.token_ids))
+            if message.HasField("usage"):
+                record.num_prompt_tokens = message.usage.prompt_tokens
+                record.num_completion_tokens = message.usage.completion_tokens
+                record.num_cached_tokens = message.usage.cached_tokens
+    except grpc.aio.AioRpcError as error:
+        record.status, record.error = error.code().name, error.details() or ""
+    record.end_s = time.monotonic()
+    return record
