@@ -22,8 +22,11 @@ max(--min-requests, --requests-per-stream x streams) have finished; every cell g
 prompts (seeded by --seed and the stream count: no prefix-cache hits across cells; the same
 prompts on every path). Before its cells, each path runs a warm-up of max(--streams) requests
 with --warmup-output-tokens tokens (first-use compilation; CUDA graphs are captured at
-start-up). Time: the defaults run 2x the streams per cell, ~4-5 minutes in all on an H200
-(start-up of each engine included); raise --requests-per-stream for steadier numbers.
+start-up). Time: the defaults run 2x the streams per cell (4 requests at 1 stream), estimated
+at ~5 minutes in all on an H200 (model build and four engine start-ups included: under 8); raise
+--requests-per-stream for steadier numbers. On a CPU, compare paths with OMP_NUM_THREADS=1: the
+core loop runs torch's CPU kernels on the main thread, whose OpenMP team crawls on a small shared
+machine.
 
 Per (path, streams): output tok/s and its ratio to `core` at the same streams, TTFT p50/p99,
 ITL p50 and its ratio to `core` (llmserve.loadgen.stats definitions, measured where the
@@ -33,10 +36,10 @@ busiest threads; gateway output tok/s per gateway CPU core (tok/s / (gateway CPU
 
 Model: random weights with a real config (--shape, default Qwen2.5-1.5B: 28 layers, hidden
 1536, 12/2 heads, vocab 151936, tied), written once per run to a temp checkpoint with the
-Qwen tokenizer from $LLMSERVE_SHARED_ASSETS/tokenizers/qwen3 (default ../shared/assets next
-to the repo); --model uses a checkpoint instead. Rows of the lm_head (tied: the embedding)
-past the tokenizer's vocabulary are zeroed, so greedy decoding never picks an id the gateway
-cannot detokenize.
+Qwen tokenizer from $LLMSERVE_SHARED_ASSETS/tokenizers/qwen3 (default: shared/assets in the
+nearest folder above the repo, e.g. ../shared/assets); --model serves a checkpoint instead.
+Rows of the lm_head (tied: the embedding) past the tokenizer's vocabulary are zeroed, so greedy
+decoding never picks an id the gateway cannot detokenize.
 
 Flags for variants, each repeatable and shell-split (`--engine-arg "--max-batched-tokens 4096"`,
 `--engine-arg=--enforce-eager`): --engine-arg goes to every path's engine (parsed by the
@@ -69,14 +72,12 @@ sys.path.insert(0, str(REPO_ROOT))
 import proc_cpu  # noqa: E402
 import stack_drivers  # noqa: E402
 import stack_report  # noqa: E402
+import stack_services  # noqa: E402
 from llmserve.inference.engine.config import default_dtype  # noqa: E402
-from llmserve.inference.engine_flags import add_engine_arguments, engine_argv, engine_config, engine_options  # noqa: E402
-from llmserve.launcher import PREPROCESS_ENGINE_OPTIONS  # noqa: E402
-from llmserve.loadgen.runner import RunConfig, run_workload  # noqa: E402
+from llmserve.inference.engine_flags import add_engine_arguments, engine_config, engine_options  # noqa: E402
 from llmserve.loadgen.stats import summarize  # noqa: E402
-from llmserve.loadgen.workload import LengthDistribution, PromptBuilder, WorkloadConfig, plan_requests  # noqa: E402
+from llmserve.loadgen.workload import PromptBuilder  # noqa: E402
 from llmserve.model_files import ModelFiles  # noqa: E402
-from tests.procs import start_service, stop_service  # noqa: E402
 
 PATHS = {
     "core": "engine core loop",
@@ -102,31 +103,36 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help=f"CPU smoke preset (flags given explicitly still win): {SMOKE}")
     model = parser.add_argument_group("model")
     model.add_argument("--shape", default="qwen2.5-1.5b", choices=(*SHAPES, "tiny"),
-                       help="random-weight model shape; tiny = the tests' tiny Qwen2 and tokenizer (default: %(default)s)")
-    model.add_argument("--model", type=Path, help="a checkpoint directory to serve instead of random weights")
-    model.add_argument("--tokenizer", type=Path, help="tokenizer directory for --shape qwen2.5-1.5b "
+                       help="random-weight model shape; tiny = the tests' tiny Qwen2 and tokenizer "
+                       "(default: %(default)s)")
+    model.add_argument("--model", type=Path, metavar="DIR", help="a checkpoint to serve instead of random weights")
+    model.add_argument("--tokenizer", type=Path, metavar="DIR", help="tokenizer directory for --shape qwen2.5-1.5b "
                        "(default: $LLMSERVE_SHARED_ASSETS/tokenizers/qwen3)")
     model.add_argument("--device", default="cuda", help="every path's engine device (default: %(default)s)")
     load = parser.add_argument_group("workload")
-    load.add_argument("--streams", default="1,64,256", help="comma-separated concurrent streams (default: %(default)s)")
-    load.add_argument("--paths", default=",".join(PATHS), help=f"comma-separated subset of {', '.join(PATHS)}")
-    load.add_argument("--prompt-tokens", type=int, default=512, help="(default: %(default)s)")
-    load.add_argument("--output-tokens", type=int, default=512, help="(default: %(default)s)")
-    load.add_argument("--requests-per-stream", type=float, default=2.0,
+    load.add_argument("--streams", default="1,64,256", metavar="N,N,...",
+                      help="concurrent streams of each cell (default: %(default)s)")
+    load.add_argument("--paths", default=",".join(PATHS), metavar="PATH,...",
+                      help=f"which paths, in order (default: {','.join(PATHS)})")
+    load.add_argument("--prompt-tokens", type=int, default=512, metavar="N", help="(default: %(default)s)")
+    load.add_argument("--output-tokens", type=int, default=512, metavar="N", help="(default: %(default)s)")
+    load.add_argument("--requests-per-stream", type=float, default=2.0, metavar="K",
                       help="requests per cell = this x streams, at least --min-requests (default: %(default)s)")
-    load.add_argument("--min-requests", type=int, default=4, help="(default: %(default)s)")
-    load.add_argument("--warmup-output-tokens", type=int, default=16, help="(default: %(default)s)")
-    load.add_argument("--client-workers", type=int, default=4,
+    load.add_argument("--min-requests", type=int, default=4, metavar="N", help="(default: %(default)s)")
+    load.add_argument("--warmup-output-tokens", type=int, default=16, metavar="N", help="(default: %(default)s)")
+    load.add_argument("--client-workers", type=int, default=4, metavar="N",
                       help="loadgen worker processes for the grpc and gateway paths (default: %(default)s)")
     load.add_argument("--seed", type=int, default=0)
     variants = parser.add_argument_group("variants (repeatable, shell-split)")
-    variants.add_argument("--engine-arg", action="append", default=[], help="engine flag(s) for every path")
-    variants.add_argument("--inference-arg", action="append", default=[], help="flag(s) for the inference service")
-    variants.add_argument("--gateway-arg", action="append", default=[], help="flag(s) for the gateway")
+    for name, help in (("--engine-arg", "engine flag(s) for every path"),
+                       ("--inference-arg", "flag(s) for the inference service"),
+                       ("--gateway-arg", "flag(s) for the gateway")):
+        variants.add_argument(name, action="append", default=[], metavar="FLAGS", help=help)
     out = parser.add_argument_group("output")
-    out.add_argument("--out-dir", type=Path, default=REPO_ROOT / "bench" / "results")
+    out.add_argument("--out-dir", type=Path, default=REPO_ROOT / "bench" / "results", metavar="DIR")
     out.add_argument("--plot", action="store_true", help="also write a PNG (needs matplotlib)")
-    out.add_argument("--startup-timeout-s", type=float, default=300.0, help="per service (default: %(default)s)")
+    out.add_argument("--startup-timeout-s", type=float, default=300.0, metavar="S",
+                     help="per service (default: %(default)s)")
     args = parser.parse_args(argv)
     if args.smoke:
         parser.set_defaults(**SMOKE)
@@ -136,16 +142,23 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     unknown = [p for p in args.paths if p not in PATHS]
     if unknown:
         parser.error(f"unknown path(s) {unknown}; choose from {', '.join(PATHS)}")
+    for name in ("engine_arg", "inference_arg", "gateway_arg"):
+        setattr(args, name, [flag for value in getattr(args, name) for flag in shlex.split(value)])
     return args
 
 
-def split_flags(values: list[str]) -> list[str]:
-    return [flag for value in values for flag in shlex.split(value)]
-
-
-def shared_assets() -> Path:
-    default = REPO_ROOT.parent / "shared" / "assets"
-    return Path(os.environ.get("LLMSERVE_SHARED_ASSETS", default))
+def qwen_tokenizer_dir() -> Path:
+    """$LLMSERVE_SHARED_ASSETS/tokenizers/qwen3, else shared/assets/ in the nearest folder above
+    the repo that has one (../shared beside a checkout, ../../shared beside a worktree)."""
+    if "LLMSERVE_SHARED_ASSETS" in os.environ:
+        candidates = [Path(os.environ["LLMSERVE_SHARED_ASSETS"])]
+    else:
+        candidates = [folder / "shared" / "assets" for folder in (REPO_ROOT, *REPO_ROOT.parents)]
+    for assets in candidates:
+        if (assets / "tokenizers" / "qwen3" / "tokenizer.json").is_file():
+            return assets / "tokenizers" / "qwen3"
+    raise SystemExit(f"no Qwen tokenizer in {candidates[0]}/tokenizers/qwen3: "
+                     "set LLMSERVE_SHARED_ASSETS or pass --tokenizer")
 
 
 def build_model(args, out_dir: Path) -> Path:
@@ -160,7 +173,7 @@ def build_model(args, out_dir: Path) -> Path:
     from tokenizers import Tokenizer
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
-    tokenizer_dir = args.tokenizer or shared_assets() / "tokenizers" / "qwen3"
+    tokenizer_dir = args.tokenizer or qwen_tokenizer_dir()
     out_dir.mkdir(parents=True)
     for name in ("tokenizer.json", "tokenizer_config.json"):
         shutil.copy(tokenizer_dir / name, out_dir / name)
@@ -178,7 +191,7 @@ def build_model(args, out_dir: Path) -> Path:
     num_known = Tokenizer.from_file(str(out_dir / "tokenizer.json")).get_vocab_size()
     with torch.no_grad():
         model.get_output_embeddings().weight[num_known:] = 0
-    model.save_pretrained(out_dir)
+    model.to("cpu").save_pretrained(out_dir)
     del model
     free_device_memory()
     return out_dir
@@ -189,24 +202,6 @@ def free_device_memory() -> None:
     gc.collect()
     if "torch" in sys.modules and sys.modules["torch"].cuda.is_available():
         sys.modules["torch"].cuda.empty_cache()
-
-
-class Plans:
-    """The workload of every cell (and the warm-up), planned once and sent on every path."""
-
-    def __init__(self, args, builder: PromptBuilder):
-        def workload(num_requests: int, output_tokens: int, seed: int) -> WorkloadConfig:
-            return WorkloadConfig(num_requests=num_requests, prompt_tokens=LengthDistribution("fixed", args.prompt_tokens),
-                                  output_tokens=LengthDistribution("fixed", output_tokens), seed=seed)
-
-        num_warmup = max(args.streams)
-        self.warmup = workload(num_warmup, args.warmup_output_tokens, args.seed + 1_000_003)
-        self.cells = {s: workload(max(args.min_requests, round(args.requests_per_stream * s)), args.output_tokens,
-                                  args.seed + s) for s in args.streams}
-        self.requests = {id(w): plan_requests(w, builder) for w in (self.warmup, *self.cells.values())}
-
-    def planned(self, workload: WorkloadConfig):
-        return self.requests[id(workload)]
 
 
 class InProcessWindow:
@@ -226,21 +221,19 @@ class InProcessWindow:
         return stack_report.measurement(summarize(records, self._start_s, end_s), usage)
 
 
-def run_core(args, options, model_dir: Path, plans: Plans, on_cell) -> None:
+def run_core(args, options, model_dir: Path, plans: stack_drivers.Plans, on_cell) -> None:
     from llmserve.inference.backends import create_engine_core
 
     core = create_engine_core(engine_config(options, model_dir, ModelFiles.load(model_dir).model_name))
     on_cell("startup", None)
-    stack_drivers.drive_core(core, plans.planned(plans.warmup), max(args.streams), "warmup")
+    stack_drivers.drive_core(core, plans.warmup.requests, max(args.streams), "warmup")
     for streams in args.streams:
         window = InProcessWindow()
-        records = stack_drivers.drive_core(core, plans.planned(plans.cells[streams]), streams, f"cell{streams}")
+        records = stack_drivers.drive_core(core, plans.cells[streams].requests, streams, f"cell{streams}")
         on_cell(streams, window.measurement(records))
-    del core
-    free_device_memory()
 
 
-def run_async(args, options, model_dir: Path, plans: Plans, on_cell) -> None:
+def run_async(args, options, model_dir: Path, plans: stack_drivers.Plans, on_cell) -> None:
     from llmserve.inference.backends import create_engine
 
     async def main() -> None:
@@ -248,74 +241,16 @@ def run_async(args, options, model_dir: Path, plans: Plans, on_cell) -> None:
         await engine.start()
         on_cell("startup", None)
         try:
-            await stack_drivers.drive_async_engine(engine, plans.planned(plans.warmup), max(args.streams), "warmup")
+            await stack_drivers.drive_async_engine(engine, plans.warmup.requests, max(args.streams), "warmup")
             for streams in args.streams:
                 window = InProcessWindow()
                 records = await stack_drivers.drive_async_engine(
-                    engine, plans.planned(plans.cells[streams]), streams, f"cell{streams}")
+                    engine, plans.cells[streams].requests, streams, f"cell{streams}")
                 on_cell(streams, window.measurement(records))
         finally:
             await engine.shutdown(drain_timeout_s=0.0)
 
     asyncio.run(main())
-    free_device_memory()
-
-
-def start_services(path: str, args, options, model_dir: Path, log_dir: Path) -> dict:
-    """The services of a path, started in order; role → ServiceProcess."""
-    model = ["--model", str(model_dir)]
-    started: dict = {}
-    try:
-        if path == "gateway":
-            started["preprocess"] = start_service("preprocess", [*model, *engine_argv(options, PREPROCESS_ENGINE_OPTIONS)],
-                                                  log_dir, timeout_s=args.startup_timeout_s)
-        started["inference"] = start_service(
-            "inference", [*model, *engine_argv(options), *split_flags(args.inference_arg)], log_dir,
-            timeout_s=args.startup_timeout_s)
-        if path == "gateway":
-            started["gateway"] = start_service(
-                "gateway", [*model, "--preprocess", started["preprocess"].address, "--inference",
-                            started["inference"].address, *split_flags(args.gateway_arg)],
-                log_dir, timeout_s=args.startup_timeout_s)
-    except BaseException:
-        stop_services(started)
-        raise
-    return started
-
-
-def stop_services(services: dict) -> None:
-    for service in reversed(list(services.values())):  # the gateway first, as the launcher does
-        stop_service(service)
-
-
-def run_services(path: str, args, options, model_dir: Path, plans: Plans, on_cell, log_dir: Path) -> None:
-    services = start_services(path, args, options, model_dir, log_dir)
-    on_cell("startup", None)
-    service_pids = {role: [service.process.pid] for role, service in services.items()}
-    server_pids = {pid for pids in service_pids.values() for pid in pids}
-
-    def role_pids() -> dict[str, list[int]]:
-        clients = [pid for pid in proc_cpu.child_pids(os.getpid()) if pid not in server_pids]
-        return {"bench": [os.getpid(), *clients], **service_pids}
-
-    front = services["gateway" if path == "gateway" else "inference"]
-    send = stack_drivers.send_to_inference if path == "grpc" else None
-
-    def run(workload: WorkloadConfig, streams: int):
-        config = RunConfig(address=front.address, concurrency=streams, num_workers=args.client_workers,
-                           show_progress=False, send=send)
-        return run_workload(plans.planned(workload), workload, config)
-
-    try:
-        run(plans.warmup, max(args.streams))
-        with proc_cpu.CpuSampler(role_pids) as sampler:
-            for streams in args.streams:
-                result = run(plans.cells[streams], streams)
-                summary = summarize(result.records, result.start_s, result.end_s)
-                time.sleep(0.15)  # one more sample after the window (CpuSampler.usage brackets it)
-                on_cell(streams, stack_report.measurement(summary, sampler.usage(result.start_s, result.end_s)))
-    finally:
-        stop_services(services)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -323,13 +258,13 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="--engine-arg")
     add_engine_arguments(parser)
     base = ["--device", args.device, "--max-num-seqs", str(max(256, *args.streams))]
-    options = engine_options(parser.parse_args(base + split_flags(args.engine_arg)))
+    options = engine_options(parser.parse_args(base + args.engine_arg))
     options["dtype"] = options["dtype"] or default_dtype(options["device"])  # explicit in the JSON
     stem = time.strftime("stack-%Y%m%d-%H%M%S")
     report = stack_report.Report(args.out_dir / f"{stem}.json", settings=vars(args), engine_options=options)
     with tempfile.TemporaryDirectory(prefix="bench-stack-") as tmp:
         model_dir = args.model or build_model(args, Path(tmp) / f"random-{args.shape}")
-        plans = Plans(args, PromptBuilder.from_path(model_dir))
+        plans = stack_drivers.Plans(args, PromptBuilder.from_path(model_dir))
         for number, path in enumerate(args.paths, 1):
             print(f"[{number}/{len(args.paths)}] {PATHS[path]}: starting", flush=True)
             on_cell = report.cell_recorder(path, PATHS[path])
@@ -339,10 +274,11 @@ def main(argv: list[str] | None = None) -> int:
                 elif path == "async":
                     run_async(args, options, model_dir, plans, on_cell)
                 else:
-                    run_services(path, args, options, model_dir, plans, on_cell, args.out_dir / f"{stem}-logs" / path)
+                    log_dir = args.out_dir / f"{stem}-logs" / path
+                    stack_services.run_services(path, args, options, model_dir, plans, on_cell, log_dir)
             except Exception as error:  # one failed path must not lose the others' numbers
                 report.failed(path, error)
-                free_device_memory()
+            free_device_memory()  # outside `except`: its traceback would keep a failed engine alive
     report.finish(args.plot)
     return 1 if report.errors else 0
 

@@ -27,6 +27,7 @@ from dataclasses import dataclass
 CLOCK_TICKS_PER_S = os.sysconf("SC_CLK_TCK")
 TOP_THREADS = 6  # threads listed per process, busiest first
 MIN_THREAD_CPU_PCT = 1.0  # quieter threads are left out of the list
+SAMPLE_INTERVAL_S = 0.1  # CpuSampler's; a window's CPU is bracketed to within one interval
 
 # role ("inference", "bench client", ...) → the pids that play it, asked at every snapshot
 # (a load generator's workers come and go).
@@ -109,7 +110,7 @@ def cpu_usage(before: Snapshot, after: Snapshot, window_s: float) -> dict[str, d
 class CpuSampler:
     """Snapshots `role_pids()` every `interval_s` on a daemon thread while in a `with` block."""
 
-    def __init__(self, role_pids: RolePids, interval_s: float = 0.1):
+    def __init__(self, role_pids: RolePids, interval_s: float = SAMPLE_INTERVAL_S):
         self._role_pids = role_pids
         self._interval_s = interval_s
         self._samples: list[Snapshot] = []

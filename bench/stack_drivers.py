@@ -7,6 +7,8 @@ RequestRecord (monotonic times of each message that carried tokens), so one set 
   drive_async_engine  an AsyncEngine (engine thread + this event loop), one task per stream;
   send_to_inference   one request to an inference replica's GenerateTokens, for loadgen's
                       workers (WorkerPlan.send); the gateway path uses loadgen's own send_one.
+The requests (`Plans`) are planned once by loadgen's planner, token ids and text alike, and sent
+on every path.
 
 This module is imported by spawned loadgen workers: it must not import torch.
 """
@@ -16,14 +18,42 @@ from __future__ import annotations
 import asyncio
 import collections
 import time
+from dataclasses import dataclass
 
 import grpc
 
 from llmserve.inference.engine.types import EngineCore, EngineOutput, EngineRequest
 from llmserve.loadgen.client import RequestRecord, WorkerPlan
-from llmserve.loadgen.workload import PlannedRequest
+from llmserve.loadgen.workload import LengthDistribution, PlannedRequest, PromptBuilder, WorkloadConfig, plan_requests
 from llmserve.sampling import SamplingParams
 from llmserve.v1 import common_pb2, inference_pb2, inference_pb2_grpc
+
+
+WARMUP_SEED_OFFSET = 1_000_003  # far from any cell's seed (--seed + streams)
+
+
+@dataclass(frozen=True, slots=True)
+class PlannedCell:
+    streams: int  # requests in flight
+    workload: WorkloadConfig
+    requests: list[PlannedRequest]
+
+
+class Plans:
+    """Every cell's requests and the warm-up's (max streams in flight, short outputs). A cell's
+    seed is --seed + its streams: its own prompts (no prefix-cache hits across cells), the same
+    on every path."""
+
+    def __init__(self, args, builder: PromptBuilder):
+        def cell(streams: int, num_requests: int, output_tokens: int, seed: int) -> PlannedCell:
+            workload = WorkloadConfig(num_requests, LengthDistribution("fixed", args.prompt_tokens),
+                                      LengthDistribution("fixed", output_tokens), seed=seed)
+            return PlannedCell(streams, workload, plan_requests(workload, builder))
+
+        most = max(args.streams)
+        self.warmup = cell(most, most, args.warmup_output_tokens, args.seed + WARMUP_SEED_OFFSET)
+        self.cells = {streams: cell(streams, max(args.min_requests, round(args.requests_per_stream * streams)),
+                                    args.output_tokens, args.seed + streams) for streams in args.streams}
 
 
 def engine_request(planned: PlannedRequest, request_id: str) -> EngineRequest:

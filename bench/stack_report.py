@@ -72,8 +72,9 @@ class Report:
                 print(f"    ready in {self.startup_s[path]} s; warm-up", flush=True)
                 return
             self.rows.append({"path": path, "label": label, "streams": streams, **cell})
-            print(f"    {streams:>4} streams: {cell['output_tokens_per_s']} out tok/s, TTFT p50 {cell['ttft_p50_ms']} ms, "
-                  f"ITL p50 {cell['itl_p50_ms']} ms, CPU% {cell['cpu_pct']}", flush=True)
+            print(f"    {streams:>4} streams: {cell['output_tokens_per_s']} out tok/s, "
+                  f"TTFT p50 {cell['ttft_p50_ms']} ms, ITL p50 {cell['itl_p50_ms']} ms, CPU% {cell['cpu_pct']}",
+                  flush=True)
             self.write()
 
         return on_cell
