@@ -23,7 +23,7 @@ from dataclasses import dataclass
 import grpc
 
 from llmserve.inference.engine.types import EngineCore, EngineOutput, EngineRequest
-from llmserve.loadgen.client import RequestRecord, WorkerPlan
+from llmserve.loadgen.client import RequestRecord, WorkerPlan, record_stream
 from llmserve.loadgen.workload import LengthDistribution, PlannedRequest, PromptBuilder, WorkloadConfig, plan_requests
 from llmserve.sampling import SamplingParams
 from llmserve.v1 import common_pb2, inference_pb2, inference_pb2_grpc
@@ -129,17 +129,9 @@ async def send_to_inference(channel: grpc.aio.Channel, planned: PlannedRequest, 
         sampling=sampling,
     )
     record = new_record(planned)
-    try:
-        async for message in stub.GenerateTokens(request, timeout=plan.timeout_s):
-            now_s = time.monotonic()
-            if message.token_ids:
-                record.message_times_s.append(now_s)
-                record.message_num_tokens.append(len(message.token_ids))
-            if message.HasField("usage"):
-                record.num_prompt_tokens = message.usage.prompt_tokens
-                record.num_completion_tokens = message.usage.completion_tokens
-                record.num_cached_tokens = message.usage.cached_tokens
-    except grpc.aio.AioRpcError as error:
-        record.status, record.error = error.code().name, error.details() or ""
-    record.end_s = time.monotonic()
-    return record
+    stream = stub.GenerateTokens(request, timeout=plan.timeout_s)
+    return await record_stream(record, stream, _final_usage)
+
+
+def _final_usage(message: inference_pb2.GenerateTokensResponse):
+    return message.usage if message.HasField("usage") else None  # set on the last message only

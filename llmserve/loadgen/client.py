@@ -83,14 +83,25 @@ async def send_one(channel: grpc.aio.Channel, planned: PlannedRequest, plan: Wor
     record = RequestRecord(planned.index, planned.prefix_group, planned.num_prompt_tokens, planned.max_tokens)
     request = build_request(planned, plan.workload, plan.ignore_eos, plan.model)
     record.start_s = time.monotonic()
+    stream = stub.GenerateStream(request, timeout=plan.timeout_s)
+    return await record_stream(record, stream, _result_usage)
+
+
+def _result_usage(message: gateway_pb2.GenerateStreamResponse):
+    return message.result.usage if message.HasField("result") else None
+
+
+async def record_stream(record: RequestRecord, stream, usage_of) -> RequestRecord:
+    """Read a server stream into `record`: when each message carrying `token_ids` arrived, the
+    usage of the message for which `usage_of(message)` gives one, a gRPC error as the status."""
     try:
-        async for message in stub.GenerateStream(request, timeout=plan.timeout_s):
+        async for message in stream:
             now = time.monotonic()
             if message.token_ids:
                 record.message_times_s.append(now)
                 record.message_num_tokens.append(len(message.token_ids))
-            if message.HasField("result"):
-                usage = message.result.usage
+            usage = usage_of(message)
+            if usage is not None:
                 record.num_prompt_tokens = usage.prompt_tokens
                 record.num_completion_tokens = usage.completion_tokens
                 record.num_cached_tokens = usage.cached_tokens
