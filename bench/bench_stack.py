@@ -204,6 +204,16 @@ def free_device_memory() -> None:
         sys.modules["torch"].cuda.empty_cache()
 
 
+def device_memory_note() -> str:
+    """Free device memory before a path: each engine sizes its KV pool from it, so a path that
+    finds less than the one before it would show here."""
+    torch = sys.modules.get("torch")
+    if torch is None or not torch.cuda.is_initialized():
+        return ""
+    free_bytes, total_bytes = torch.cuda.mem_get_info()
+    return f" (device memory free: {free_bytes / 2**30:.1f} of {total_bytes / 2**30:.1f} GiB)"
+
+
 class InProcessWindow:
     """The measured window of a cell driven on this process's own threads: CPU snapshots of this
     process at its start (construction) and end (`measurement`), its threads by Python name."""
@@ -266,7 +276,7 @@ def main(argv: list[str] | None = None) -> int:
         model_dir = args.model or build_model(args, Path(tmp) / f"random-{args.shape}")
         plans = stack_drivers.Plans(args, PromptBuilder.from_path(model_dir))
         for number, path in enumerate(args.paths, 1):
-            print(f"[{number}/{len(args.paths)}] {PATHS[path]}: starting", flush=True)
+            print(f"[{number}/{len(args.paths)}] {PATHS[path]}: starting{device_memory_note()}", flush=True)
             on_cell = report.cell_recorder(path, PATHS[path])
             try:
                 if path == "core":
