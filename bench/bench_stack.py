@@ -1,7 +1,7 @@
 """The data plane against the engine: one workload through four paths, on one device and model.
 
     python bench/bench_stack.py                        # H200: Qwen2.5-1.5B shape, 1/64/256 streams
-    python bench/bench_stack.py --streams 256 --paths core,gateway --gateway-arg "--workers 4"
+    python bench/bench_stack.py --streams 256 --paths core,gateway --engine-arg "--max-batched-tokens 4096"
     python bench/bench_stack.py --smoke                # CPU, tiny model: that every path runs
 
 Paths (each on a fresh engine: the same weights, the same engine flags):
@@ -48,7 +48,9 @@ gateway); --gateway-arg only to the gateway.
 
 Prints a progress line per path and cell, then one table (markdown) and the threads; writes
 --out-dir/stack-<time>.json (rewritten after each path, so a run cut short keeps what it
-measured), service logs to --out-dir/stack-<time>-logs/, and with --plot a PNG.
+measured), service logs to --out-dir/stack-<time>-logs/, and with --plot a PNG. A path that
+fails is reported and the others still run; the exit code is 1 if a path failed or a request
+did not succeed.
 """
 
 from __future__ import annotations
@@ -290,7 +292,8 @@ def main(argv: list[str] | None = None) -> int:
                 report.failed(path, error)
             free_device_memory()  # outside `except`: its traceback would keep a failed engine alive
     report.finish(args.plot)
-    return 1 if report.errors else 0
+    incomplete = [row for row in report.rows if row["num_succeeded"] < row["num_requests"]]
+    return 1 if report.errors or incomplete else 0
 
 
 if __name__ == "__main__":
