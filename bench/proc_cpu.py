@@ -10,13 +10,16 @@ Two ways to bracket a window:
     processes (loadgen's spawned workers), whose start and end are known only afterwards: the
     window's CPU is the difference of the last sample at or before its start and the first at
     or after its end (the services are idle outside the window, so the extra fraction of an
-    interval costs them nothing; it is divided by the window's own length).
+    interval costs them nothing; it is divided by the window's own length). A process or thread
+    that exited in between (a worker done with its share) counts with its last sampled time.
 Threads are named by their kernel name (comm) - Python threads all share the interpreter's -
-and `main` marks the process's first thread (the asyncio loop of a gRPC service).
+and `main` marks the process's first thread (the asyncio loop of a gRPC service); threads of a
+role's second and later processes (loadgen's workers) are prefixed with their pid.
 """
 
 from __future__ import annotations
 
+import functools
 import os
 import threading
 import time
@@ -37,8 +40,13 @@ RolePids = Callable[[], dict[str, list[int]]]
 @dataclass(frozen=True, slots=True)
 class Snapshot:
     time_s: float  # time.monotonic()
-    ticks: dict[str, int]  # role → CPU ticks of its processes
+    process_ticks: dict[int, tuple[str, int]]  # pid → (role, CPU ticks)
     thread_ticks: dict[tuple[int, int], tuple[str, str, int]]  # (pid, tid) → (role, name, ticks)
+
+    def updated_by(self, later: "Snapshot") -> "Snapshot":
+        """`later`, keeping the last times of what exited since this one."""
+        return Snapshot(later.time_s, {**self.process_ticks, **later.process_ticks},
+                        {**self.thread_ticks, **later.thread_ticks})
 
 
 def _read_stat(path: str) -> tuple[str, int] | None:
@@ -75,28 +83,32 @@ def child_pids(pid: int) -> list[int]:
 def snapshot(role_pids: dict[str, list[int]], *, names: dict[int, str] | None = None) -> Snapshot:
     """CPU ticks of every role's processes and threads now; `names` overrides thread names by
     tid (the Python thread names of this process)."""
-    ticks: dict[str, int] = {}
+    process_ticks: dict[int, tuple[str, int]] = {}
     thread_ticks: dict[tuple[int, int], tuple[str, str, int]] = {}
     for role, pids in role_pids.items():
-        ticks[role] = 0
         for pid in pids:
             stat = _read_stat(f"/proc/{pid}/stat")
             if stat is None:
                 continue
-            ticks[role] += stat[1]
+            process_ticks[pid] = (role, stat[1])
             for tid in thread_ids(pid):
                 thread = _read_stat(f"/proc/{pid}/task/{tid}/stat")
                 if thread is not None:
                     name = (names or {}).get(tid) or ("main" if tid == pid else thread[0])
+                    if pid != pids[0]:  # a role's other processes (loadgen workers): named by pid
+                        name = f"{pid}/{name}"
                     thread_ticks[(pid, tid)] = (role, name, thread[1])
-    return Snapshot(time.monotonic(), ticks, thread_ticks)
+    return Snapshot(time.monotonic(), process_ticks, thread_ticks)
 
 
 def cpu_usage(before: Snapshot, after: Snapshot, window_s: float) -> dict[str, dict]:
     """Per role: CPU% of its processes over `window_s`, and its busiest threads."""
     scale = 100.0 / CLOCK_TICKS_PER_S / max(window_s, 1e-9)
-    usage = {role: {"cpu_pct": (ticks - before.ticks.get(role, 0)) * scale, "threads": []}
-             for role, ticks in after.ticks.items()}
+    usage: dict[str, dict] = {}
+    for pid, (role, ticks) in after.process_ticks.items():
+        previous = before.process_ticks.get(pid)
+        role_usage = usage.setdefault(role, {"cpu_pct": 0.0, "threads": []})
+        role_usage["cpu_pct"] += (ticks - (previous[1] if previous else 0)) * scale
     for key, (role, name, ticks) in after.thread_ticks.items():
         previous = before.thread_ticks.get(key)
         pct = (ticks - (previous[2] if previous else 0)) * scale
@@ -133,7 +145,9 @@ class CpuSampler:
 
     def usage(self, start_s: float, end_s: float) -> dict[str, dict]:
         """cpu_usage over [start_s, end_s] (monotonic seconds), bracketed by the samples."""
-        times = [sample.time_s for sample in self._samples]
-        before = self._samples[max(0, bisect_right(times, start_s) - 1)]
-        after = self._samples[min(len(times) - 1, bisect_left(times, end_s))]
-        return cpu_usage(before, after, end_s - start_s)
+        samples = list(self._samples)
+        times = [sample.time_s for sample in samples]
+        first = max(0, bisect_right(times, start_s) - 1)
+        last = min(len(samples) - 1, bisect_left(times, end_s))
+        after = functools.reduce(Snapshot.updated_by, samples[first + 1:last + 1], samples[first])
+        return cpu_usage(samples[first], after, end_s - start_s)
