@@ -64,3 +64,32 @@ def test_measured_rates_never_round_to_zero():
     assert significant(4.4e-7) == 4.4e-7
     assert significant(4821.77) == 4822
     assert significant(0.0) == 0.0
+
+
+def test_bench_stack_measures_every_path_on_cpu(tmp_path):
+    """bench_stack.py --smoke: the four paths (engine core loop, AsyncEngine, the inference
+    service over gRPC, the full stack through the gateway) at two stream counts, each row with
+    its throughput, latencies, ratios to the core loop and the CPU of every process involved."""
+    report = run_bench("bench_stack.py", ["--smoke", "--plot", "--out-dir", str(tmp_path)], tmp_path)
+    assert report["errors"] == {}
+    rows = {(row["path"], row["streams"]): row for row in report["rows"]}
+    processes = {"core": {"bench"}, "async": {"bench"}, "grpc": {"bench", "inference"},
+                 "gateway": {"bench", "preprocess", "inference", "gateway"}}
+    assert set(rows) == {(path, streams) for path in processes for streams in (1, 4)}
+    output_tokens = report["settings"]["output_tokens"]
+    for (path, streams), row in rows.items():
+        assert row["num_succeeded"] == row["num_requests"] >= 4, row["first_errors"]
+        assert row["completion_tokens_per_request"] == output_tokens
+        assert row["prompt_tokens_per_request"] > 0
+        for key in ("output_tokens_per_s", "ttft_p50_ms", "ttft_p99_ms", "itl_p50_ms", "output_ratio_vs_core",
+                    "itl_ratio_vs_core"):
+            assert row[key] > 0, (path, streams, key)
+        assert set(row["cpu_pct"]) == processes[path]
+        busy = processes[path] - {"preprocess"}  # preprocess tokenizes 24 tokens: may not reach a clock tick
+        assert all(row["cpu_pct"][process] > 0 for process in busy), row["cpu_pct"]
+        assert (row["gateway_tokens_per_s_per_core"] or 0) > 0 if path == "gateway" else \
+            row["gateway_tokens_per_s_per_core"] is None
+    assert {rows[("core", s)]["output_ratio_vs_core"] for s in (1, 4)} == {1.0}
+    assert report["startup_s"].keys() == processes.keys()
+    (plot,) = tmp_path.glob("*.png")
+    assert plot.read_bytes().startswith(b"\x89PNG\r\n\x1a\n")

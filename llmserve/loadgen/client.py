@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 
 import grpc
@@ -58,6 +59,10 @@ class WorkerPlan:
     timeout_s: float
     ignore_eos: bool
     model: str = ""
+    # Sends one request on the channel and records it. None: the gateway's GenerateStream
+    # (send_one); bench/bench_stack.py sends to an inference replica. A module-level function:
+    # the plan is pickled into a spawned worker, which imports it by name.
+    send: Callable[[grpc.aio.Channel, PlannedRequest, "WorkerPlan"], Awaitable[RequestRecord]] | None = None
 
 
 def build_request(planned: PlannedRequest, workload: WorkloadConfig, ignore_eos: bool, model: str):
@@ -73,18 +78,30 @@ def build_request(planned: PlannedRequest, workload: WorkloadConfig, ignore_eos:
     return gateway_pb2.GenerateStreamRequest(params=params)
 
 
-async def send_one(stub, planned: PlannedRequest, plan: WorkerPlan) -> RequestRecord:
+async def send_one(channel: grpc.aio.Channel, planned: PlannedRequest, plan: WorkerPlan) -> RequestRecord:
+    stub = gateway_pb2_grpc.GatewayServiceStub(channel)
     record = RequestRecord(planned.index, planned.prefix_group, planned.num_prompt_tokens, planned.max_tokens)
     request = build_request(planned, plan.workload, plan.ignore_eos, plan.model)
     record.start_s = time.monotonic()
+    stream = stub.GenerateStream(request, timeout=plan.timeout_s)
+    return await record_stream(record, stream, _result_usage)
+
+
+def _result_usage(message: gateway_pb2.GenerateStreamResponse):
+    return message.result.usage if message.HasField("result") else None
+
+
+async def record_stream(record: RequestRecord, stream, usage_of) -> RequestRecord:
+    """Read a server stream into `record`: when each message carrying `token_ids` arrived, the
+    usage of the message for which `usage_of(message)` gives one, a gRPC error as the status."""
     try:
-        async for message in stub.GenerateStream(request, timeout=plan.timeout_s):
+        async for message in stream:
             now = time.monotonic()
             if message.token_ids:
                 record.message_times_s.append(now)
                 record.message_num_tokens.append(len(message.token_ids))
-            if message.HasField("result"):
-                usage = message.result.usage
+            usage = usage_of(message)
+            if usage is not None:
                 record.num_prompt_tokens = usage.prompt_tokens
                 record.num_completion_tokens = usage.completion_tokens
                 record.num_cached_tokens = usage.cached_tokens
@@ -100,8 +117,8 @@ async def run_plan(plan: WorkerPlan, start_at_s: float, on_done=None) -> list[Re
     `max_in_flight` at once; `on_done(record)` after each."""
     options = [("grpc.max_send_message_length", _MAX_MESSAGE_BYTES),
                ("grpc.max_receive_message_length", _MAX_MESSAGE_BYTES)]
+    send = plan.send or send_one
     async with grpc.aio.insecure_channel(plan.address, options=options) as channel:
-        stub = gateway_pb2_grpc.GatewayServiceStub(channel)
         in_flight = asyncio.Semaphore(plan.max_in_flight)
 
         async def one(planned: PlannedRequest) -> RequestRecord:
@@ -109,7 +126,7 @@ async def run_plan(plan: WorkerPlan, start_at_s: float, on_done=None) -> list[Re
             if delay > 0:
                 await asyncio.sleep(delay)
             async with in_flight:
-                record = await send_one(stub, planned, plan)
+                record = await send(channel, planned, plan)
             if on_done is not None:
                 on_done(record)
             return record

@@ -16,6 +16,7 @@ import asyncio
 import multiprocessing as mp
 import queue
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from tqdm import tqdm
@@ -36,6 +37,7 @@ class RunConfig:
     ignore_eos: bool = True
     model: str = ""
     show_progress: bool = True
+    send: Callable | None = None  # WorkerPlan.send: None sends to the gateway
 
 
 @dataclass(frozen=True, slots=True)
@@ -52,7 +54,7 @@ def worker_plans(planned: list[PlannedRequest], workload: WorkloadConfig, config
         share = tuple(planned[k::num_workers])
         max_in_flight = config.concurrency // num_workers + (1 if k < config.concurrency % num_workers else 0)
         plans.append(WorkerPlan(config.address, share, workload, max_in_flight, config.timeout_s,
-                                config.ignore_eos, config.model))
+                                config.ignore_eos, config.model, config.send))
     return plans
 
 

@@ -1,0 +1,137 @@
+"""How bench_stack.py drives each path: the same planned requests, `concurrency` in flight (a new
+one starts as one finishes), greedy, ignore_eos; every request recorded as a loadgen
+RequestRecord (monotonic times of each message that carried tokens), so one set of statistics
+(llmserve.loadgen.stats) measures every path the same way.
+
+  drive_core          an EngineCore stepped by a plain loop on this thread;
+  drive_async_engine  an AsyncEngine (engine thread + this event loop), one task per stream;
+  send_to_inference   one request to an inference replica's GenerateTokens, for loadgen's
+                      workers (WorkerPlan.send); the gateway path uses loadgen's own send_one.
+The requests (`Plans`) are planned once by loadgen's planner, token ids and text alike, and sent
+on every path.
+
+This module is imported by spawned loadgen workers: it must not import torch.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import time
+from dataclasses import dataclass
+
+import grpc
+
+from llmserve.inference.engine.types import EngineCore, EngineOutput, EngineRequest
+from llmserve.loadgen.client import RequestRecord, WorkerPlan, record_stream
+from llmserve.loadgen.workload import LengthDistribution, PlannedRequest, PromptBuilder, WorkloadConfig, plan_requests
+from llmserve.sampling import SamplingParams
+from llmserve.v1 import common_pb2, inference_pb2, inference_pb2_grpc
+
+
+WARMUP_SEED_OFFSET = 1_000_003  # far from any cell's seed (--seed + streams)
+
+
+@dataclass(frozen=True, slots=True)
+class PlannedCell:
+    streams: int  # requests in flight
+    workload: WorkloadConfig
+    requests: list[PlannedRequest]
+
+
+class Plans:
+    """Every cell's requests and the warm-up's (max streams in flight, short outputs). A cell's
+    seed is --seed + its streams: its own prompts (no prefix-cache hits across cells), the same
+    on every path."""
+
+    def __init__(self, args, builder: PromptBuilder):
+        def cell(streams: int, num_requests: int, output_tokens: int, seed: int) -> PlannedCell:
+            workload = WorkloadConfig(num_requests, LengthDistribution("fixed", args.prompt_tokens),
+                                      LengthDistribution("fixed", output_tokens), seed=seed)
+            return PlannedCell(streams, workload, plan_requests(workload, builder))
+
+        most = max(args.streams)
+        self.warmup = cell(most, most, args.warmup_output_tokens, args.seed + WARMUP_SEED_OFFSET)
+        self.cells = {streams: cell(streams, max(args.min_requests, round(args.requests_per_stream * streams)),
+                                    args.output_tokens, args.seed + streams) for streams in args.streams}
+
+
+def engine_request(planned: PlannedRequest, request_id: str) -> EngineRequest:
+    sampling = SamplingParams(max_tokens=planned.max_tokens, temperature=0.0, ignore_eos=True)
+    return EngineRequest(request_id, list(planned.prompt_token_ids), sampling, time.monotonic_ns())
+
+
+def new_record(planned: PlannedRequest) -> RequestRecord:
+    record = RequestRecord(planned.index, planned.prefix_group, planned.num_prompt_tokens, planned.max_tokens)
+    record.start_s = time.monotonic()
+    return record
+
+
+def record_output(record: RequestRecord, output: EngineOutput, now_s: float) -> None:
+    if output.new_token_ids:
+        record.message_times_s.append(now_s)
+        record.message_num_tokens.append(len(output.new_token_ids))
+    if output.error_message:
+        record.status, record.error = "INTERNAL", output.error_message
+    if output.is_finished:
+        record.end_s = now_s
+        record.num_prompt_tokens = output.num_prompt_tokens
+        record.num_completion_tokens = output.num_completion_tokens
+        record.num_cached_tokens = output.num_cached_tokens
+
+
+def drive_core(core: EngineCore, planned: list[PlannedRequest], concurrency: int, tag: str) -> list[RequestRecord]:
+    """`while core.has_unfinished_requests(): core.step()`, topping the batch up to
+    `concurrency` after each step: the baseline every other path is compared with."""
+    waiting = collections.deque(planned)
+    records: dict[str, RequestRecord] = {}
+
+    def add_next() -> None:
+        request = waiting.popleft()
+        request_id = f"{tag}-{request.index}"
+        records[request_id] = new_record(request)
+        core.add_request(engine_request(request, request_id))
+
+    for _ in range(min(concurrency, len(waiting))):
+        add_next()
+    while core.has_unfinished_requests():
+        outputs = core.step()
+        now_s = time.monotonic()
+        for output in outputs:
+            record_output(records[output.request_id], output, now_s)
+            if output.is_finished and waiting:
+                add_next()
+    return sorted(records.values(), key=lambda record: record.index)
+
+
+async def drive_async_engine(engine, planned: list[PlannedRequest], concurrency: int, tag: str) -> list[RequestRecord]:
+    """`concurrency` tasks, each streaming one request at a time through engine.generate()."""
+    waiting = iter(planned)
+    records: list[RequestRecord] = []
+
+    async def stream() -> None:
+        for request in waiting:  # one iterator shared by the tasks: each request is taken once
+            record = new_record(request)
+            async for output in engine.generate(engine_request(request, f"{tag}-{request.index}")):
+                record_output(record, output, time.monotonic())
+            records.append(record)
+
+    await asyncio.gather(*(stream() for _ in range(concurrency)))
+    return sorted(records, key=lambda record: record.index)
+
+
+async def send_to_inference(channel: grpc.aio.Channel, planned: PlannedRequest, plan: WorkerPlan) -> RequestRecord:
+    """One GenerateTokens call with the planned prompt's token ids (WorkerPlan.send)."""
+    stub = inference_pb2_grpc.InferenceServiceStub(channel)
+    sampling = common_pb2.SamplingParams(max_tokens=planned.max_tokens, temperature=0.0, ignore_eos=plan.ignore_eos)
+    request = inference_pb2.GenerateTokensRequest(
+        request_id=f"bench-{planned.index}-{time.monotonic_ns()}", prompt_token_ids=planned.prompt_token_ids,
+        sampling=sampling,
+    )
+    record = new_record(planned)
+    stream = stub.GenerateTokens(request, timeout=plan.timeout_s)
+    return await record_stream(record, stream, _final_usage)
+
+
+def _final_usage(message: inference_pb2.GenerateTokensResponse):
+    return message.usage if message.HasField("usage") else None  # set on the last message only

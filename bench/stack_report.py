@@ -1,0 +1,171 @@
+"""bench_stack.py's results: one row per (path, streams), ratios to the engine core loop, a
+markdown table and the busiest threads on stdout, JSON (rewritten after every path), a PNG."""
+
+from __future__ import annotations
+
+import json
+import math
+import sys
+import time
+from pathlib import Path
+
+BASELINE = "core"
+ROLES = ("bench", "inference", "preprocess", "gateway")  # the processes a row may have
+
+
+def significant(value: float | None, digits: int = 4) -> float | None:
+    """`value` rounded to `digits` significant digits (bench_gpu.significant: a rate never
+    rounds to zero); None and NaN (no samples) become None."""
+    if value is None or not math.isfinite(value):
+        return None
+    if value == 0:
+        return 0.0
+    return round(value, digits - 1 - math.floor(math.log10(abs(value))))
+
+
+def measurement(summary: dict, usage: dict[str, dict]) -> dict:
+    """The row fields of one cell, from loadgen's summary and proc_cpu's usage per role."""
+    num_ok = max(1, summary["num_succeeded"])
+    return {
+        "num_requests": summary["num_requests"],
+        "num_succeeded": summary["num_succeeded"],
+        "errors_by_status": summary["errors_by_status"],
+        "duration_s": significant(summary["duration_s"]),
+        "output_tokens_per_s": significant(summary["output_tokens_per_s"]),
+        "ttft_p50_ms": significant(summary["ttft_ms"]["p50"]),
+        "ttft_p99_ms": significant(summary["ttft_ms"]["p99"]),
+        "itl_p50_ms": significant(summary["itl_ms"]["p50"]),
+        "itl_p99_ms": significant(summary["itl_ms"]["p99"]),
+        "prompt_tokens_per_request": significant(summary["num_prompt_tokens"] / num_ok),
+        "completion_tokens_per_request": significant(summary["num_completion_tokens"] / num_ok),
+        "cpu_pct": {role: significant(u["cpu_pct"], 3) for role, u in usage.items()},
+        "threads": {role: [{**t, "cpu_pct": significant(t["cpu_pct"], 3)} for t in u["threads"]]
+                    for role, u in usage.items()},
+        "first_errors": summary["first_errors"],
+    }
+
+
+def ratio(value: float | None, baseline: float | None) -> float | None:
+    return significant(value / baseline, 3) if value and baseline else None
+
+
+class Report:
+    """Collects rows as paths run; `finish` adds the ratios and writes everything."""
+
+    def __init__(self, json_path: Path, *, settings: dict, engine_options: dict):
+        self.json_path = json_path
+        self.settings = {key: value if value is None or isinstance(value, (int, float, bool, list)) else str(value)
+                         for key, value in settings.items()}
+        self.engine_options = dict(engine_options)
+        self.rows: list[dict] = []
+        self.startup_s: dict[str, float] = {}
+        self.errors: dict[str, str] = {}
+
+    def cell_recorder(self, path: str, label: str):
+        """on_cell("startup", None) once the path's engine or services are ready, then
+        on_cell(streams, measurement) per cell; each prints a progress line."""
+        started = time.monotonic()
+
+        def on_cell(streams, cell: dict | None) -> None:
+            if cell is None:
+                self.startup_s[path] = significant(time.monotonic() - started, 3)
+                print(f"    ready in {self.startup_s[path]} s; warm-up", flush=True)
+                return
+            self.rows.append({"path": path, "label": label, "streams": streams, **cell})
+            print(f"    {streams:>4} streams: {cell['output_tokens_per_s']} out tok/s, "
+                  f"TTFT p50 {cell['ttft_p50_ms']} ms, ITL p50 {cell['itl_p50_ms']} ms, CPU% {cell['cpu_pct']}",
+                  flush=True)
+            self.write()
+
+        return on_cell
+
+    def failed(self, path: str, error: BaseException) -> None:
+        self.errors[path] = f"{type(error).__name__}: {error}"
+        print(f"    FAILED: {self.errors[path]}", file=sys.stderr, flush=True)
+        self.write()
+
+    def with_ratios(self) -> list[dict]:
+        base = {row["streams"]: row for row in self.rows if row["path"] == BASELINE}
+        rows = []
+        for row in self.rows:
+            core = base.get(row["streams"], {})
+            gateway_cores = (row["cpu_pct"].get("gateway") or 0) / 100
+            rows.append({
+                **row,
+                "output_ratio_vs_core": ratio(row["output_tokens_per_s"], core.get("output_tokens_per_s")),
+                "itl_ratio_vs_core": ratio(row["itl_p50_ms"], core.get("itl_p50_ms")),
+                "gateway_tokens_per_s_per_core": significant(row["output_tokens_per_s"] / gateway_cores)
+                if gateway_cores and row["output_tokens_per_s"] else None,
+            })
+        return rows
+
+    def write(self) -> None:
+        report = {"settings": self.settings, "engine_options": self.engine_options, "startup_s": self.startup_s,
+                  "rows": self.with_ratios(), "errors": self.errors}
+        self.json_path.parent.mkdir(parents=True, exist_ok=True)
+        self.json_path.write_text(json.dumps(report, indent=2, allow_nan=False) + "\n")
+
+    def finish(self, plot: bool) -> None:
+        rows = self.with_ratios()
+        print()
+        print(format_table(rows))
+        print()
+        print(format_threads(rows))
+        for path, error in self.errors.items():
+            print(f"{path}: FAILED: {error}")
+        self.write()
+        written = [self.json_path]
+        if plot and rows:
+            written.append(write_plot(self.json_path.with_suffix(".png"), rows))
+        print("wrote " + ", ".join(map(str, written)))
+
+
+def _cell(value) -> str:
+    return "-" if value is None else f"{value:,}" if isinstance(value, (int, float)) else str(value)
+
+
+def format_table(rows: list[dict]) -> str:
+    header = ["path", "streams", "out tok/s", "vs core", "TTFT p50 ms", "TTFT p99 ms", "ITL p50 ms", "ITL vs core",
+              *(f"CPU% {role}" for role in ROLES), "gateway tok/s per core"]
+    lines = ["| " + " | ".join(header) + " |", "|" + " --- |" * len(header)]
+    for row in rows:
+        cells = [row["label"], row["streams"], row["output_tokens_per_s"], row["output_ratio_vs_core"],
+                 row["ttft_p50_ms"], row["ttft_p99_ms"], row["itl_p50_ms"], row["itl_ratio_vs_core"],
+                 *(row["cpu_pct"].get(role) for role in ROLES), row["gateway_tokens_per_s_per_core"]]
+        lines.append("| " + " | ".join(_cell(c) for c in cells) + " |")
+    return "\n".join(lines)
+
+
+def format_threads(rows: list[dict]) -> str:
+    """The busiest threads of each process, per row (`main`: a service's first thread, its event loop)."""
+    lines = ["busiest threads (CPU%):"]
+    for row in rows:
+        parts = [f"{role}: " + ", ".join(f"{t['name']} {t['cpu_pct']}" for t in threads)
+                 for role, threads in row["threads"].items() if threads]
+        lines.append(f"  {row['label']} @ {row['streams']}: " + "; ".join(parts))
+    return "\n".join(lines)
+
+
+def write_plot(path: Path, rows: list[dict]) -> Path:
+    """Output tok/s and ITL p50 against streams, one line per path."""
+    import matplotlib
+
+    matplotlib.use("Agg")  # files only, never a window
+    from matplotlib import pyplot as plt
+
+    figure, (throughput, itl) = plt.subplots(1, 2, figsize=(11, 4))
+    for label in dict.fromkeys(row["label"] for row in rows):
+        mine = [row for row in rows if row["label"] == label]
+        streams = [row["streams"] for row in mine]
+        throughput.plot(streams, [row["output_tokens_per_s"] for row in mine], marker="o", label=label)
+        itl.plot(streams, [row["itl_p50_ms"] for row in mine], marker="o", label=label)
+    for axes, title in ((throughput, "output tok/s"), (itl, "ITL p50 (ms)")):
+        axes.set_xscale("log", base=2)
+        axes.set_xlabel("concurrent streams")
+        axes.set_title(title)
+        axes.grid(True, alpha=0.3)
+    throughput.legend()
+    figure.tight_layout()
+    figure.savefig(path, dpi=120)
+    plt.close(figure)
+    return path

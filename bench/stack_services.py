@@ -1,0 +1,79 @@
+"""The service paths of bench_stack.py (`grpc`: the inference service; `gateway`: preprocess,
+inference and the gateway): start the processes as the tests do (tests/procs.py: port 0, wait
+for SERVING, SIGTERM at the end), drive them with llmserve.loadgen's spawned workers, and
+sample the CPU of every process (the bench process and its workers, each service) over each
+cell's window.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+
+import proc_cpu
+import stack_drivers
+import stack_report
+from llmserve.inference.engine_flags import engine_argv
+from llmserve.launcher import PREPROCESS_ENGINE_OPTIONS
+from llmserve.loadgen.runner import RunConfig, run_workload
+from llmserve.loadgen.stats import summarize
+from tests.procs import start_service, stop_service
+
+
+def start_services(path: str, args, options, model_dir: Path, log_dir: Path) -> dict:
+    """The services of a path, started in order; role → ServiceProcess."""
+    model = ["--model", str(model_dir)]
+    started: dict = {}
+    try:
+        if path == "gateway":
+            shared = engine_argv(options, PREPROCESS_ENGINE_OPTIONS)  # block size and context, as `serve` does
+            started["preprocess"] = start_service("preprocess", [*model, *shared], log_dir,
+                                                  timeout_s=args.startup_timeout_s)
+        started["inference"] = start_service(
+            "inference", [*model, *engine_argv(options), *args.inference_arg], log_dir,
+            timeout_s=args.startup_timeout_s)
+        if path == "gateway":
+            started["gateway"] = start_service(
+                "gateway", [*model, "--preprocess", started["preprocess"].address, "--inference",
+                            started["inference"].address, *args.gateway_arg],
+                log_dir, timeout_s=args.startup_timeout_s)
+    except BaseException:
+        stop_services(started)
+        raise
+    return started
+
+
+def stop_services(services: dict) -> None:
+    for service in reversed(list(services.values())):  # the gateway first, as the launcher does
+        stop_service(service)
+
+
+def run_services(path: str, args, options, model_dir: Path, plans: stack_drivers.Plans, on_cell, log_dir: Path) -> None:
+    services = start_services(path, args, options, model_dir, log_dir)
+    on_cell("startup", None)
+    service_pids = {role: [service.process.pid] for role, service in services.items()}
+    server_pids = {pid for pids in service_pids.values() for pid in pids}
+
+    def role_pids() -> dict[str, list[int]]:
+        clients = [pid for pid in proc_cpu.child_pids(os.getpid()) if pid not in server_pids]
+        return {"bench": [os.getpid(), *clients], **service_pids}
+
+    front = services["gateway" if path == "gateway" else "inference"]
+    send = stack_drivers.send_to_inference if path == "grpc" else None
+
+    def run(cell: stack_drivers.PlannedCell):
+        config = RunConfig(address=front.address, concurrency=cell.streams, num_workers=args.client_workers,
+                           show_progress=False, send=send)
+        return run_workload(cell.requests, cell.workload, config)
+
+    try:
+        run(plans.warmup)
+        with proc_cpu.CpuSampler(role_pids) as sampler:
+            for streams in args.streams:
+                result = run(plans.cells[streams])
+                summary = summarize(result.records, result.start_s, result.end_s)
+                time.sleep(1.5 * proc_cpu.SAMPLE_INTERVAL_S)  # a sample after the window: usage() brackets it
+                on_cell(streams, stack_report.measurement(summary, sampler.usage(result.start_s, result.end_s)))
+    finally:
+        stop_services(services)
