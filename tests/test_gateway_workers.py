@@ -15,6 +15,12 @@ from concurrent.futures import ThreadPoolExecutor
 import grpc
 import pytest
 
+from llmserve.cli import build_parser as build_cli_parser
+from llmserve.gateway.__main__ import build_parser as build_gateway_parser
+from llmserve.gateway.__main__ import config_from_args as gateway_config_from_args
+from llmserve.launcher import _common_args, _gateway_args
+from llmserve.serve_config import ServeConfig, default_gateway_workers, serve_config_from_args
+from llmserve.service_process import ServiceProcess
 from llmserve.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc
 from tests.procs import running_service, running_stack
 
@@ -115,3 +121,13 @@ def test_a_dead_worker_takes_the_gateway_down(stack, tiny_model_dir, tmp_path):
         assert f"gateway worker 1 (pid {pids[1]}) exited with code -9; stopping the gateway" in gateway.log_tail()
         with pytest.raises(ProcessLookupError):
             os.kill(pids[0], 0)  # the other worker is gone too
+
+
+def test_serve_passes_its_gateway_workers_to_the_gateway(tmp_path):
+    config = serve_config_from_args(build_cli_parser().parse_args(["serve", "--gateway-workers", "3"]))
+    hops = [ServiceProcess(name, f"llmserve.{name}", [], port_file=tmp_path / name) for name in ("preprocess", "inference")]
+    for port, hop in enumerate(hops, start=1):
+        hop.port = port
+    command = _gateway_args(config, _common_args(config, tmp_path, None), *hops)
+    assert gateway_config_from_args(build_gateway_parser().parse_args(command)).num_workers == 3
+    assert ServeConfig().gateway_workers == default_gateway_workers() >= 1

@@ -19,13 +19,6 @@ from llmserve.gateway.worker_group import run_worker_group
 from llmserve.server import configure_logging, exit_with_parent, write_port_file
 from llmserve.server_flags import GATEWAY_PORT, add_server_arguments, server_options
 
-# The sizing rule, shared with `llmserve serve --gateway-workers`.
-WORKERS_HELP = (
-    "gateway processes sharing the port (SO_REUSEPORT; the kernel spreads connections over them). "
-    "Each uses up to one core: give it about one per 8k output tokens/s"
-)
-
-
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="python -m llmserve.gateway",
@@ -34,7 +27,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     server = add_server_arguments(parser, default_port=GATEWAY_PORT)
     server.add_argument(
-        "--workers", type=int, default=1, metavar="N", help=f"{WORKERS_HELP} (default: %(default)s)"
+        "--workers", type=int, default=1, metavar="N",
+        help="gateway processes sharing the port (SO_REUSEPORT: the kernel spreads connections over them); "
+        "each uses up to a core, about one per 8k output tokens/s (default: %(default)s)",
     )
     parser.add_argument("--preprocess", required=True, metavar="HOST:PORT", help="preprocess service address")
     parser.add_argument(
