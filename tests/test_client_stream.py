@@ -59,7 +59,7 @@ class Pipeline:
 async def take_all(pipeline: Pipeline, max_unsent_tokens: int, *, write_delay_s: float = 0.0):
     """What a writer that takes `write_delay_s` per message receives."""
     received = []
-    async with aclosing(coalesced(pipeline.generate(), max_unsent_tokens)) as deltas:
+    async with aclosing(coalesced(pipeline.generate(), "r1", max_unsent_tokens)) as deltas:
         async for delta in deltas:
             received.append(delta)
             await asyncio.sleep(write_delay_s)
@@ -112,7 +112,7 @@ def test_a_pipeline_error_reaches_the_writer():
 
 def test_closing_the_stream_closes_the_pipeline():
     async def read_one_then_close(pipeline: Pipeline) -> None:
-        async with aclosing(coalesced(pipeline.generate(), 0)) as deltas:
+        async with aclosing(coalesced(pipeline.generate(), "r1", 0)) as deltas:
             await anext(deltas)
 
     pipeline = Pipeline([token_delta(i) for i in range(1000)])

@@ -20,6 +20,7 @@ grpc lets the writer run again (when the client reads what its window holds, or 
 from __future__ import annotations
 
 import asyncio
+import logging
 from contextlib import aclosing
 from typing import AsyncIterator
 
@@ -27,6 +28,8 @@ import grpc
 
 from llmserve.errors import ServiceError
 from llmserve.gateway.generation import GenerationDelta
+
+log = logging.getLogger(__name__)
 
 # A sequence decodes at up to a few hundred tokens/s, so this is several seconds of a client not
 # reading: long enough for a GC pause or a slow link, short enough to free a stalled client's KV.
@@ -65,7 +68,8 @@ def merge_deltas(deltas: list[GenerationDelta]) -> GenerationDelta:
 class _DeltaBuffer:
     """Deltas read from the pipeline and not yet taken by the writer."""
 
-    def __init__(self, max_unsent_tokens: int):
+    def __init__(self, request_id: str, max_unsent_tokens: int):
+        self._request_id = request_id
         self._max_unsent_tokens = max_unsent_tokens  # 0: unbounded
         self._deltas: list[GenerationDelta] = []
         self._num_unsent_tokens = 0
@@ -80,7 +84,9 @@ class _DeltaBuffer:
                     self._deltas.append(delta)
                     self._num_unsent_tokens += len(delta.token_ids)
                     if 0 < self._max_unsent_tokens < self._num_unsent_tokens:
-                        raise ClientNotReading(self._num_unsent_tokens, self._max_unsent_tokens)
+                        error = ClientNotReading(self._num_unsent_tokens, self._max_unsent_tokens)
+                        log.warning("request %s aborted: %s", self._request_id, error.message)
+                        raise error
                     self.changed.set()
         finally:
             self.changed.set()
@@ -96,7 +102,7 @@ class _DeltaBuffer:
 
 
 async def coalesced(
-    deltas: AsyncIterator[GenerationDelta], max_unsent_tokens: int
+    deltas: AsyncIterator[GenerationDelta], request_id: str, max_unsent_tokens: int
 ) -> AsyncIterator[GenerationDelta]:
     """Yield `deltas` merged by what accumulated during each write; the last one has the result.
 
@@ -104,7 +110,7 @@ async def coalesced(
     (0: no bound) waited unsent. Closing this generator (client cancel, deadline) cancels the
     producer, which closes the pipeline and so aborts inference.
     """
-    buffer = _DeltaBuffer(max_unsent_tokens)
+    buffer = _DeltaBuffer(request_id, max_unsent_tokens)
     producer = asyncio.create_task(buffer.fill(deltas))
     try:
         while True:

@@ -47,7 +47,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
         params = request.params
         generation = await self._start(params, context)
         pipeline_deltas = self._pipeline.generate(generation, context.time_remaining)
-        async with aclosing(coalesced(pipeline_deltas, self._max_unsent_tokens)) as deltas:
+        async with aclosing(coalesced(pipeline_deltas, generation.request_id, self._max_unsent_tokens)) as deltas:
             async for delta in deltas:
                 if delta.result is not None or _has_content(delta, params.return_token_ids):
                     yield _stream_response_to_pb(generation.request_id, delta, params.return_token_ids)

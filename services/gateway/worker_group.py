@@ -23,7 +23,6 @@ process dies (server.exit_with_parent).
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import multiprocessing
 import os
@@ -35,8 +34,6 @@ import time
 from dataclasses import dataclass, replace
 from multiprocessing.connection import Connection, wait
 from multiprocessing.process import BaseProcess
-from typing import Iterator
-
 from llmserve.gateway.config import GatewayConfig
 from llmserve.gateway.worker import run_worker
 from llmserve.server import PARENT_PID_ENV, configure_logging, exit_with_parent, write_port_file
@@ -50,16 +47,19 @@ _EXIT_MARGIN_S = 3.0
 _POLL_S = 0.2
 
 
-@contextlib.contextmanager
-def reserved_port(host: str, port: int) -> Iterator[int]:
-    """Bind host:port (0: any free port) with SO_REUSEPORT and hold it; yields the port."""
+def reserve_port(host: str, port: int) -> socket.socket:
+    """A socket bound to host:port (0: any free port) with SO_REUSEPORT; holding it keeps the port."""
     family, kind, proto, _, address = socket.getaddrinfo(
         host.strip("[]"), port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
     )[0]
-    with socket.socket(family, kind, proto) as sock:
+    sock = socket.socket(family, kind, proto)
+    try:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
         sock.bind(address)
-        yield sock.getsockname()[1]
+    except OSError:
+        sock.close()
+        raise
+    return sock
 
 
 def _worker_main(config: GatewayConfig, worker_id: int, parent_pid: int, ready: Connection) -> None:
@@ -153,7 +153,13 @@ def _stop_flag() -> threading.Event:
 def run_worker_group(config: GatewayConfig) -> int:
     """Run `config.num_workers` gateway workers on `config.port` until a signal; the exit code."""
     stop = _stop_flag()
-    with reserved_port(config.host, config.port) as port:
+    try:
+        reservation = reserve_port(config.host, config.port)
+    except OSError as error:  # socket.gaierror included
+        log.error("cannot bind %s: %s", config.address, error)
+        return 1
+    with reservation:
+        port = reservation.getsockname()[1]
         worker_config = replace(config, port=port, port_file=None)
         workers = [_Worker.start(worker_config, worker_id) for worker_id in range(config.num_workers)]
         try:
