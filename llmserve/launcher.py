@@ -4,7 +4,8 @@ Start-up, in order:
   1. resolve the model (the default one is fetched and converted on first use);
   2. start preprocess and inference on free loopback ports (`--port 0 --port-file`), both at
      once, and wait until both serve (llmserve.service_process);
-  3. start the gateway on the public address, pointed at the two;
+  3. start the gateway on the public address, pointed at the two (`--gateway-workers`
+     processes on that one port);
   4. print where to connect, then forward the children's logs until Ctrl-C / SIGTERM or until
      a child dies.
 Shutdown: SIGTERM to the gateway first (it stops taking requests and drains), then to
@@ -56,7 +57,7 @@ def _gateway_args(
     config: ServeConfig, common: list[str], preprocess: ServiceProcess, inference: ServiceProcess
 ) -> list[str]:
     return [
-        "--host", config.host, "--port", str(config.port), *common,
+        "--host", config.host, "--port", str(config.port), "--workers", str(config.gateway_workers), *common,
         "--preprocess", preprocess.address, "--inference", inference.address,
     ]
 

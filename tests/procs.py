@@ -66,11 +66,13 @@ def running_service(
 
 
 @contextlib.contextmanager
-def running_stack(model_dir: Path, log_dir: Path, *, backend: str = "torch") -> Iterator[dict[str, ServiceProcess]]:
-    """Preprocess, inference (on `backend`) and a gateway in front of them, on one model."""
+def running_stack(
+    model_dir: Path, log_dir: Path, *, backend: str = "torch", gateway_args: Sequence[str] = ()
+) -> Iterator[dict[str, ServiceProcess]]:
+    """Preprocess, inference (on `backend`) and a gateway (with `gateway_args`) in front of them, on one model."""
     model = ["--model", str(model_dir)]
     with running_service("preprocess", model, log_dir) as preprocess, \
             running_service("inference", [*model, "--backend", backend], log_dir) as inference, \
-            running_service("gateway", [*model, "--preprocess", preprocess.address, "--inference", inference.address],
-                            log_dir) as gateway:
+            running_service("gateway", [*model, "--preprocess", preprocess.address, "--inference", inference.address,
+                                        *gateway_args], log_dir) as gateway:
         yield {"preprocess": preprocess, "inference": inference, "gateway": gateway}

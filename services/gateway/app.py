@@ -64,8 +64,12 @@ async def _check_hops(config: GatewayConfig, preprocess: PreprocessClient, infer
     return cards[0]
 
 
-async def start_gateway(config: GatewayConfig) -> RunningGateway:
-    """Connect to the hops, wait until they serve, and start the gateway (SERVING on return)."""
+async def start_gateway(config: GatewayConfig, worker_id: int = 0) -> RunningGateway:
+    """Connect to the hops, wait until they serve, and start the gateway (SERVING on return).
+
+    `worker_id` names this process among the gateway's workers (gateway.worker_group); each worker
+    binds `config.port` itself (grpc sets SO_REUSEPORT, so they share it).
+    """
     if len(config.inference_addresses) > 1:
         log.warning("%d inference replicas given; only the first is used for now", len(config.inference_addresses))
     preprocess = PreprocessClient(config.preprocess_address)
@@ -80,7 +84,10 @@ async def start_gateway(config: GatewayConfig) -> RunningGateway:
         await preprocess.close()
         raise
     model_name = config.model_name or model.model_name
-    servicer = GatewayServicer(GenerationPipeline(preprocess, inference, detokenizer), model, model_name)
+    servicer = GatewayServicer(
+        GenerationPipeline(preprocess, inference, detokenizer), model, model_name,
+        worker_id=worker_id, max_unsent_tokens=config.max_unsent_tokens,
+    )
     server = await create_server(
         config.address,
         lambda s: gateway_pb2_grpc.add_GatewayServiceServicer_to_server(servicer, s),

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
+from llmserve.gateway.client_stream import DEFAULT_MAX_UNSENT_TOKENS
 from llmserve.server_flags import DEFAULT_GRACE_PERIOD_S, DEFAULT_HOST, GATEWAY_PORT
 
 # How long to wait at start for preprocess and inference to report SERVING (they may still be
@@ -26,12 +27,20 @@ class GatewayConfig:
     downstream_ready_timeout_s: float = DEFAULT_DOWNSTREAM_READY_TIMEOUT_S
     # Timeout of the Abort RPC sent when a request ends early (cancel, deadline, stop string).
     abort_timeout_s: float = 5.0
+    # Gateway processes sharing the port (SO_REUSEPORT); 1 serves in the gateway process itself.
+    num_workers: int = 1
+    # Tokens a stream may hold for a client that does not read before its request is aborted; 0: no bound.
+    max_unsent_tokens: int = DEFAULT_MAX_UNSENT_TOKENS
 
     def __post_init__(self) -> None:
         if not self.inference_addresses:
             raise ValueError("at least one inference address is required")
         if self.grace_period_s < 0:
             raise ValueError(f"grace_period_s must be >= 0, got {self.grace_period_s}")
+        if self.num_workers < 1:
+            raise ValueError(f"num_workers must be >= 1, got {self.num_workers}")
+        if self.max_unsent_tokens < 0:
+            raise ValueError(f"max_unsent_tokens must be >= 0 (0: no bound), got {self.max_unsent_tokens}")
 
     @property
     def address(self) -> str:

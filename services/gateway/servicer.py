@@ -1,8 +1,9 @@
 """The Gateway gRPC service: protobuf in and out; the work happens in GenerationPipeline.
 
 Every request gets a request id (uuid4 hex) sent back in the `x-request-id` initial metadata
-and in the response. Sampling parameters are validated here, at the edge; errors from the hops
-come through as the statuses `hop_errors.error_from_rpc` chose.
+and in the response; `x-gateway-worker` names the worker process that served it. Sampling
+parameters are validated here, at the edge; errors from the hops come through as the statuses
+`hop_errors.error_from_rpc` chose.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from contextlib import aclosing
 import grpc
 
 from llmserve.errors import InvalidArgument, NotFound
+from llmserve.gateway.client_stream import DEFAULT_MAX_UNSENT_TOKENS, coalesced
 from llmserve.gateway.generation import GenerationDelta, GenerationPipeline, GenerationRequest, GenerationResult
 from llmserve.gateway.inference_client import ModelCard
 from llmserve.gateway.preprocess_client import PromptInput
@@ -21,18 +23,32 @@ from llmserve.pb import chat_from_pb, finish_reason_to_pb, logprobs_to_pb, sampl
 from llmserve.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc
 
 SERVICE_NAME = gateway_pb2.DESCRIPTOR.services_by_name["GatewayService"].full_name
+# Initial metadata naming the gateway worker process that serves the call (see gateway.worker_group).
+WORKER_METADATA_KEY = "x-gateway-worker"
 
 
 class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
-    def __init__(self, pipeline: GenerationPipeline, model: ModelCard, model_name: str):
+    def __init__(
+        self,
+        pipeline: GenerationPipeline,
+        model: ModelCard,
+        model_name: str,
+        *,
+        worker_id: int = 0,
+        max_unsent_tokens: int = DEFAULT_MAX_UNSENT_TOKENS,
+    ):
         self._pipeline = pipeline
         self._model = model
         self._model_name = model_name
+        self._worker_metadata = (WORKER_METADATA_KEY, str(worker_id))
+        self._max_unsent_tokens = max_unsent_tokens
 
     async def GenerateStream(self, request: gateway_pb2.GenerateStreamRequest, context: grpc.aio.ServicerContext):
+        """Each message carries every token made since the last one was sent (client_stream)."""
         params = request.params
         generation = await self._start(params, context)
-        async with aclosing(self._pipeline.generate(generation, context.time_remaining)) as deltas:
+        pipeline_deltas = self._pipeline.generate(generation, context.time_remaining)
+        async with aclosing(coalesced(pipeline_deltas, generation.request_id, self._max_unsent_tokens)) as deltas:
             async for delta in deltas:
                 if delta.result is not None or _has_content(delta, params.return_token_ids):
                     yield _stream_response_to_pb(generation.request_id, delta, params.return_token_ids)
@@ -70,7 +86,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
         """Mint the request id, send it as metadata, validate the request."""
         arrival_ns = time.monotonic_ns()
         request_id = new_request_id()
-        await context.send_initial_metadata(((REQUEST_ID_METADATA_KEY, request_id),))
+        await context.send_initial_metadata(((REQUEST_ID_METADATA_KEY, request_id), self._worker_metadata))
         return self._request_from_pb(request, request_id, arrival_ns)
 
     def _request_from_pb(

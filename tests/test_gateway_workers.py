@@ -1,0 +1,154 @@
+"""`python -m llmserve.gateway --workers 2`: two gateway processes on one port, as real processes.
+
+Many clients on their own channels all succeed and both workers serve some (`x-gateway-worker`);
+SIGTERM to the parent drains every worker (a stream in flight finishes, exit 0); a worker that
+dies takes the gateway down with a log line naming it.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import grpc
+import pytest
+
+from llmserve.cli import build_parser as build_cli_parser
+from llmserve.gateway.__main__ import build_parser as build_gateway_parser
+from llmserve.gateway.__main__ import config_from_args as gateway_config_from_args
+from llmserve.launcher import _common_args, _gateway_args
+from llmserve.serve_config import ServeConfig, default_gateway_workers, serve_config_from_args
+from llmserve.service_process import ServiceProcess
+from llmserve.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc
+from tests.procs import running_service, running_stack
+
+NUM_WORKERS = 2
+NUM_CLIENTS = 24
+EXIT_TIMEOUT_S = 30.0
+DRAIN_MAX_TOKENS = 200
+# grpc's channels to one address share one connection unless each has its own subchannel pool;
+# SO_REUSEPORT spreads connections, so each client here gets a connection of its own.
+OWN_CONNECTION = (("grpc.use_local_subchannel_pool", 1),)
+# A receive window of ~1 KiB: a stream that is not read cannot finish, so it is in flight when
+# the gateway is stopped (client_stream's bound, 2048 tokens by default, is far away).
+SMALL_WINDOW = (("grpc.http2.lookahead_bytes", 1024), ("grpc.http2.bdp_probe", 0))
+MAX_CHANNELS = 64  # channels opened until streams run on every worker (all on one: 2 ** -63)
+
+
+def params(max_tokens: int) -> gateway_pb2.GenerateParams:
+    sampling = common_pb2.SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+    return gateway_pb2.GenerateParams(prompt="Hello", sampling=sampling)
+
+
+def stream_on_own_channel(address: str, max_tokens: int) -> tuple[str, list[gateway_pb2.GenerateStreamResponse]]:
+    """One client on a connection of its own: the worker that served it, its messages."""
+    with grpc.insecure_channel(address, options=OWN_CONNECTION) as channel:
+        stream = gateway_pb2_grpc.GatewayServiceStub(channel).GenerateStream(
+            gateway_pb2.GenerateStreamRequest(params=params(max_tokens)), timeout=60.0
+        )
+        messages = list(stream)
+        return dict(stream.initial_metadata())["x-gateway-worker"], messages
+
+
+def worker_pids(log_text: str) -> dict[int, int]:
+    return {int(w): int(p) for w, p in re.findall(r"gateway worker (\d+) started \(pid (\d+)\)", log_text)}
+
+
+@pytest.fixture(scope="module")
+def stack(tiny_model_dir, tmp_path_factory):
+    with running_stack(tiny_model_dir, tmp_path_factory.mktemp("gateway-workers-logs"),
+                       gateway_args=["--workers", str(NUM_WORKERS)]) as services:
+        yield services
+
+
+def start_second_gateway(stack, model_dir, log_dir):
+    """Another two-worker gateway in front of the stack's hops (one these tests may stop or break)."""
+    args = [
+        "--model", str(model_dir), "--preprocess", stack["preprocess"].address,
+        "--inference", stack["inference"].address, "--workers", str(NUM_WORKERS),
+    ]
+    return running_service("gateway", args, log_dir)
+
+
+def test_clients_on_separate_channels_all_succeed_on_both_workers(stack):
+    address = stack["gateway"].address
+    with ThreadPoolExecutor(max_workers=8) as pool:
+        results = list(pool.map(lambda _: stream_on_own_channel(address, 8), range(NUM_CLIENTS)))
+    texts = {"".join(m.text for m in messages) for _, messages in results}
+    assert len(texts) == 1  # greedy, one prompt: every worker says the same
+    assert all(messages[-1].result.usage.completion_tokens == 8 for _, messages in results)
+    assert {worker for worker, _ in results} == {str(i) for i in range(NUM_WORKERS)}
+
+
+def test_logs_name_the_worker(stack):
+    log_text = stack["gateway"].log_path.read_text()
+    assert sorted(worker_pids(log_text)) == list(range(NUM_WORKERS))
+    for worker_id in range(NUM_WORKERS):
+        assert re.search(rf" gateway/{worker_id} \S+: gateway serving ", log_text), log_text
+
+
+def test_sigterm_drains_every_worker(stack, tiny_model_dir, tmp_path):
+    with start_second_gateway(stack, tiny_model_dir, tmp_path) as gateway:
+        # Streams in flight on every worker: each has sent its first message and waits for its reader.
+        channels, in_flight, workers = [], [], set()
+        while workers != {str(i) for i in range(NUM_WORKERS)} and len(channels) < MAX_CHANNELS:
+            channels.append(grpc.insecure_channel(gateway.address, options=OWN_CONNECTION + SMALL_WINDOW))
+            stream = gateway_pb2_grpc.GatewayServiceStub(channels[-1]).GenerateStream(
+                gateway_pb2.GenerateStreamRequest(params=params(DRAIN_MAX_TOKENS)), timeout=60.0
+            )
+            in_flight.append((next(stream), stream))
+            workers.add(dict(stream.initial_metadata())["x-gateway-worker"])
+        gateway.send_signal(signal.SIGTERM)
+        for first, stream in in_flight:
+            rest = list(stream)
+            assert rest[-1].request_id == first.request_id
+            assert rest[-1].result.usage.completion_tokens == DRAIN_MAX_TOKENS
+        assert gateway.wait(EXIT_TIMEOUT_S) == 0, gateway.log_tail()
+        for channel in channels:
+            channel.close()
+        log_text = gateway.log_path.read_text()
+        for worker_id in range(NUM_WORKERS):
+            assert re.search(rf" gateway/{worker_id} \S+: signal received: draining", log_text), log_text
+
+
+def test_a_dead_worker_takes_the_gateway_down(stack, tiny_model_dir, tmp_path):
+    with start_second_gateway(stack, tiny_model_dir, tmp_path) as gateway:
+        pids = worker_pids(gateway.log_path.read_text())
+        os.kill(pids[1], signal.SIGKILL)
+        assert gateway.wait(EXIT_TIMEOUT_S) == 1, gateway.log_tail()
+        assert f"gateway worker 1 (pid {pids[1]}) exited with code -9; stopping the gateway" in gateway.log_tail()
+        assert not is_running(pids[0])  # the other worker is gone too
+
+
+def test_serve_passes_its_gateway_workers_to_the_gateway(tmp_path):
+    config = serve_config_from_args(build_cli_parser().parse_args(["serve", "--gateway-workers", "3"]))
+    hops = [ServiceProcess(name, f"llmserve.{name}", [], port_file=tmp_path / name) for name in ("preprocess", "inference")]
+    for port, hop in enumerate(hops, start=1):
+        hop.port = port
+    command = _gateway_args(config, _common_args(config, tmp_path, None), *hops)
+    assert gateway_config_from_args(build_gateway_parser().parse_args(command)).num_workers == 3
+    assert ServeConfig().gateway_workers == default_gateway_workers() >= 1
+
+
+def test_workers_exit_when_the_gateway_is_killed(stack, tiny_model_dir, tmp_path):
+    """SIGKILL leaves the parent no chance to stop its workers: they get SIGTERM from the kernel
+    (PR_SET_PDEATHSIG) and drain and exit on their own."""
+    with start_second_gateway(stack, tiny_model_dir, tmp_path) as gateway:
+        pids = worker_pids(gateway.log_path.read_text())
+        gateway.kill()
+        deadline = time.monotonic() + EXIT_TIMEOUT_S
+        while any(is_running(pid) for pid in pids.values()) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not any(is_running(pid) for pid in pids.values()), gateway.log_tail()
+
+
+def is_running(pid: int) -> bool:
+    """Whether `pid` is a live process (a zombie, exited but not reaped, is not)."""
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            return stat.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
