@@ -46,18 +46,29 @@ def model_dir(tiny_model_dir, tmp_path_factory) -> Path:
     return out
 
 
-@pytest.fixture(scope="module", params=["torch", "hf"])
+# name → (inference flags, gateway flags): the default data plane on each backend, and the
+# torch backend the pre-multiplex way (engine thread, one GenerateTokens call per request).
+STACKS = {
+    "torch": (["--backend", "torch"], []),
+    "hf": (["--backend", "hf"], []),
+    "torch-calls": (["--backend", "torch", "--no-core-process"], ["--no-multiplex"]),
+}
+
+
+@pytest.fixture(scope="module", params=list(STACKS))
 def services(request, model_dir, tmp_path_factory):
-    """Running preprocess, inference (each backend in turn) and gateway (all subprocesses)."""
+    """Running preprocess, inference (each stack in turn) and gateway (all subprocesses)."""
     log_dir = tmp_path_factory.mktemp(f"gateway-service-logs-{request.param}")
+    inference_args, gateway_args = STACKS[request.param]
     preprocess = start_service("preprocess", ["--model", str(model_dir)], log_dir)
     inference = None
     gateway = None
     try:
-        inference = start_service("inference", ["--model", str(model_dir), "--backend", request.param], log_dir)
+        inference = start_service("inference", ["--model", str(model_dir), *inference_args], log_dir)
         gateway = start_service(
             "gateway",
-            ["--model", str(model_dir), "--preprocess", preprocess.address, "--inference", inference.address],
+            ["--model", str(model_dir), "--preprocess", preprocess.address, "--inference", inference.address,
+             *gateway_args],
             log_dir,
         )
         yield {"preprocess": preprocess, "inference": inference, "gateway": gateway}

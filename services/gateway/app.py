@@ -73,7 +73,9 @@ async def start_gateway(config: GatewayConfig, worker_id: int = 0) -> RunningGat
     if len(config.inference_addresses) > 1:
         log.warning("%d inference replicas given; only the first is used for now", len(config.inference_addresses))
     preprocess = PreprocessClient(config.preprocess_address)
-    inference = InferenceClient(config.inference_addresses[0], abort_timeout_s=config.abort_timeout_s)
+    inference = InferenceClient(
+        config.inference_addresses[0], multiplex=config.multiplex, abort_timeout_s=config.abort_timeout_s
+    )
     try:
         # Loading the tokenizer overlaps with waiting for the hops.
         detokenizer_task = asyncio.create_task(asyncio.to_thread(Detokenizer.from_model_dir, config.model_path))

@@ -31,6 +31,8 @@ class GatewayConfig:
     num_workers: int = 1
     # Tokens a stream may hold for a client that does not read before its request is aborted; 0: no bound.
     max_unsent_tokens: int = DEFAULT_MAX_UNSENT_TOKENS
+    # All requests to a replica on one Multiplex stream; False: a GenerateTokens call each.
+    multiplex: bool = True
 
     def __post_init__(self) -> None:
         if not self.inference_addresses:
