@@ -222,7 +222,8 @@ class InProcessWindow:
 
     def __init__(self):
         self._names = {t.native_id: t.name for t in threading.enumerate()}
-        self._roles = {"bench": [os.getpid()]}
+        # this process, and the engine-core process AsyncEngine runs (absent with --no-core-process)
+        self._roles = {"bench": [os.getpid()], "engine-core": proc_cpu.child_pids(os.getpid())}
         self._before = proc_cpu.snapshot(self._roles, names=self._names)
         self._start_s = time.monotonic()
 

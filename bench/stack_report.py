@@ -10,7 +10,7 @@ import time
 from pathlib import Path
 
 BASELINE = "core"
-ROLES = ("bench", "inference", "preprocess", "gateway")  # the processes a row may have
+ROLES = ("bench", "engine-core", "inference", "preprocess", "gateway")  # the processes a row may have
 
 
 def significant(value: float | None, digits: int = 4) -> float | None:

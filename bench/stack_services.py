@@ -57,7 +57,12 @@ def run_services(path: str, args, options, model_dir: Path, plans: stack_drivers
 
     def role_pids() -> dict[str, list[int]]:
         clients = [pid for pid in proc_cpu.child_pids(os.getpid()) if pid not in server_pids]
-        return {"bench": [os.getpid(), *clients], **service_pids}
+        # the inference server's engine-core process (absent with --no-core-process)
+        engine_core = [pid for server in service_pids["inference"] for pid in proc_cpu.child_pids(server)]
+        roles = {"bench": [os.getpid(), *clients], "engine-core": engine_core, **service_pids}
+        if "gateway" in roles:  # with --workers N the gateway's children serve
+            roles["gateway"] = [*roles["gateway"], *proc_cpu.child_pids(roles["gateway"][0])]
+        return roles
 
     front = services["gateway" if path == "gateway" else "inference"]
     send = stack_drivers.send_to_inference if path == "grpc" else None
