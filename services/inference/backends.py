@@ -14,6 +14,7 @@ from __future__ import annotations
 import importlib
 from typing import AsyncIterator, Protocol
 
+from llmserve.inference.admission import AdmissionConfig
 from llmserve.inference.engine.async_engine import AsyncEngine
 from llmserve.inference.engine.config import BACKENDS, EngineConfig
 from llmserve.inference.engine.types import EngineCore, EngineLoad, EngineOutput, EngineRequest, ModelInfo
@@ -58,7 +59,7 @@ def create_engine(config: EngineConfig) -> ServingEngine:
             return engine_class(config)
         except ImportError as exc:  # the backend imports its library on construction
             raise BackendUnavailable(f"backend {config.backend!r} is not available: {exc}") from exc
-    return AsyncEngine(create_engine_core(config))
+    return AsyncEngine(create_engine_core(config), admission=AdmissionConfig.of(config))
 
 
 def create_engine_core(config: EngineConfig) -> EngineCore:

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from typing import AsyncIterator
 
 from llmserve.errors import InvalidArgument, Unavailable
+from llmserve.inference.admission import AdmissionConfig, AdmissionController
 from llmserve.inference.engine.engine_thread import EngineThread
 from llmserve.inference.engine.types import EngineCore, EngineLoad, EngineOutput, EngineRequest, ModelInfo
 
@@ -43,9 +44,15 @@ class AsyncEngine:
     """Owns an EngineCore and the EngineThread that drives it. Every public method runs on the
     event loop."""
 
-    def __init__(self, core: EngineCore):
+    def __init__(self, core: EngineCore, admission: AdmissionConfig = AdmissionConfig()):
         self.model_info: ModelInfo = core.model_info
         self._engine_thread = EngineThread(core)
+        self._admission = AdmissionController(
+            admission,
+            kv_blocks_total=self._engine_thread.load().kv_blocks_total,
+            block_size_tokens=self.model_info.block_size_tokens,
+            max_context_tokens=self.model_info.max_context_tokens,
+        )
         self._streams: dict[str, _Stream] = {}  # request_id → stream, for each in-flight request
         self._is_accepting = False
         self._none_in_flight = asyncio.Event()
@@ -78,12 +85,14 @@ class AsyncEngine:
         """Stream the request's outputs until every sequence has finished.
 
         Leaving early (break + aclose, cancellation, an exception in the consumer) aborts the
-        request in the core, which frees its KV blocks.
+        request in the core, which frees its KV blocks. A request the replica cannot take now
+        raises before anything is queued (see admission.py).
         """
         if not self._is_accepting:
             raise Unavailable("the inference engine is shutting down")
         if request.request_id in self._streams:
             raise InvalidArgument("request_id", f"{request.request_id!r} is already in flight")
+        self._admission.admit(request)
         stream = _Stream(outputs=asyncio.Queue(), num_unfinished_sequences=request.sampling.n)
         self._streams[request.request_id] = stream
         self._none_in_flight.clear()
@@ -118,6 +127,7 @@ class AsyncEngine:
     def _deliver(self, outputs: list[EngineOutput]) -> None:
         """Runs on the loop: route outputs to their streams; a request whose every sequence
         has its final output is no longer in flight."""
+        self._admission.observe(outputs)
         for output in outputs:
             stream = self._streams.get(output.request_id)
             if stream is None:

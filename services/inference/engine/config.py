@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from llmserve.block_hash import DEFAULT_BLOCK_SIZE
+from llmserve.buckets import DEFAULT_BUCKET_BOUNDS, BucketConfig
 
 BACKENDS = ("torch", "hf", "trtllm")
 # torch backend attention/small-op implementation (models/attention_backend.py): "auto" = the
@@ -33,6 +34,17 @@ DTYPES = ("float32", "bfloat16", "float16")
 MODEL_GROUP = "model"
 ENGINE_GROUP = "engine (torch backend; hf ignores what it has no use for)"
 KERNELS_GROUP = "kernels and precision (torch backend)"
+ADMISSION_GROUP = "admission (what a replica accepts before refusing with a retry hint)"
+
+# Requests admitted but not yet producing tokens. 128 (TGI's default concurrency limit) lets a
+# burst of a few batches in at once; on a 2-core CPU the default model serves about that many
+# short requests within a 30 s deadline.
+DEFAULT_MAX_WAITING_REQUESTS = 128
+# Unset --max-waiting-prompt-tokens: this many contexts' worth, so any prompt that fits the
+# context is admissible and a few long documents can queue at once.
+WAITING_PROMPT_CONTEXTS = 4
+# At 1.0 the admitted requests fit the KV pool together at their full length: none is preempted.
+DEFAULT_KV_OVERCOMMIT = 1.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -103,6 +115,12 @@ class EngineConfig:
     max_batched_tokens: int = _flagged(
         2048, "--max-batched-tokens", "per-step token budget: prefill chunks plus decodes", metavar="TOKENS"
     )
+    length_buckets: str = _flagged(
+        ",".join(map(str, DEFAULT_BUCKET_BOUNDS)), "--length-buckets", "prompt-length bucket upper bounds "
+        "in tokens, increasing (cut at the context): the waiting queue keeps one queue per bucket and "
+        "admits from them in turn, so short prompts do not wait behind long documents",
+        metavar="N,N,...",
+    )  # fmt: skip
     enable_prefix_caching: bool = _flagged(True, "--no-prefix-caching", "do not reuse KV blocks of shared prefixes")
     enable_chunked_prefill: bool = True
     enforce_eager: bool = _flagged(False, "--enforce-eager", "CUDA: skip CUDA-graph capture")
@@ -136,6 +154,23 @@ class EngineConfig:
         group=KERNELS_GROUP, choices=QUANTIZATIONS,
     )  # fmt: skip
 
+    max_waiting_requests: int = _flagged(
+        DEFAULT_MAX_WAITING_REQUESTS, "--max-waiting-requests", "most requests admitted but not yet "
+        "producing tokens; more are refused with RESOURCE_EXHAUSTED and a retry hint",
+        group=ADMISSION_GROUP, metavar="N",
+    )  # fmt: skip
+    max_waiting_prompt_tokens: int | None = _flagged(
+        None, "--max-waiting-prompt-tokens", "most prompt tokens of requests not yet producing tokens "
+        f"(default: {WAITING_PROMPT_CONTEXTS} x the context)",
+        group=ADMISSION_GROUP, metavar="TOKENS",
+    )  # fmt: skip
+    kv_overcommit: float = _flagged(
+        DEFAULT_KV_OVERCOMMIT, "--kv-overcommit", "KV blocks that admitted requests may need at their full length "
+        "(prompt + max_tokens), as a multiple of the pool; above 1 admits more but may preempt "
+        "(recompute) running sequences when they all grow long",
+        group=ADMISSION_GROUP, metavar="FACTOR",
+    )  # fmt: skip
+
     def __post_init__(self) -> None:
         for name, allowed in (
             ("backend", BACKENDS),
@@ -145,5 +180,8 @@ class EngineConfig:
         ):
             if getattr(self, name) not in allowed:
                 raise ValueError(f"{name} must be one of {allowed}, got {getattr(self, name)!r}")
-        if self.block_size_tokens <= 0:
-            raise ValueError(f"block_size_tokens must be positive, got {self.block_size_tokens}")
+        for name in ("block_size_tokens", "max_waiting_requests", "max_waiting_prompt_tokens", "kv_overcommit"):
+            value = getattr(self, name)
+            if value is not None and value <= 0:
+                raise ValueError(f"{name} must be positive, got {value}")
+        BucketConfig.parse(self.length_buckets)  # raises ValueError on a malformed list

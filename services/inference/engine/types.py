@@ -26,6 +26,7 @@ class EngineRequest:
     block_size_tokens: int = 0
     block_hash_version: int = 0
     priority: int = 0
+    deadline_ns: int = 0  # time.monotonic_ns() by which it must finish; 0: none
 
 
 @dataclass(slots=True)
