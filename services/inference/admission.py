@@ -100,7 +100,9 @@ class AdmissionController:
         clock: Callable[[], int] = time.monotonic_ns,
     ):
         self.max_waiting_requests = config.max_waiting_requests
-        self.max_waiting_prompt_tokens = config.max_waiting_prompt_tokens or WAITING_PROMPT_CONTEXTS * max_context_tokens
+        self.max_waiting_prompt_tokens = (
+            config.max_waiting_prompt_tokens or WAITING_PROMPT_CONTEXTS * max_context_tokens
+        )
         self.kv_overcommit = config.kv_overcommit
         self._max_kv_blocks = int(kv_blocks_total * config.kv_overcommit)
         self._block_size_tokens = block_size_tokens
