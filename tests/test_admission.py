@@ -1,4 +1,4 @@
-"""AdmissionController: budgets, retry hints from measured drain rates, deadline refusals.
+"""AdmissionController: budgets, retry hints from measured rates, deadline refusals.
 
 Time is a clock the test advances, so every rate and hint is exact.
 """
@@ -75,29 +75,43 @@ def test_waiting_requests_over_the_budget_are_refused_until_one_starts():
     assert admission.num_waiting_requests == 2
 
 
-def test_retry_hint_is_the_excess_over_the_measured_queue_drain():
+def test_retry_hint_is_the_queue_turnover_at_the_measured_prefill_rate():
     clock = Clock()
     admission = controller(clock, max_waiting_prompt_tokens=100)
     admission.admit(request("a", 60))
     clock.advance(0.5)
-    admission.observe([token("a")])  # 60 prompt tokens started in 0.5 s of waiting: 120/s
-    assert admission.queue_drain.per_s == pytest.approx(120)
+    admission.observe([token("a")])  # 60 prompt tokens started in a 0.5 s step: 120/s
+    assert admission.pace.prefill_tokens_per_s == pytest.approx(120)
     admission.admit(request("b", 80))
     with pytest.raises(ResourceExhausted) as refused:
         admission.admit(request("c", 40))
-    # 80 + 40 - 100 = 20 tokens too many, at 120 tokens/s
-    assert refused.value.retry_after_ms == 166
+    # the 80 waiting prompt tokens start in 2/3 s: then the queue has room again
+    assert refused.value.retry_after_ms == 666
     assert "80 prompt tokens are waiting" in refused.value.message and "budget of 100" in refused.value.message
 
 
-def test_idle_time_does_not_dilute_the_drain_rate():
+def test_idle_time_and_steps_that_start_nothing_leave_the_prefill_rate_alone():
     clock = Clock()
     admission = controller(clock)
     clock.advance(100)  # idle
     admission.admit(request("a", 50))
     clock.advance(0.25)
     admission.observe([token("a")])
-    assert admission.queue_drain.per_s == pytest.approx(200)
+    assert admission.pace.prefill_tokens_per_s == pytest.approx(200)
+    admission.admit(request("b", 50))  # mid-step: it starts in the next one
+    clock.advance(0.25)
+    admission.observe([token("a")])
+    assert admission.pace.prefill_tokens_per_s == pytest.approx(200)
+
+
+def test_before_any_measurement_the_hint_is_at_least_the_step_in_progress():
+    clock = Clock()
+    admission = controller(clock, max_waiting_requests=1)
+    admission.admit(request("a", 10))
+    clock.advance(3.0)  # a slow engine's first step, not over yet
+    with pytest.raises(ResourceExhausted) as refused:
+        admission.admit(request("b", 10))
+    assert refused.value.retry_after_ms == 3000
 
 
 def test_kv_demand_over_the_pool_is_refused_until_a_request_finishes():
@@ -158,22 +172,27 @@ def test_a_deadline_the_measured_pace_cannot_meet_is_refused_at_once():
     clock = Clock()
     admission = controller(clock)
     admission.admit(request("a", 100, 100))
-    clock.advance(0.5)
-    admission.observe([token("a")])  # queue drain: 200 tokens/s
     clock.advance(0.1)
-    admission.observe([token("a")])  # step: 0.1 s
-    assert admission.step_timer.step_s == pytest.approx(0.1)
-    admission.admit(request("b", 100))  # 100 prompt tokens waiting
-    # 200 tokens ahead (its own included) at 200/s = 1 s, then 50 tokens x 0.1 s = 5 s
-    assert admission.finish_estimate(request("c", 100, 50)).total_s == pytest.approx(6.0)
+    admission.observe([token("a")])  # prefill: 1000 tokens/s; step: 0.1 s
+    assert admission.pace.step_s == pytest.approx(0.1)
+    admission.admit(request("b", 400))  # 400 prompt tokens waiting
+    # 500 tokens ahead (its own included) at 1000/s = 0.5 s, then 50 tokens at 0.1 s per step of
+    # the batch of 1 it was measured at, x 3 for the batch of 3 it would join: 15 s
+    assert admission.finish_estimate(request("c", 100, 50)).total_s == pytest.approx(15.5)
     with pytest.raises(DeadlineExceeded) as refused:
-        admission.admit(request("c", 100, 50, deadline_ns=clock.now_ns + 5 * S))
-    assert "estimated 6.0 s" in refused.value.message and "200 tokens/s" in refused.value.message
-    admission.admit(request("c", 100, 50, deadline_ns=clock.now_ns + 7 * S))
+        admission.admit(request("c", 100, 50, deadline_ns=clock.now_ns + 15 * S))
+    assert "estimated 15.5 s" in refused.value.message and "1000 tokens/s" in refused.value.message
+    admission.admit(request("c", 100, 50, deadline_ns=clock.now_ns + 16 * S))
 
 
-@pytest.mark.parametrize(("excess", "expected_ms"), [(0.001, MIN_RETRY_AFTER_MS), (10**9, MAX_RETRY_AFTER_MS)])
-def test_retry_hints_are_clamped(excess, expected_ms):
-    from llmserve.inference.admission import retry_after_ms_for
-
-    assert retry_after_ms_for(excess, 100.0) == expected_ms
+@pytest.mark.parametrize(("step_s", "expected_ms"), [(0.001, MIN_RETRY_AFTER_MS), (100.0, MAX_RETRY_AFTER_MS)])
+def test_retry_hints_are_clamped(step_s, expected_ms):
+    clock = Clock()
+    admission = controller(clock, max_waiting_requests=1)
+    admission.admit(request("a", 1))
+    clock.advance(step_s)
+    admission.observe([token("a")])
+    admission.admit(request("b", 1))
+    with pytest.raises(ResourceExhausted) as refused:
+        admission.admit(request("c", 1))
+    assert refused.value.retry_after_ms == expected_ms

@@ -10,24 +10,33 @@ Budgets (AdmissionConfig, from EngineConfig's admission flags), over the request
     kv_overcommit. At 1.0 the admitted requests fit the pool together even at their longest, so
     none is ever preempted for lack of blocks. A backend without a paged pool (0 blocks) has no
     KV budget.
-Over a budget: ResourceExhausted naming it, with retry_after_ms = its excess / its drain rate
-(clamped; DEFAULT_RETRY_AFTER_MS before any measurement). A request that alone exceeds a whole
-budget can never be admitted: InvalidArgument.
+Over a budget: ResourceExhausted naming it, with a retry hint (clamped):
+  - waiting budgets: the time the waiting prompt tokens take to start at the prefill rate, i.e.
+    until the queue has turned over. Not the time until this one request would fit: every
+    client refused in a burst would come back at that same instant, refused again, and on a
+    small CPU that retry storm through gateway and preprocess starves the engine itself;
+  - KV budget: its excess blocks / the KV drain rate;
+  - before a rate is measured: DEFAULT_RETRY_AFTER_MS, or longer while the step in progress
+    has already run longer (a slow engine's first step).
+A request that alone exceeds a whole budget can never be admitted: InvalidArgument.
 
 Deadline (EngineRequest.deadline_ns): the estimated time to finish is
-  wait    (waiting prompt tokens + its own) / queue drain rate: the queue ahead starts first;
-  decode  max_tokens x the step time: one token per step once it runs;
+  wait    (waiting prompt tokens + its own) / prefill rate: the queue ahead starts first;
+  decode  max_tokens x the step time, scaled up in proportion when the batch it joins (every
+          sequence in flight, its own included) is larger than the one the step time was
+          measured at: a compute-bound step (CPU; a GPU at large batch) slows with every
+          sequence, so admitting by the step time of a smaller batch would let everyone in and
+          make the admitted miss their deadlines. On a GPU ramping up from a small batch this
+          overestimates; it only refuses requests whose deadline is a few decode times away;
 and a request whose estimate exceeds the time it has left is refused with DeadlineExceeded at
 once, instead of being queued to die. What is not measured yet counts as zero: a cold replica
 admits.
 
 Measurements, learnt from the outputs AsyncEngine routes (`observe`, O(1) per output):
-  queue drain  prompt tokens whose request produced its first token, per second of time in
-               which a request was waiting (drives the wait, and the retry hint of the waiting
-               budgets);
-  KV drain     blocks of demand released by finished requests, per second of time in which a
-               request was in flight (the retry hint of the KV budget);
-  step time    see drain_meter.StepTimer.
+  step time, prefill rate  drain_meter.StepPace (the prefill rate: prompt tokens whose request
+                           produced its first token, per second of the steps that started any);
+  KV drain                 blocks of demand released by finished requests, per second of time
+                           in which a request was in flight.
 """
 
 from __future__ import annotations
@@ -37,12 +46,13 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from llmserve.errors import DeadlineExceeded, InvalidArgument, ResourceExhausted
-from llmserve.inference.drain_meter import DrainMeter, StepTimer
+from llmserve.inference.drain_meter import DrainMeter, StepPace
 from llmserve.inference.engine.config import (
     DEFAULT_KV_OVERCOMMIT,
-    DEFAULT_MAX_WAITING_REQUESTS,
+    DEFAULT_MAX_NUM_SEQS,
     WAITING_PROMPT_CONTEXTS,
     EngineConfig,
+    default_max_waiting_requests,
 )
 from llmserve.inference.engine.types import EngineOutput, EngineRequest
 
@@ -53,15 +63,19 @@ MAX_RETRY_AFTER_MS = 30_000
 
 @dataclass(frozen=True, slots=True)
 class AdmissionConfig:
-    """The budgets (see EngineConfig's admission flags); the defaults are the flags'."""
+    """The budgets (see EngineConfig's admission flags); the defaults are the flags' on an
+    accelerator with the default --max-num-seqs."""
 
-    max_waiting_requests: int = DEFAULT_MAX_WAITING_REQUESTS
+    max_waiting_requests: int = default_max_waiting_requests("cuda", DEFAULT_MAX_NUM_SEQS)
     max_waiting_prompt_tokens: int | None = None  # None: WAITING_PROMPT_CONTEXTS x the context
     kv_overcommit: float = DEFAULT_KV_OVERCOMMIT
 
     @classmethod
     def of(cls, config: EngineConfig) -> "AdmissionConfig":
-        return cls(config.max_waiting_requests, config.max_waiting_prompt_tokens, config.kv_overcommit)
+        max_waiting_requests = config.max_waiting_requests
+        if max_waiting_requests is None:
+            max_waiting_requests = default_max_waiting_requests(config.device, config.max_num_seqs)
+        return cls(max_waiting_requests, config.max_waiting_prompt_tokens, config.kv_overcommit)
 
 
 @dataclass(slots=True)
@@ -112,10 +126,10 @@ class AdmissionController:
         self.num_waiting_requests = 0
         self.num_waiting_prompt_tokens = 0
         self.num_kv_blocks_demanded = 0
+        self.num_sequences_in_flight = 0
         now_ns = clock()
-        self.queue_drain = DrainMeter(now_ns)  # prompt tokens per second
+        self.pace = StepPace(now_ns)
         self.kv_drain = DrainMeter(now_ns)  # blocks per second
-        self.step_timer = StepTimer(now_ns)
 
     # --- admission --------------------------------------------------------------------------
 
@@ -124,17 +138,20 @@ class AdmissionController:
         exceeds a whole budget, ResourceExhausted if over one now, DeadlineExceeded if its
         deadline cannot be met."""
         now_ns = self._clock()
-        self._advance_meters(now_ns)
+        self.kv_drain.advance(now_ns, was_busy=bool(self._admitted))
         num_prompt_tokens = len(request.prompt_token_ids)
         num_kv_blocks = kv_blocks_needed(request, self._block_size_tokens, self._max_context_tokens)
         self._check_fits_alone(num_prompt_tokens, num_kv_blocks)
-        self._check_budgets(num_prompt_tokens, num_kv_blocks)
+        self._check_budgets(num_prompt_tokens, num_kv_blocks, now_ns)
         if request.deadline_ns:
             self._check_deadline(request, now_ns)
+        if not self._admitted:
+            self.pace.start(now_ns)
         self._admitted[request.request_id] = _Admitted(num_prompt_tokens, num_kv_blocks, request.sampling.n)
         self.num_waiting_requests += 1
         self.num_waiting_prompt_tokens += num_prompt_tokens
         self.num_kv_blocks_demanded += num_kv_blocks
+        self.num_sequences_in_flight += request.sampling.n
 
     def _check_fits_alone(self, num_prompt_tokens: int, num_kv_blocks: int) -> None:
         if num_prompt_tokens > self.max_waiting_prompt_tokens:
@@ -151,35 +168,36 @@ class AdmissionController:
                 f"(the pool x --kv-overcommit {self.kv_overcommit:g})",
             )
 
-    def _check_budgets(self, num_prompt_tokens: int, num_kv_blocks: int) -> None:
+    def _check_budgets(self, num_prompt_tokens: int, num_kv_blocks: int, now_ns: int) -> None:
+        queue_turnover_ms = self._retry_after_ms(self.num_waiting_prompt_tokens, self.pace.prefill_tokens_per_s, now_ns)
         if self.num_waiting_requests + 1 > self.max_waiting_requests:
-            mean_prompt_tokens = self.num_waiting_prompt_tokens / self.num_waiting_requests
-            excess_tokens = (self.num_waiting_requests + 1 - self.max_waiting_requests) * mean_prompt_tokens
-            self._refuse(
+            _refuse(
                 f"{self.num_waiting_requests} requests are waiting, the most this replica queues "
                 f"(--max-waiting-requests {self.max_waiting_requests})",
-                excess_tokens, self.queue_drain,
+                queue_turnover_ms,
             )  # fmt: skip
-        excess_tokens = self.num_waiting_prompt_tokens + num_prompt_tokens - self.max_waiting_prompt_tokens
-        if excess_tokens > 0:
-            self._refuse(
+        if self.num_waiting_prompt_tokens + num_prompt_tokens > self.max_waiting_prompt_tokens:
+            _refuse(
                 f"{self.num_waiting_prompt_tokens} prompt tokens are waiting and this request brings "
                 f"{num_prompt_tokens}, over the budget of {self.max_waiting_prompt_tokens} "
                 f"(--max-waiting-prompt-tokens)",
-                excess_tokens, self.queue_drain,
+                queue_turnover_ms,
             )  # fmt: skip
         excess_blocks = self.num_kv_blocks_demanded + num_kv_blocks - self._max_kv_blocks
         if self._max_kv_blocks and excess_blocks > 0:
-            self._refuse(
+            _refuse(
                 f"admitted requests will need {self.num_kv_blocks_demanded} KV blocks and this one "
                 f"{num_kv_blocks}, over the {self._max_kv_blocks} this replica admits (the pool x "
                 f"--kv-overcommit {self.kv_overcommit:g})",
-                excess_blocks, self.kv_drain,
+                self._retry_after_ms(excess_blocks, self.kv_drain.per_s, now_ns),
             )  # fmt: skip
 
-    def _refuse(self, budget: str, excess: float, drain: DrainMeter) -> None:
-        retry_after_ms = retry_after_ms_for(excess, drain.per_s)
-        raise ResourceExhausted(f"replica busy: {budget}; retry in ~{retry_after_ms} ms", retry_after_ms=retry_after_ms)
+    def _retry_after_ms(self, amount: float, drain_per_s: float | None, now_ns: int) -> int:
+        """When `amount` will have drained at `drain_per_s`, clamped to a useful hint."""
+        if drain_per_s is None:
+            running_step_ms = 1000 * self.pace.running_step_s(now_ns) if self._admitted else 0
+            return _clamped_ms(max(DEFAULT_RETRY_AFTER_MS, running_step_ms))
+        return _clamped_ms(1000 * amount / drain_per_s if drain_per_s > 0 else MAX_RETRY_AFTER_MS)
 
     def _check_deadline(self, request: EngineRequest, now_ns: int) -> None:
         time_left_s = (request.deadline_ns - now_ns) / 1e9
@@ -195,13 +213,12 @@ class AdmissionController:
     def finish_estimate(self, request: EngineRequest) -> "FinishEstimate":
         """How long the request would take if admitted now, from what is measured so far."""
         prompt_tokens_ahead = self.num_waiting_prompt_tokens + len(request.prompt_token_ids)
-        drain_per_s = self.queue_drain.per_s
-        if drain_per_s is None:
-            wait_s = 0.0
-        else:  # a measured zero (nothing started while requests waited): no start in sight
-            wait_s = prompt_tokens_ahead / drain_per_s if drain_per_s > 0 else float("inf")
+        drain_per_s = self.pace.prefill_tokens_per_s
+        wait_s = 0.0 if drain_per_s is None else prompt_tokens_ahead / drain_per_s
         max_tokens = request.sampling.max_tokens or self._max_context_tokens - len(request.prompt_token_ids)
-        step_s = self.step_timer.step_s or 0.0
+        step_s = self.pace.step_s or 0.0
+        if self.pace.batch_size:
+            step_s *= max(1.0, (self.num_sequences_in_flight + request.sampling.n) / self.pace.batch_size)
         return FinishEstimate(prompt_tokens_ahead, drain_per_s, wait_s, max_tokens, step_s)
 
     # --- learning from outputs --------------------------------------------------------------
@@ -209,39 +226,36 @@ class AdmissionController:
     def observe(self, outputs: list[EngineOutput]) -> None:
         """Account one delivery of outputs (in the order the core produced them)."""
         now_ns = self._clock()
-        num_producing = len(self._admitted) - self.num_waiting_requests
-        self._advance_meters(now_ns)
-        num_started_prompt_tokens, num_released_blocks, has_tokens = 0, 0, False
+        self.kv_drain.advance(now_ns, was_busy=bool(self._admitted))
+        num_started_prompt_tokens, num_released_blocks, num_token_outputs = 0, 0, 0
         for output in outputs:
             admitted = self._admitted.get(output.request_id)
             if admitted is None:
-                continue  # admitted before this controller's accounting began: nothing to release
-            has_tokens = has_tokens or bool(output.new_token_ids)
+                continue  # not admitted here (AsyncEngine logs it)
+            num_token_outputs += bool(output.new_token_ids)
             if admitted.is_waiting and (output.new_token_ids or output.is_finished):
                 admitted.is_waiting = False
                 self.num_waiting_requests -= 1
                 self.num_waiting_prompt_tokens -= admitted.num_prompt_tokens
-                num_started_prompt_tokens += admitted.num_prompt_tokens
+                if output.new_token_ids:  # else aborted or failed while waiting: nothing was computed
+                    num_started_prompt_tokens += admitted.num_prompt_tokens
             if output.is_finished:
                 admitted.num_unfinished_sequences -= 1
+                self.num_sequences_in_flight -= 1
                 if admitted.num_unfinished_sequences == 0:
                     del self._admitted[output.request_id]
                     self.num_kv_blocks_demanded -= admitted.num_kv_blocks
                     num_released_blocks += admitted.num_kv_blocks
-        self.queue_drain.add(num_started_prompt_tokens)
         self.kv_drain.add(num_released_blocks)
-        self.step_timer.advance(now_ns, was_producing=num_producing > 0, has_tokens=has_tokens)
-
-    def _advance_meters(self, now_ns: int) -> None:
-        """Close the interval since the last admission or delivery (before this one's changes)."""
-        self.queue_drain.advance(now_ns, was_busy=self.num_waiting_requests > 0)
-        self.kv_drain.advance(now_ns, was_busy=bool(self._admitted))
+        self.pace.advance(
+            now_ns, num_token_outputs=num_token_outputs, num_started_prompt_tokens=num_started_prompt_tokens
+        )
 
 
 @dataclass(frozen=True, slots=True)
 class FinishEstimate:
     prompt_tokens_ahead: int
-    drain_per_s: float | None
+    prefill_tokens_per_s: float | None
     wait_s: float
     max_tokens: int
     step_s: float
@@ -251,17 +265,17 @@ class FinishEstimate:
         return self.wait_s + self.max_tokens * self.step_s
 
     def describe(self) -> str:
-        drain = "an unmeasured rate" if self.drain_per_s is None else f"{self.drain_per_s:.0f} tokens/s"
+        rate = self.prefill_tokens_per_s
+        drain = "an unmeasured rate" if rate is None else f"{rate:.0f} tokens/s"
         return (
             f"{self.wait_s:.1f} s to start {self.prompt_tokens_ahead} prompt tokens at {drain}, then "
-            f"{self.max_tokens} tokens at {self.step_s * 1000:.0f} ms per step"
+            f"{self.max_tokens} tokens at {self.step_s * 1000:.0f} ms per step of the batch it joins"
         )
 
 
-def retry_after_ms_for(excess: float, drain_per_s: float | None) -> int:
-    """When `excess` (in the drain's units) will have drained, clamped to a useful hint."""
-    if drain_per_s is None:
-        return DEFAULT_RETRY_AFTER_MS
-    if drain_per_s <= 0:
-        return MAX_RETRY_AFTER_MS
-    return int(min(MAX_RETRY_AFTER_MS, max(MIN_RETRY_AFTER_MS, 1000 * excess / drain_per_s)))
+def _refuse(budget: str, retry_after_ms: int) -> None:
+    raise ResourceExhausted(f"replica busy: {budget}; retry in ~{retry_after_ms} ms", retry_after_ms=retry_after_ms)
+
+
+def _clamped_ms(ms: float) -> int:
+    return int(min(MAX_RETRY_AFTER_MS, max(MIN_RETRY_AFTER_MS, ms)))

@@ -36,10 +36,13 @@ ENGINE_GROUP = "engine (torch backend; hf ignores what it has no use for)"
 KERNELS_GROUP = "kernels and precision (torch backend)"
 ADMISSION_GROUP = "admission (what a replica accepts before refusing with a retry hint)"
 
-# Requests admitted but not yet producing tokens. 128 (TGI's default concurrency limit) lets a
-# burst of a few batches in at once; on a 2-core CPU the default model serves about that many
-# short requests within a 30 s deadline.
-DEFAULT_MAX_WAITING_REQUESTS = 128
+# Requests admitted but not yet producing tokens, when --max-waiting-requests is unset: a full
+# batch (--max-num-seqs) on an accelerator, so a burst of that many streams starts without a
+# refusal (a GPU starts them within a few steps). A CPU steps ~100x slower and every sequence
+# slows its steps: 128 short requests on the default model took 23-60 s on a loaded 2-core CPU,
+# 32 take a few seconds; beyond that the measured pace decides (admission.py).
+CPU_MAX_WAITING_REQUESTS = 32
+DEFAULT_MAX_NUM_SEQS = 256
 # Unset --max-waiting-prompt-tokens: this many contexts' worth, so any prompt that fits the
 # context is admissible and a few long documents can queue at once.
 WAITING_PROMPT_CONTEXTS = 4
@@ -70,6 +73,11 @@ FLAG = "flag"  # the metadata key of a field's EngineFlag
 
 def _flagged(default, name: str, help: str, **flag_options):
     return field(default=default, metadata={FLAG: EngineFlag(name, help, **flag_options)})
+
+
+def default_max_waiting_requests(device: str, max_num_seqs: int) -> int:
+    """What an unset --max-waiting-requests means on `device`."""
+    return CPU_MAX_WAITING_REQUESTS if device == "cpu" else max_num_seqs
 
 
 def default_dtype(device: str) -> str:
@@ -111,7 +119,7 @@ class EngineConfig:
         metavar="FRACTION",
     )  # fmt: skip
     kv_cpu_memory_bytes: int = 2 * 1024**3
-    max_num_seqs: int = _flagged(256, "--max-num-seqs", "most sequences running at once", metavar="N")
+    max_num_seqs: int = _flagged(DEFAULT_MAX_NUM_SEQS, "--max-num-seqs", "most sequences running at once", metavar="N")
     max_batched_tokens: int = _flagged(
         2048, "--max-batched-tokens", "per-step token budget: prefill chunks plus decodes", metavar="TOKENS"
     )
@@ -154,9 +162,10 @@ class EngineConfig:
         group=KERNELS_GROUP, choices=QUANTIZATIONS,
     )  # fmt: skip
 
-    max_waiting_requests: int = _flagged(
-        DEFAULT_MAX_WAITING_REQUESTS, "--max-waiting-requests", "most requests admitted but not yet "
-        "producing tokens; more are refused with RESOURCE_EXHAUSTED and a retry hint",
+    max_waiting_requests: int | None = _flagged(
+        None, "--max-waiting-requests", "most requests admitted but not yet producing tokens; more are "
+        f"refused with RESOURCE_EXHAUSTED and a retry hint (default: --max-num-seqs, on cpu "
+        f"{CPU_MAX_WAITING_REQUESTS})",
         group=ADMISSION_GROUP, metavar="N",
     )  # fmt: skip
     max_waiting_prompt_tokens: int | None = _flagged(
