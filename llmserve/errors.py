@@ -65,6 +65,22 @@ class Unavailable(ServiceError):
         super().__init__(message, retry_after_ms=retry_after_ms)
 
 
+class ResourceExhausted(ServiceError):
+    """Over a replica's admission budget now; worth retrying after the hint, which the replica
+    derives from how fast it is draining its queue."""
+
+    code = grpc.StatusCode.RESOURCE_EXHAUSTED
+
+    def __init__(self, message: str, *, retry_after_ms: int):
+        super().__init__(message, retry_after_ms=retry_after_ms)
+
+
+class DeadlineExceeded(ServiceError):
+    """The request's deadline has passed, or cannot be met: refused before any work is done."""
+
+    code = grpc.StatusCode.DEADLINE_EXCEEDED
+
+
 def _packed(message) -> any_pb2.Any:
     packed = any_pb2.Any()
     packed.Pack(message)

@@ -197,8 +197,8 @@ def non_default_value(field):
     flag, default = flag_of(field), parsed_default(field)
     if flag.choices:
         return next(choice for choice in reversed(flag.choices) if choice != default)
-    if value_type(field) is str:
-        return "cuda:1"
+    if value_type(field) is str:  # the two free-form string flags
+        return "64,256" if field.name == "length_buckets" else "cuda:1"
     return (default or 1) * 2 + 1 if value_type(field) is int else default / 2
 
 

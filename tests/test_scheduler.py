@@ -97,7 +97,7 @@ def test_max_num_seqs_holds_back_new_sequences():
     scheduler = make_scheduler(max_num_seqs=2)
     for seq_id in (1, 2, 3):
         scheduler.add(make_seq(seq_id, 3))
-    first = scheduler.waiting[0]
+    first = scheduler.waiting.peek()
     assert plan(run_step(scheduler, stopping={first})) == [(1, 3), (2, 3)]
     assert [s.seq_id for s in scheduler.waiting] == [3] and first.finish_reason is FinishReason.STOP
     assert plan(run_step(scheduler)) == [(2, 1), (3, 3)]

@@ -15,6 +15,7 @@ import importlib
 from collections.abc import Callable
 from typing import AsyncIterator, Protocol
 
+from llmserve.inference.admission import AdmissionConfig
 from llmserve.inference.engine.async_engine import AsyncEngine
 from llmserve.inference.engine.config import BACKENDS, EngineConfig
 from llmserve.inference.engine.engine_process import EngineProcess
@@ -66,9 +67,10 @@ def create_engine(config: EngineConfig, *, log_level: str = "INFO") -> ServingEn
             return engine_class(config)
         except ImportError as exc:  # the backend imports its library on construction
             raise BackendUnavailable(f"backend {config.backend!r} is not available: {exc}") from exc
+    admission = AdmissionConfig.of(config)
     if config.core_process:
-        return AsyncEngine(EngineProcess(config, log_level=log_level))
-    return AsyncEngine(EngineThread(create_engine_core(config)))
+        return AsyncEngine(EngineProcess(config, log_level=log_level), admission=admission)
+    return AsyncEngine(EngineThread(create_engine_core(config)), admission=admission)
 
 
 def create_engine_core(config: EngineConfig) -> EngineCore:

@@ -28,6 +28,7 @@ from dataclasses import dataclass
 from typing import AsyncIterator, Protocol
 
 from llmserve.errors import InvalidArgument, Unavailable
+from llmserve.inference.admission import AdmissionConfig, AdmissionController
 from llmserve.inference.engine.types import EngineLoad, EngineOutput, EngineRequest, ModelInfo
 
 log = logging.getLogger(__name__)
@@ -68,9 +69,15 @@ class _Stream:
 class AsyncEngine:
     """Owns a CoreClient. Every public method runs on the event loop."""
 
-    def __init__(self, client: CoreClient):
+    def __init__(self, client: CoreClient, admission: AdmissionConfig = AdmissionConfig()):
         self.model_info: ModelInfo = client.model_info
         self._client = client
+        self._admission = AdmissionController(
+            admission,
+            kv_blocks_total=client.load().kv_blocks_total,
+            block_size_tokens=self.model_info.block_size_tokens,
+            max_context_tokens=self.model_info.max_context_tokens,
+        )
         self._streams: dict[str, _Stream] = {}  # request_id → stream, for each in-flight request
         self._is_accepting = False
         self._none_in_flight = asyncio.Event()
@@ -101,11 +108,13 @@ class AsyncEngine:
 
     def submit(self, request: EngineRequest, on_output: OnOutput) -> None:
         """Start the request; `on_output` gets each of its outputs on the loop, the final one of
-        every sequence included. Raises (Unavailable, InvalidArgument) before anything is queued."""
+        every sequence included. Raises (Unavailable, InvalidArgument, and the refusals of
+        admission.py: ResourceExhausted, DeadlineExceeded) before anything is queued."""
         if not self._is_accepting or not self._client.is_running:
             raise Unavailable("the inference engine is shutting down")
         if request.request_id in self._streams:
             raise InvalidArgument("request_id", f"{request.request_id!r} is already in flight")
+        self._admission.admit(request)
         self._streams[request.request_id] = _Stream(on_output=on_output, num_unfinished_sequences=request.sampling.n)
         self._none_in_flight.clear()
         self._client.add_request(request)
@@ -161,6 +170,7 @@ class AsyncEngine:
     def _deliver(self, outputs: list[EngineOutput]) -> None:
         """Runs on the loop: route outputs to their streams; a request whose every sequence
         has its final output is no longer in flight."""
+        self._admission.observe(outputs)
         for output in outputs:
             stream = self._streams.get(output.request_id)
             if stream is None:

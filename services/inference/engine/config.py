@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from llmserve.block_hash import DEFAULT_BLOCK_SIZE
+from llmserve.buckets import DEFAULT_BUCKET_BOUNDS, BucketConfig
 
 BACKENDS = ("torch", "hf", "trtllm")
 # torch backend attention/small-op implementation (models/attention_backend.py): "auto" = the
@@ -33,6 +34,20 @@ DTYPES = ("float32", "bfloat16", "float16")
 MODEL_GROUP = "model"
 ENGINE_GROUP = "engine (torch backend; hf ignores what it has no use for)"
 KERNELS_GROUP = "kernels and precision (torch backend)"
+ADMISSION_GROUP = "admission (what a replica accepts before refusing with a retry hint)"
+
+# Requests admitted but not yet producing tokens, when --max-waiting-requests is unset: a full
+# batch (--max-num-seqs) on an accelerator, so a burst of that many streams starts without a
+# refusal (a GPU starts them within a few steps). A CPU steps ~100x slower and every sequence
+# slows its steps: 128 short requests on the default model took 23-60 s on a loaded 2-core CPU,
+# 32 take a few seconds; beyond that the measured pace decides (admission.py).
+CPU_MAX_WAITING_REQUESTS = 32
+DEFAULT_MAX_NUM_SEQS = 256
+# Unset --max-waiting-prompt-tokens: this many contexts' worth, so any prompt that fits the
+# context is admissible and a few long documents can queue at once.
+WAITING_PROMPT_CONTEXTS = 4
+# At 1.0 the admitted requests fit the KV pool together at their full length: none is preempted.
+DEFAULT_KV_OVERCOMMIT = 1.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -58,6 +73,11 @@ FLAG = "flag"  # the metadata key of a field's EngineFlag
 
 def _flagged(default, name: str, help: str, **flag_options):
     return field(default=default, metadata={FLAG: EngineFlag(name, help, **flag_options)})
+
+
+def default_max_waiting_requests(device: str, max_num_seqs: int) -> int:
+    """What an unset --max-waiting-requests means on `device`."""
+    return CPU_MAX_WAITING_REQUESTS if device == "cpu" else max_num_seqs
 
 
 def default_dtype(device: str) -> str:
@@ -99,10 +119,16 @@ class EngineConfig:
         metavar="FRACTION",
     )  # fmt: skip
     kv_cpu_memory_bytes: int = 2 * 1024**3
-    max_num_seqs: int = _flagged(256, "--max-num-seqs", "most sequences running at once", metavar="N")
+    max_num_seqs: int = _flagged(DEFAULT_MAX_NUM_SEQS, "--max-num-seqs", "most sequences running at once", metavar="N")
     max_batched_tokens: int = _flagged(
         2048, "--max-batched-tokens", "per-step token budget: prefill chunks plus decodes", metavar="TOKENS"
     )
+    length_buckets: str = _flagged(
+        ",".join(map(str, DEFAULT_BUCKET_BOUNDS)), "--length-buckets", "prompt-length bucket upper bounds "
+        "in tokens, increasing (cut at the context): the waiting queue keeps one queue per bucket and "
+        "admits from them in turn, so short prompts do not wait behind long documents",
+        metavar="N,N,...",
+    )  # fmt: skip
     enable_prefix_caching: bool = _flagged(True, "--no-prefix-caching", "do not reuse KV blocks of shared prefixes")
     enable_chunked_prefill: bool = True
     enforce_eager: bool = _flagged(False, "--enforce-eager", "CUDA: skip CUDA-graph capture")
@@ -142,6 +168,24 @@ class EngineConfig:
         group=KERNELS_GROUP, choices=QUANTIZATIONS,
     )  # fmt: skip
 
+    max_waiting_requests: int | None = _flagged(
+        None, "--max-waiting-requests", "most requests admitted but not yet producing tokens; more are "
+        f"refused with RESOURCE_EXHAUSTED and a retry hint (default: --max-num-seqs, on cpu "
+        f"{CPU_MAX_WAITING_REQUESTS})",
+        group=ADMISSION_GROUP, metavar="N",
+    )  # fmt: skip
+    max_waiting_prompt_tokens: int | None = _flagged(
+        None, "--max-waiting-prompt-tokens", "most prompt tokens of requests not yet producing tokens "
+        f"(default: {WAITING_PROMPT_CONTEXTS} x the context)",
+        group=ADMISSION_GROUP, metavar="TOKENS",
+    )  # fmt: skip
+    kv_overcommit: float = _flagged(
+        DEFAULT_KV_OVERCOMMIT, "--kv-overcommit", "KV blocks that admitted requests may need at their full length "
+        "(prompt + max_tokens), as a multiple of the pool; above 1 admits more but may preempt "
+        "(recompute) running sequences when they all grow long",
+        group=ADMISSION_GROUP, metavar="FACTOR",
+    )  # fmt: skip
+
     def __post_init__(self) -> None:
         for name, allowed in (
             ("backend", BACKENDS),
@@ -151,5 +195,8 @@ class EngineConfig:
         ):
             if getattr(self, name) not in allowed:
                 raise ValueError(f"{name} must be one of {allowed}, got {getattr(self, name)!r}")
-        if self.block_size_tokens <= 0:
-            raise ValueError(f"block_size_tokens must be positive, got {self.block_size_tokens}")
+        for name in ("block_size_tokens", "max_waiting_requests", "max_waiting_prompt_tokens", "kv_overcommit"):
+            value = getattr(self, name)
+            if value is not None and value <= 0:
+                raise ValueError(f"{name} must be positive, got {value}")
+        BucketConfig.parse(self.length_buckets)  # raises ValueError on a malformed list

@@ -16,14 +16,16 @@ are the same operation and mix freely in one batch. Order within a step:
   1. running decodes (one token each), oldest first: streams never stall behind prompts
      (a sequence whose pending token is its last, `is_finishing`, is skipped);
   2. running prefills, in chunks that fill the remaining budget;
-  3. waiting sequences, lowest `priority` first, then first come first served, each taking its
+  3. waiting sequences, in the order of the WaitingQueue (one queue per length bucket, taking
+     turns; lowest `priority` first; first come first served within a bucket), each taking its
      prefix-cache hits and a chunk of the rest, while budget, room in the running set
      (max_num_seqs) and blocks last.
-     A waiting sequence that does not fit blocks those behind it (no overtaking).
+     The next sequence that does not fit ends admission for the step: the blocks that free up
+     go to whoever's turn it is, so no bucket is starved by smaller prompts slipping past.
 
 When a running sequence needs a block and none is free, the running sequence with the highest
 (priority, seq_id) - lowest priority, newest - is preempted: its blocks are freed (cached
-ones stay findable) and it rejoins the waiting queue in its original place, to be recomputed.
+ones stay findable) and it rejoins its bucket's queue in its original place, to be recomputed.
 No step admits waiting sequences after a preemption, which would only thrash.
 
 A prompt that could never fit (more tokens than a sequence may hold) is finished with ERROR at
@@ -32,14 +34,15 @@ once instead of waiting forever.
 
 from __future__ import annotations
 
-import bisect
 import time
 from dataclasses import dataclass, field
 
+from llmserve.buckets import BucketConfig
 from llmserve.inference.engine.block_manager import BlockManager
 from llmserve.inference.engine.sequence import PENDING_TOKEN, Sequence, SequenceStatus
 from llmserve.inference.engine.step_output import LaunchedBatch, NewToken, SampledTokens, StepUpdate
 from llmserve.inference.engine.stop import finish_at_token, reaches_length_limit, stop_token_ids
+from llmserve.inference.engine.waiting_queue import WaitingQueue, queue_key
 from llmserve.sampling import FinishReason
 
 
@@ -50,6 +53,7 @@ class SchedulerConfig:
     max_seq_tokens: int  # most tokens (prompt + output) one sequence may hold
     enable_chunked_prefill: bool = True
     eos_token_ids: frozenset[int] = frozenset()
+    length_buckets: BucketConfig = BucketConfig()
 
 
 @dataclass(slots=True)
@@ -89,15 +93,11 @@ class ScheduledBatch:
         return self.num_new_tokens.pop(index)
 
 
-def _queue_key(seq: Sequence) -> tuple[int, int]:
-    return (seq.priority, seq.seq_id)
-
-
 class Scheduler:
     def __init__(self, config: SchedulerConfig, block_manager: BlockManager):
         self.config = config
         self.block_manager = block_manager
-        self.waiting: list[Sequence] = []  # sorted by (priority, seq_id)
+        self.waiting = WaitingQueue(config.length_buckets)
         self.running: list[Sequence] = []  # in admission order
         self.num_preemptions_total = 0
         self._rejected: list[Sequence] = []
@@ -113,7 +113,7 @@ class Scheduler:
 
     def abort(self, request_id: str) -> list[Sequence]:
         """Finish every sequence of the request as CANCELLED, freeing its blocks now."""
-        aborted = [s for s in self.running + self.waiting if s.request_id == request_id]
+        aborted = [s for s in [*self.running, *self.waiting] if s.request_id == request_id]
         for seq in aborted:
             self._finish(seq, FinishReason.CANCELLED)
         rejected = [s for s in self._rejected if s.request_id == request_id]
@@ -234,7 +234,7 @@ class Scheduler:
         num_new_tokens = min(seq.num_uncomputed_tokens, budget)
         refunded = 0
         while not self.block_manager.allocate(seq, num_new_tokens):
-            victim = max(self.running, key=_queue_key)
+            victim = max(self.running, key=queue_key)
             if victim in batch.seqs:
                 refunded += batch.remove(victim)
             self._preempt(victim)
@@ -245,7 +245,7 @@ class Scheduler:
 
     def _admit_waiting(self, budget: int, batch: ScheduledBatch) -> None:
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
-            seq = self.waiting[0]
+            seq = self.waiting.peek()
             if seq.has_pending_token:
                 break  # preempted (or forked) with a token pending: its hashes need the value
             cached_block_ids = self.block_manager.find_cached_blocks(seq)
@@ -258,7 +258,7 @@ class Scheduler:
                     num_new_tokens = budget
             if not self.block_manager.allocate(seq, num_new_tokens, cached_block_ids):
                 break
-            self.waiting.pop(0)
+            self.waiting.pop()
             self._start_running(seq, num_cached_tokens)
             batch.add(seq, num_new_tokens)
             budget -= num_new_tokens
@@ -281,7 +281,7 @@ class Scheduler:
 
     def _enqueue(self, seq: Sequence) -> None:
         seq.status = SequenceStatus.WAITING
-        bisect.insort(self.waiting, seq, key=_queue_key)
+        self.waiting.add(seq)
 
     def _release_blocks(self, seq: Sequence) -> None:
         self.block_manager.free(seq)

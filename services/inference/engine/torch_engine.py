@@ -34,6 +34,7 @@ from dataclasses import dataclass
 
 import torch
 
+from llmserve.buckets import BucketConfig
 from llmserve.inference.engine.block_manager import BlockManager
 from llmserve.inference.engine.config import EngineConfig
 from llmserve.inference.engine.engine_outputs import error_outputs, token_output
@@ -89,6 +90,7 @@ class TorchEngineCore:
                 max_seq_tokens=max_seq_tokens,
                 enable_chunked_prefill=config.enable_chunked_prefill,
                 eos_token_ids=frozenset(files.eos_token_ids),
+                length_buckets=BucketConfig.parse(config.length_buckets).limited_to(max_context_tokens),
             ),
             self.block_manager,
         )

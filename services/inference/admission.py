@@ -1,0 +1,281 @@
+"""Replica admission: whether AsyncEngine hands a request to the engine core, decided on the
+event loop before anything is queued (so it is the same whether the core runs on a thread or in
+a process).
+
+Budgets (AdmissionConfig, from EngineConfig's admission flags), over the requests in flight:
+  - waiting requests: admitted, but no sequence has produced a token yet;
+  - waiting prompt tokens: the prompts of those requests;
+  - KV demand: the blocks every admitted request will hold at its full length (prompt +
+    max_tokens; its n sequences share the prompt's full blocks), at most kv_blocks_total x
+    kv_overcommit. At 1.0 the admitted requests fit the pool together even at their longest, so
+    none is ever preempted for lack of blocks. A backend without a paged pool (0 blocks) has no
+    KV budget.
+Over a budget: ResourceExhausted naming it, with a retry hint (clamped):
+  - waiting budgets: the time the waiting prompt tokens take to start at the prefill rate, i.e.
+    until the queue has turned over. Not the time until this one request would fit: every
+    client refused in a burst would come back at that same instant, refused again, and on a
+    small CPU that retry storm through gateway and preprocess starves the engine itself;
+  - KV budget: its excess blocks / the KV drain rate;
+  - before a rate is measured: DEFAULT_RETRY_AFTER_MS, or longer while the step in progress
+    has already run longer (a slow engine's first step).
+A request that alone exceeds a whole budget can never be admitted: InvalidArgument.
+
+Deadline (EngineRequest.deadline_ns): the estimated time to finish is
+  wait    (waiting prompt tokens + its own) / prefill rate: the queue ahead starts first;
+  decode  max_tokens x the step time, scaled up in proportion when the batch it joins (every
+          sequence in flight, its own included) is larger than the one the step time was
+          measured at: a compute-bound step (CPU; a GPU at large batch) slows with every
+          sequence, so admitting by the step time of a smaller batch would let everyone in and
+          make the admitted miss their deadlines. On a GPU ramping up from a small batch this
+          overestimates; it only refuses requests whose deadline is a few decode times away;
+and a request whose estimate exceeds the time it has left is refused with DeadlineExceeded at
+once, instead of being queued to die. What is not measured yet counts as zero: a cold replica
+admits.
+
+Measurements, learnt from the outputs AsyncEngine routes (`observe`, O(1) per output):
+  step time, prefill rate  drain_meter.StepPace (the prefill rate: prompt tokens whose request
+                           produced its first token, per second of the steps that started any);
+  KV drain                 blocks of demand released by finished requests, per second of time
+                           in which a request was in flight.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from llmserve.errors import DeadlineExceeded, InvalidArgument, ResourceExhausted
+from llmserve.inference.drain_meter import DrainMeter, StepPace
+from llmserve.inference.engine.config import (
+    DEFAULT_KV_OVERCOMMIT,
+    DEFAULT_MAX_NUM_SEQS,
+    WAITING_PROMPT_CONTEXTS,
+    EngineConfig,
+    default_max_waiting_requests,
+)
+from llmserve.inference.engine.types import EngineOutput, EngineRequest
+
+DEFAULT_RETRY_AFTER_MS = 1000  # before the drain rate is measured
+MIN_RETRY_AFTER_MS = 50  # about one step of a busy GPU: sooner would only be refused again
+MAX_RETRY_AFTER_MS = 30_000
+
+
+@dataclass(frozen=True, slots=True)
+class AdmissionConfig:
+    """The budgets (see EngineConfig's admission flags); the defaults are the flags' on an
+    accelerator with the default --max-num-seqs."""
+
+    max_waiting_requests: int = default_max_waiting_requests("cuda", DEFAULT_MAX_NUM_SEQS)
+    max_waiting_prompt_tokens: int | None = None  # None: WAITING_PROMPT_CONTEXTS x the context
+    kv_overcommit: float = DEFAULT_KV_OVERCOMMIT
+
+    @classmethod
+    def of(cls, config: EngineConfig) -> "AdmissionConfig":
+        max_waiting_requests = config.max_waiting_requests
+        if max_waiting_requests is None:
+            max_waiting_requests = default_max_waiting_requests(config.device, config.max_num_seqs)
+        return cls(max_waiting_requests, config.max_waiting_prompt_tokens, config.kv_overcommit)
+
+
+@dataclass(slots=True)
+class _Admitted:
+    """The demand one in-flight request was admitted with, and its progress."""
+
+    num_prompt_tokens: int
+    num_kv_blocks: int
+    num_unfinished_sequences: int
+    is_waiting: bool = True  # no token produced yet
+
+
+def kv_blocks_needed(request: EngineRequest, block_size_tokens: int, max_context_tokens: int) -> int:
+    """Blocks the request holds at its full length: the prompt's full blocks, shared by its n
+    sequences, plus each sequence's own blocks from there (its copy of a partial last one)."""
+    num_prompt_tokens = len(request.prompt_token_ids)
+    max_tokens = request.sampling.max_tokens
+    if max_tokens is None:
+        max_tokens = max_context_tokens - num_prompt_tokens
+    num_shared = num_prompt_tokens // block_size_tokens
+    num_per_sequence = -(-(num_prompt_tokens + max_tokens) // block_size_tokens) - num_shared
+    return num_shared + request.sampling.n * num_per_sequence
+
+
+class AdmissionController:
+    """Admits requests against a replica's budgets and learns its drain rates. Runs on the event
+    loop only. `kv_blocks_total` is the core's pool (EngineLoad), 0 for none."""
+
+    def __init__(
+        self,
+        config: AdmissionConfig,
+        *,
+        kv_blocks_total: int,
+        block_size_tokens: int,
+        max_context_tokens: int,
+        clock: Callable[[], int] = time.monotonic_ns,
+    ):
+        self.max_waiting_requests = config.max_waiting_requests
+        self.max_waiting_prompt_tokens = (
+            config.max_waiting_prompt_tokens or WAITING_PROMPT_CONTEXTS * max_context_tokens
+        )
+        self.kv_overcommit = config.kv_overcommit
+        self._max_kv_blocks = int(kv_blocks_total * config.kv_overcommit)
+        self._block_size_tokens = block_size_tokens
+        self._max_context_tokens = max_context_tokens
+        self._clock = clock
+        self._admitted: dict[str, _Admitted] = {}
+        self.num_waiting_requests = 0
+        self.num_waiting_prompt_tokens = 0
+        self.num_kv_blocks_demanded = 0
+        self.num_sequences_in_flight = 0
+        now_ns = clock()
+        self.pace = StepPace(now_ns)
+        self.kv_drain = DrainMeter(now_ns)  # blocks per second
+
+    # --- admission --------------------------------------------------------------------------
+
+    def admit(self, request: EngineRequest) -> None:
+        """Record the request as in flight, or raise (nothing recorded): InvalidArgument if it
+        exceeds a whole budget, ResourceExhausted if over one now, DeadlineExceeded if its
+        deadline cannot be met."""
+        now_ns = self._clock()
+        self.kv_drain.advance(now_ns, was_busy=bool(self._admitted))
+        num_prompt_tokens = len(request.prompt_token_ids)
+        num_kv_blocks = kv_blocks_needed(request, self._block_size_tokens, self._max_context_tokens)
+        self._check_fits_alone(num_prompt_tokens, num_kv_blocks)
+        self._check_budgets(num_prompt_tokens, num_kv_blocks, now_ns)
+        if request.deadline_ns:
+            self._check_deadline(request, now_ns)
+        if not self._admitted:
+            self.pace.start(now_ns)
+        self._admitted[request.request_id] = _Admitted(num_prompt_tokens, num_kv_blocks, request.sampling.n)
+        self.num_waiting_requests += 1
+        self.num_waiting_prompt_tokens += num_prompt_tokens
+        self.num_kv_blocks_demanded += num_kv_blocks
+        self.num_sequences_in_flight += request.sampling.n
+
+    def _check_fits_alone(self, num_prompt_tokens: int, num_kv_blocks: int) -> None:
+        if num_prompt_tokens > self.max_waiting_prompt_tokens:
+            raise InvalidArgument(
+                "prompt_token_ids",
+                f"{num_prompt_tokens} tokens exceed this replica's waiting prompt-token budget of "
+                f"{self.max_waiting_prompt_tokens} (--max-waiting-prompt-tokens)",
+            )
+        if self._max_kv_blocks and num_kv_blocks > self._max_kv_blocks:
+            raise InvalidArgument(
+                "sampling.max_tokens",
+                f"the request needs {num_kv_blocks} KV blocks of {self._block_size_tokens} tokens at its full "
+                f"length (prompt + n x max_tokens) but this replica admits at most {self._max_kv_blocks} "
+                f"(the pool x --kv-overcommit {self.kv_overcommit:g})",
+            )
+
+    def _check_budgets(self, num_prompt_tokens: int, num_kv_blocks: int, now_ns: int) -> None:
+        queue_turnover_ms = self._retry_after_ms(self.num_waiting_prompt_tokens, self.pace.prefill_tokens_per_s, now_ns)
+        if self.num_waiting_requests + 1 > self.max_waiting_requests:
+            _refuse(
+                f"{self.num_waiting_requests} requests are waiting, the most this replica queues "
+                f"(--max-waiting-requests {self.max_waiting_requests})",
+                queue_turnover_ms,
+            )  # fmt: skip
+        if self.num_waiting_prompt_tokens + num_prompt_tokens > self.max_waiting_prompt_tokens:
+            _refuse(
+                f"{self.num_waiting_prompt_tokens} prompt tokens are waiting and this request brings "
+                f"{num_prompt_tokens}, over the budget of {self.max_waiting_prompt_tokens} "
+                f"(--max-waiting-prompt-tokens)",
+                queue_turnover_ms,
+            )  # fmt: skip
+        excess_blocks = self.num_kv_blocks_demanded + num_kv_blocks - self._max_kv_blocks
+        if self._max_kv_blocks and excess_blocks > 0:
+            _refuse(
+                f"admitted requests will need {self.num_kv_blocks_demanded} KV blocks and this one "
+                f"{num_kv_blocks}, over the {self._max_kv_blocks} this replica admits (the pool x "
+                f"--kv-overcommit {self.kv_overcommit:g})",
+                self._retry_after_ms(excess_blocks, self.kv_drain.per_s, now_ns),
+            )  # fmt: skip
+
+    def _retry_after_ms(self, amount: float, drain_per_s: float | None, now_ns: int) -> int:
+        """When `amount` will have drained at `drain_per_s`, clamped to a useful hint."""
+        if drain_per_s is None:
+            running_step_ms = 1000 * self.pace.running_step_s(now_ns) if self._admitted else 0
+            return _clamped_ms(max(DEFAULT_RETRY_AFTER_MS, running_step_ms))
+        return _clamped_ms(1000 * amount / drain_per_s if drain_per_s > 0 else MAX_RETRY_AFTER_MS)
+
+    def _check_deadline(self, request: EngineRequest, now_ns: int) -> None:
+        time_left_s = (request.deadline_ns - now_ns) / 1e9
+        if time_left_s <= 0:
+            raise DeadlineExceeded(f"the deadline passed {-time_left_s:.3f} s before admission")
+        estimate = self.finish_estimate(request)
+        if estimate.total_s > time_left_s:
+            raise DeadlineExceeded(
+                f"the request cannot finish in the {time_left_s:.1f} s its deadline leaves: estimated "
+                f"{estimate.total_s:.1f} s ({estimate.describe()})"
+            )
+
+    def finish_estimate(self, request: EngineRequest) -> "FinishEstimate":
+        """How long the request would take if admitted now, from what is measured so far."""
+        prompt_tokens_ahead = self.num_waiting_prompt_tokens + len(request.prompt_token_ids)
+        drain_per_s = self.pace.prefill_tokens_per_s
+        wait_s = 0.0 if drain_per_s is None else prompt_tokens_ahead / drain_per_s
+        max_tokens = request.sampling.max_tokens or self._max_context_tokens - len(request.prompt_token_ids)
+        step_s = self.pace.step_s or 0.0
+        if self.pace.batch_size:
+            step_s *= max(1.0, (self.num_sequences_in_flight + request.sampling.n) / self.pace.batch_size)
+        return FinishEstimate(prompt_tokens_ahead, drain_per_s, wait_s, max_tokens, step_s)
+
+    # --- learning from outputs --------------------------------------------------------------
+
+    def observe(self, outputs: list[EngineOutput]) -> None:
+        """Account one delivery of outputs (in the order the core produced them)."""
+        now_ns = self._clock()
+        self.kv_drain.advance(now_ns, was_busy=bool(self._admitted))
+        num_started_prompt_tokens, num_released_blocks, num_token_outputs = 0, 0, 0
+        for output in outputs:
+            admitted = self._admitted.get(output.request_id)
+            if admitted is None:
+                continue  # not admitted here (AsyncEngine logs it)
+            num_token_outputs += bool(output.new_token_ids)
+            if admitted.is_waiting and (output.new_token_ids or output.is_finished):
+                admitted.is_waiting = False
+                self.num_waiting_requests -= 1
+                self.num_waiting_prompt_tokens -= admitted.num_prompt_tokens
+                if output.new_token_ids:  # else aborted or failed while waiting: nothing was computed
+                    num_started_prompt_tokens += admitted.num_prompt_tokens
+            if output.is_finished:
+                admitted.num_unfinished_sequences -= 1
+                self.num_sequences_in_flight -= 1
+                if admitted.num_unfinished_sequences == 0:
+                    del self._admitted[output.request_id]
+                    self.num_kv_blocks_demanded -= admitted.num_kv_blocks
+                    num_released_blocks += admitted.num_kv_blocks
+        self.kv_drain.add(num_released_blocks)
+        self.pace.advance(
+            now_ns, num_token_outputs=num_token_outputs, num_started_prompt_tokens=num_started_prompt_tokens
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class FinishEstimate:
+    prompt_tokens_ahead: int
+    prefill_tokens_per_s: float | None
+    wait_s: float
+    max_tokens: int
+    step_s: float
+
+    @property
+    def total_s(self) -> float:
+        return self.wait_s + self.max_tokens * self.step_s
+
+    def describe(self) -> str:
+        rate = self.prefill_tokens_per_s
+        drain = "an unmeasured rate" if rate is None else f"{rate:.0f} tokens/s"
+        return (
+            f"{self.wait_s:.1f} s to start {self.prompt_tokens_ahead} prompt tokens at {drain}, then "
+            f"{self.max_tokens} tokens at {self.step_s * 1000:.0f} ms per step of the batch it joins"
+        )
+
+
+def _refuse(budget: str, retry_after_ms: int) -> None:
+    raise ResourceExhausted(f"replica busy: {budget}; retry in ~{retry_after_ms} ms", retry_after_ms=retry_after_ms)
+
+
+def _clamped_ms(ms: float) -> int:
+    return int(min(MAX_RETRY_AFTER_MS, max(MIN_RETRY_AFTER_MS, ms)))

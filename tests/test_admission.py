@@ -1,0 +1,198 @@
+"""AdmissionController: budgets, retry hints from measured rates, deadline refusals.
+
+Time is a clock the test advances, so every rate and hint is exact.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from llmserve.errors import DeadlineExceeded, InvalidArgument, ResourceExhausted
+from llmserve.inference.admission import (
+    DEFAULT_RETRY_AFTER_MS,
+    MAX_RETRY_AFTER_MS,
+    MIN_RETRY_AFTER_MS,
+    AdmissionConfig,
+    AdmissionController,
+    kv_blocks_needed,
+)
+from llmserve.inference.engine.types import EngineOutput, EngineRequest
+from llmserve.sampling import FinishReason, SamplingParams
+
+BLOCK = 16
+CONTEXT = 1024
+S = 1_000_000_000  # ns per second
+
+
+class Clock:
+    def __init__(self):
+        self.now_ns = 1000 * S  # monotonic time is far from 0, the "no deadline" value
+
+    def __call__(self) -> int:
+        return self.now_ns
+
+    def advance(self, seconds: float) -> None:
+        self.now_ns += int(seconds * S)
+
+
+def controller(clock: Clock, *, kv_blocks_total: int = 0, **budgets) -> AdmissionController:
+    return AdmissionController(
+        AdmissionConfig(**budgets), kv_blocks_total=kv_blocks_total, block_size_tokens=BLOCK,
+        max_context_tokens=CONTEXT, clock=clock,
+    )  # fmt: skip
+
+
+def request(request_id: str, num_prompt_tokens: int, max_tokens: int = 8, *, n: int = 1, deadline_ns: int = 0):
+    sampling = SamplingParams(max_tokens=max_tokens, n=n)
+    return EngineRequest(request_id, [1] * num_prompt_tokens, sampling, arrival_ns=0, deadline_ns=deadline_ns)
+
+
+def token(request_id: str, sequence_index: int = 0) -> EngineOutput:
+    return EngineOutput(request_id, sequence_index, [7])
+
+
+def finished(request_id: str, sequence_index: int = 0) -> EngineOutput:
+    return EngineOutput(request_id, sequence_index, [7], finish_reason=FinishReason.LENGTH)
+
+
+def test_kv_demand_counts_shared_prompt_blocks_once():
+    # 40 prompt tokens: 2 full blocks shared; each of 3 sequences grows to 50 tokens = 4 blocks.
+    assert kv_blocks_needed(request("r", 40, 10, n=3), BLOCK, CONTEXT) == 2 + 3 * 2
+    assert kv_blocks_needed(request("r", 32, 1), BLOCK, CONTEXT) == 3
+
+
+def test_waiting_requests_over_the_budget_are_refused_until_one_starts():
+    clock = Clock()
+    admission = controller(clock, max_waiting_requests=2)
+    admission.admit(request("a", 10))
+    admission.admit(request("b", 10))
+    with pytest.raises(ResourceExhausted) as refused:
+        admission.admit(request("c", 10))
+    assert "2 requests are waiting" in refused.value.message and "--max-waiting-requests 2" in refused.value.message
+    assert refused.value.retry_after_ms == DEFAULT_RETRY_AFTER_MS  # nothing measured yet
+    admission.observe([token("a")])
+    admission.admit(request("c", 10))
+    assert admission.num_waiting_requests == 2
+
+
+def test_retry_hint_is_the_queue_turnover_at_the_measured_prefill_rate():
+    clock = Clock()
+    admission = controller(clock, max_waiting_prompt_tokens=100)
+    admission.admit(request("a", 60))
+    clock.advance(0.5)
+    admission.observe([token("a")])  # 60 prompt tokens started in a 0.5 s step: 120/s
+    assert admission.pace.prefill_tokens_per_s == pytest.approx(120)
+    admission.admit(request("b", 80))
+    with pytest.raises(ResourceExhausted) as refused:
+        admission.admit(request("c", 40))
+    # the 80 waiting prompt tokens start in 2/3 s: then the queue has room again
+    assert refused.value.retry_after_ms == 666
+    assert "80 prompt tokens are waiting" in refused.value.message and "budget of 100" in refused.value.message
+
+
+def test_idle_time_and_steps_that_start_nothing_leave_the_prefill_rate_alone():
+    clock = Clock()
+    admission = controller(clock)
+    clock.advance(100)  # idle
+    admission.admit(request("a", 50))
+    clock.advance(0.25)
+    admission.observe([token("a")])
+    assert admission.pace.prefill_tokens_per_s == pytest.approx(200)
+    admission.admit(request("b", 50))  # mid-step: it starts in the next one
+    clock.advance(0.25)
+    admission.observe([token("a")])
+    assert admission.pace.prefill_tokens_per_s == pytest.approx(200)
+
+
+def test_before_any_measurement_the_hint_is_at_least_the_step_in_progress():
+    clock = Clock()
+    admission = controller(clock, max_waiting_requests=1)
+    admission.admit(request("a", 10))
+    clock.advance(3.0)  # a slow engine's first step, not over yet
+    with pytest.raises(ResourceExhausted) as refused:
+        admission.admit(request("b", 10))
+    assert refused.value.retry_after_ms == 3000
+
+
+def test_kv_demand_over_the_pool_is_refused_until_a_request_finishes():
+    clock = Clock()
+    admission = controller(clock, kv_blocks_total=10)
+    admission.admit(request("a", 48, 48))  # 6 blocks at full length
+    with pytest.raises(ResourceExhausted) as refused:
+        admission.admit(request("b", 48, 48))
+    assert "need 6 KV blocks and this one 6, over the 10" in refused.value.message
+    clock.advance(2.0)
+    admission.observe([finished("a")])  # 6 blocks released over 2 s in flight: 3 blocks/s
+    admission.admit(request("b", 48, 48))
+    with pytest.raises(ResourceExhausted) as refused:
+        admission.admit(request("c", 48, 48))
+    assert refused.value.retry_after_ms == 666  # 2 blocks too many at 3 blocks/s
+    assert admission.num_kv_blocks_demanded == 6
+
+
+def test_overcommit_scales_the_kv_budget():
+    admission = controller(Clock(), kv_blocks_total=10, kv_overcommit=2.0)
+    for request_id in "abc":
+        admission.admit(request(request_id, 48, 48))
+    with pytest.raises(ResourceExhausted):
+        admission.admit(request("d", 48, 48))
+
+
+def test_a_request_over_a_whole_budget_is_invalid_not_retryable():
+    admission = controller(Clock(), kv_blocks_total=10, max_waiting_prompt_tokens=100)
+    with pytest.raises(InvalidArgument) as too_long:
+        admission.admit(request("a", 101))
+    assert too_long.value.field == "prompt_token_ids" and too_long.value.retry_after_ms is None
+    with pytest.raises(InvalidArgument) as too_big:
+        admission.admit(request("b", 100, 100))  # 13 blocks
+    assert too_big.value.field == "sampling.max_tokens" and "13 KV blocks" in too_big.value.problem
+    assert admission.num_waiting_requests == 0 and admission.num_kv_blocks_demanded == 0
+
+
+def test_a_request_ends_when_its_last_sequence_does():
+    admission = controller(Clock(), kv_blocks_total=100)
+    admission.admit(request("a", 20, 10, n=2))
+    admission.observe([token("a", 0), token("a", 1)])
+    assert admission.num_waiting_requests == 0 and admission.num_waiting_prompt_tokens == 0
+    admission.observe([finished("a", 1)])
+    assert admission.num_kv_blocks_demanded == kv_blocks_needed(request("a", 20, 10, n=2), BLOCK, CONTEXT)
+    admission.observe([finished("a", 0)])
+    assert admission.num_kv_blocks_demanded == 0
+
+
+def test_a_cold_replica_admits_any_deadline_still_ahead():
+    clock = Clock()
+    admission = controller(clock)
+    admission.admit(request("a", 500, 500, deadline_ns=clock.now_ns + 1))
+    with pytest.raises(DeadlineExceeded, match="passed"):
+        admission.admit(request("b", 10, deadline_ns=clock.now_ns))
+
+
+def test_a_deadline_the_measured_pace_cannot_meet_is_refused_at_once():
+    clock = Clock()
+    admission = controller(clock)
+    admission.admit(request("a", 100, 100))
+    clock.advance(0.1)
+    admission.observe([token("a")])  # prefill: 1000 tokens/s; step: 0.1 s
+    assert admission.pace.step_s == pytest.approx(0.1)
+    admission.admit(request("b", 400))  # 400 prompt tokens waiting
+    # 500 tokens ahead (its own included) at 1000/s = 0.5 s, then 50 tokens at 0.1 s per step of
+    # the batch of 1 it was measured at, x 3 for the batch of 3 it would join: 15 s
+    assert admission.finish_estimate(request("c", 100, 50)).total_s == pytest.approx(15.5)
+    with pytest.raises(DeadlineExceeded) as refused:
+        admission.admit(request("c", 100, 50, deadline_ns=clock.now_ns + 15 * S))
+    assert "estimated 15.5 s" in refused.value.message and "1000 tokens/s" in refused.value.message
+    admission.admit(request("c", 100, 50, deadline_ns=clock.now_ns + 16 * S))
+
+
+@pytest.mark.parametrize(("step_s", "expected_ms"), [(0.001, MIN_RETRY_AFTER_MS), (100.0, MAX_RETRY_AFTER_MS)])
+def test_retry_hints_are_clamped(step_s, expected_ms):
+    clock = Clock()
+    admission = controller(clock, max_waiting_requests=1)
+    admission.admit(request("a", 1))
+    clock.advance(step_s)
+    admission.observe([token("a")])
+    admission.admit(request("b", 1))
+    with pytest.raises(ResourceExhausted) as refused:
+        admission.admit(request("c", 1))
+    assert refused.value.retry_after_ms == expected_ms
