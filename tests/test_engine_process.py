@@ -1,6 +1,6 @@
 """AsyncEngine over an EngineProcess (the torch core in a process of its own) on the tiny
-checkpoint: same tokens as the core driven directly, coalescing, aborts, deadlines at the step
-boundary, start-up failures and a dying process."""
+checkpoint: same tokens as the core driven directly, coalescing, aborts, start-up failures and a
+dying process; and the engine loop's deadlines at the step boundary."""
 
 from __future__ import annotations
 
@@ -15,6 +15,7 @@ from llmserve.errors import Unavailable
 from llmserve.inference.engine.async_engine import AsyncEngine, coalesced
 from llmserve.inference.engine.config import EngineConfig
 from llmserve.inference.engine.engine_process import EngineProcess
+from llmserve.inference.engine.engine_thread import EngineThread
 from llmserve.inference.engine.torch_engine import TorchEngineCore
 from llmserve.inference.engine.types import EngineOutput, EngineRequest
 from llmserve.sampling import DEADLINE_EXCEEDED_MESSAGE, FinishReason, SamplingParams, TokenLogprob
@@ -98,19 +99,39 @@ async def test_an_abort_frees_the_blocks_in_the_process(engine):
     await wait_until(lambda: engine.load().kv_blocks_used == 0)
 
 
-async def test_a_request_past_its_deadline_is_aborted_at_a_step_boundary(engine):
+async def run_on_loop(model_dir, request: EngineRequest) -> list[EngineOutput]:
+    """The request straight through an EngineLoop (on an EngineThread), no admission: the
+    loop's own deadline handling is what is under test."""
+    outputs: list[EngineOutput] = []
+    done = asyncio.Event()
+
+    def deliver(batch: list[EngineOutput]) -> None:
+        outputs.extend(batch)
+        if any(output.is_finished for output in batch):
+            done.set()
+
+    thread = EngineThread(TorchEngineCore(torch_config(model_dir)))
+    thread.start(asyncio.get_running_loop(), deliver)
+    thread.add_request(request)
+    try:
+        await asyncio.wait_for(done.wait(), HANG_GUARD_S)
+    finally:
+        await asyncio.to_thread(thread.stop)
+    return outputs
+
+
+async def test_a_request_past_its_deadline_is_aborted_at_a_step_boundary(tiny_model_dir):
     deadline_ns = time.monotonic_ns() + 300_000_000
-    outputs = await collect(engine, make_request("late", max_tokens=240, deadline_ns=deadline_ns))
+    outputs = await run_on_loop(tiny_model_dir, make_request("late", max_tokens=240, deadline_ns=deadline_ns))
     last = outputs[-1]
     if last.finish_reason is FinishReason.LENGTH:
         pytest.skip("this machine generated 240 tokens within 0.3 s: the deadline never came")
     assert (last.finish_reason, last.error_message) == (FinishReason.CANCELLED, DEADLINE_EXCEEDED_MESSAGE)
     assert time.monotonic_ns() >= deadline_ns
-    await wait_until(lambda: engine.load().kv_blocks_used == 0)
 
 
-async def test_a_deadline_already_past_ends_the_request_before_any_token(engine):
-    outputs = await collect(engine, make_request("too-late", deadline_ns=time.monotonic_ns() - 1))
+async def test_a_deadline_already_past_ends_the_request_before_any_token(tiny_model_dir):
+    outputs = await run_on_loop(tiny_model_dir, make_request("too-late", deadline_ns=time.monotonic_ns() - 1))
     assert [(o.new_token_ids, o.finish_reason, o.error_message) for o in outputs] == [
         ([], FinishReason.CANCELLED, DEADLINE_EXCEEDED_MESSAGE)
     ]
