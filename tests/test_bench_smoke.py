@@ -73,8 +73,9 @@ def test_bench_stack_measures_every_path_on_cpu(tmp_path):
     report = run_bench("bench_stack.py", ["--smoke", "--plot", "--out-dir", str(tmp_path)], tmp_path)
     assert report["errors"] == {}
     rows = {(row["path"], row["streams"]): row for row in report["rows"]}
-    processes = {"core": {"bench"}, "async": {"bench"}, "grpc": {"bench", "inference"},
-                 "gateway": {"bench", "preprocess", "inference", "gateway"}}
+    # the engine core runs in a process of its own behind AsyncEngine (the default --core-process)
+    processes = {"core": {"bench"}, "async": {"bench", "engine-core"}, "grpc": {"bench", "engine-core", "inference"},
+                 "gateway": {"bench", "engine-core", "preprocess", "inference", "gateway"}}
     assert set(rows) == {(path, streams) for path in processes for streams in (1, 4)}
     output_tokens = report["settings"]["output_tokens"]
     for (path, streams), row in rows.items():
