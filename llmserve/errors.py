@@ -52,6 +52,12 @@ class NotFound(ServiceError):
     code = grpc.StatusCode.NOT_FOUND
 
 
+class ResourceExhausted(ServiceError):
+    """The server is at a capacity limit for now; `retry_after_ms` says when to try again."""
+
+    code = grpc.StatusCode.RESOURCE_EXHAUSTED
+
+
 # A draining server or a restarting hop is back, or replaced, within about this long.
 UNAVAILABLE_RETRY_AFTER_MS = 1000
 
