@@ -1,7 +1,7 @@
-"""How large a request each service accepts: its gRPC receive-message limit, derived from what it
-legitimately receives, so that an oversized message is refused by grpc before any of our code
-(or a copy of it) exists: the client gets RESOURCE_EXHAUSTED "Received message larger than max
-(N vs. LIMIT)" and the server keeps serving.
+"""How large a request each service accepts (its receive-message limit), derived from what it
+legitimately receives. A larger message is refused before it is parsed (llmserve.undecodable):
+the client gets RESOURCE_EXHAUSTED "request: N bytes exceeds the limit of LIMIT bytes for
+/llmserve.v1.<Service>/<Method>; not parsed", without RetryInfo, and the server keeps serving.
 
   gateway, preprocess: the prompt byte cap (prompt text, or a chat's roles, contents and turn
                        framing) or the context as token ids, whichever is larger, + slack;

@@ -63,15 +63,16 @@ async def create_server(
     """Build, register and start a server on `address` ("host:port"; port 0 = any free port).
 
     `register` adds the service's servicers; `service_names` are their full names (for health
-    and reflection). A request over `max_receive_bytes` (llmserve.message_limits) is refused by
-    grpc with RESOURCE_EXHAUSTED before it reaches a servicer. The server starts NOT_SERVING;
-    call `set_serving(True)` once ready.
+    and reflection). A request over `max_receive_bytes` (llmserve.message_limits) is refused with
+    RESOURCE_EXHAUSTED before it is parsed (llmserve.undecodable; grpc's own limit is a backstop
+    above it). The server starts NOT_SERVING; call `set_serving(True)` once ready.
     """
     options = (
         ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
-        ("grpc.max_receive_message_length", max_receive_bytes),
+        ("grpc.max_receive_message_length", max(max_receive_bytes, MAX_MESSAGE_BYTES)),
     )
-    server = grpc.aio.server(interceptors=(ErrorMappingInterceptor(), *interceptors), options=options)
+    error_mapping = ErrorMappingInterceptor(max_request_bytes=max_receive_bytes)
+    server = grpc.aio.server(interceptors=(error_mapping, *interceptors), options=options)
     register(server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)

@@ -64,3 +64,12 @@ def test_measured_rates_never_round_to_zero():
     assert significant(4.4e-7) == 4.4e-7
     assert significant(4821.77) == 4822
     assert significant(0.0) == 0.0
+
+
+def test_bench_preprocess_flood_on_the_tiny_model(tiny_model_dir, tmp_path):
+    report = run_bench("bench_preprocess_flood.py", ["--model", str(tiny_model_dir), "--rounds", "1",
+                                                     "--idle-requests", "3", "--normal-max-tokens", "2",
+                                                     "--results-dir", str(tmp_path)], tmp_path)
+    statuses = {row["config"]: row["refusal_statuses"] for row in report["configs"]}
+    assert statuses == {"receive-limit": {"RESOURCE_EXHAUSTED": 4}, "byte-cap": {"INVALID_ARGUMENT": 4},
+                        "gateway": {"RESOURCE_EXHAUSTED": 4}}  # and the normal requests succeeded (the bench checks)

@@ -78,7 +78,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--max-prompt-bytes", type=_positive_int, metavar="BYTES",
         help="refuse a prompt (or the chat turns together) over this many UTF-8 bytes before "
         "tokenizing it (default: the context x the longest token's bytes x 2, more than can fit); "
-        "gRPC refuses a message over it plus 64 KiB (or the context as token ids, if larger)",
+        "a message over it plus 64 KiB (or the context as token ids, if larger) is refused unparsed",
     )
     parser.add_argument(
         "--workers", type=_positive_int, default=DEFAULT_NUM_WORKERS, metavar="N",
