@@ -66,7 +66,8 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--configs", default=",".join(CONFIGS), help="comma-separated subset of %(default)s")
     parser.add_argument("--rounds", type=int, default=5, help="flood rounds per configuration (default: %(default)s)")
     parser.add_argument("--idle-requests", type=int, default=20, help="normal requests for the idle latency")
-    parser.add_argument("--normal-max-tokens", type=int, default=16, help="tokens the gateway's normal request generates")
+    parser.add_argument("--normal-max-tokens", type=int, default=16,
+                        help="tokens the gateway's normal request generates (default: %(default)s)")
     parser.add_argument("--results-dir", type=Path, default=REPO_ROOT / "bench" / "results")
     return parser.parse_args()
 

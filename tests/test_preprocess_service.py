@@ -220,7 +220,7 @@ async def test_token_ids_are_preprocessed_exactly_as_the_text_they_encode(stub, 
     from_ids.ClearField("preprocess_time_ns")
     assert from_ids == from_text  # same ids, bucket, block hashes and max_tokens
     # Used as they are: no BOS or other special token is added around them.
-    one = await stub.Preprocess(preprocess_pb2.PreprocessRequest(prompt_token_ids=common_pb2.TokenIdsInput(token_ids=[7])))
+    one = await stub.Preprocess(preprocess_pb2.PreprocessRequest(prompt_token_ids=_token_ids(7)))
     assert list(one.token_ids) == [7] and one.max_tokens == MAX_OUTPUT
 
 
