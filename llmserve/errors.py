@@ -20,7 +20,7 @@ from google.protobuf import any_pb2, duration_pb2
 from google.rpc import error_details_pb2, status_pb2
 from grpc_status import rpc_status
 
-from llmserve.undecodable import Undecodable, guard_deserializer
+from llmserve.undecodable import Oversized, Undecodable, guard_deserializer
 
 log = logging.getLogger(__name__)
 
@@ -52,6 +52,14 @@ class NotFound(ServiceError):
     code = grpc.StatusCode.NOT_FOUND
 
 
+class ResourceExhausted(ServiceError):
+    """The server is at a capacity limit for now (an admission budget, the prompt bytes in
+    flight) or the request is over a size limit; `retry_after_ms`, when a retry can help, says
+    when to try again (admission derives it from how fast the replica drains its queue)."""
+
+    code = grpc.StatusCode.RESOURCE_EXHAUSTED
+
+
 # A draining server or a restarting hop is back, or replaced, within about this long.
 UNAVAILABLE_RETRY_AFTER_MS = 1000
 
@@ -62,16 +70,6 @@ class Unavailable(ServiceError):
     code = grpc.StatusCode.UNAVAILABLE
 
     def __init__(self, message: str, *, retry_after_ms: int | None = UNAVAILABLE_RETRY_AFTER_MS):
-        super().__init__(message, retry_after_ms=retry_after_ms)
-
-
-class ResourceExhausted(ServiceError):
-    """Over a replica's admission budget now; worth retrying after the hint, which the replica
-    derives from how fast it is draining its queue."""
-
-    code = grpc.StatusCode.RESOURCE_EXHAUSTED
-
-    def __init__(self, message: str, *, retry_after_ms: int):
         super().__init__(message, retry_after_ms=retry_after_ms)
 
 
@@ -116,6 +114,8 @@ async def _map_exception(exc: BaseException, context: grpc.aio.ServicerContext, 
 def _check_decoded(request) -> None:
     if isinstance(request, Undecodable):
         raise InvalidArgument("request", request.problem)
+    if isinstance(request, Oversized):  # no RetryInfo: the same request will never fit
+        raise ResourceExhausted(f"request: {request.problem}")
 
 
 def _wrap_unary(behavior: Callable[..., Awaitable[Any]], method: str):
@@ -146,8 +146,12 @@ def _wrap_stream(behavior: Callable[..., Any], method: str):
 
 
 class ErrorMappingInterceptor(grpc.aio.ServerInterceptor):
-    """Maps ServiceError subclasses to their status, undecodable requests to INVALID_ARGUMENT and
-    anything else to INTERNAL."""
+    """Maps ServiceError subclasses to their status, undecodable requests to INVALID_ARGUMENT,
+    requests over `max_request_bytes` to RESOURCE_EXHAUSTED (unparsed) and anything else to
+    INTERNAL."""
+
+    def __init__(self, *, max_request_bytes: int):
+        self._max_request_bytes = max_request_bytes
 
     async def intercept_service(self, continuation, handler_call_details):
         handler = await continuation(handler_call_details)
@@ -157,13 +161,13 @@ class ErrorMappingInterceptor(grpc.aio.ServerInterceptor):
         if handler.unary_unary is not None:
             return grpc.unary_unary_rpc_method_handler(
                 _wrap_unary(handler.unary_unary, method),
-                request_deserializer=guard_deserializer(handler.request_deserializer, method),
+                request_deserializer=guard_deserializer(handler.request_deserializer, method, self._max_request_bytes),
                 response_serializer=handler.response_serializer,
             )
         if handler.unary_stream is not None:
             return grpc.unary_stream_rpc_method_handler(
                 _wrap_stream(handler.unary_stream, method),
-                request_deserializer=guard_deserializer(handler.request_deserializer, method),
+                request_deserializer=guard_deserializer(handler.request_deserializer, method, self._max_request_bytes),
                 response_serializer=handler.response_serializer,
             )
         if handler.stream_stream is not None:

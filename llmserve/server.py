@@ -24,7 +24,8 @@ from llmserve.errors import ErrorMappingInterceptor
 
 log = logging.getLogger(__name__)
 
-# Message size limit for every server and channel: long prompts as packed token ids fit easily.
+# Message size limit of the channels between our services and of what servers send: peers are
+# our own services, whose receive limits (llmserve.message_limits) bound what they send.
 MAX_MESSAGE_BYTES = 64 * 1024 * 1024
 CHANNEL_OPTIONS = (
     ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
@@ -56,16 +57,22 @@ async def create_server(
     register: Callable[[grpc.aio.Server], None],
     service_names: Iterable[str],
     *,
+    max_receive_bytes: int,
     interceptors: Iterable[grpc.aio.ServerInterceptor] = (),
 ) -> RunningServer:
     """Build, register and start a server on `address` ("host:port"; port 0 = any free port).
 
     `register` adds the service's servicers; `service_names` are their full names (for health
-    and reflection). The server starts NOT_SERVING; call `set_serving(True)` once ready.
+    and reflection). A request over `max_receive_bytes` (llmserve.message_limits) is refused with
+    RESOURCE_EXHAUSTED before it is parsed (llmserve.undecodable; grpc's own limit is a backstop
+    above it). The server starts NOT_SERVING; call `set_serving(True)` once ready.
     """
-    server = grpc.aio.server(
-        interceptors=(ErrorMappingInterceptor(), *interceptors), options=CHANNEL_OPTIONS
+    options = (
+        ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+        ("grpc.max_receive_message_length", max(max_receive_bytes, MAX_MESSAGE_BYTES)),
     )
+    error_mapping = ErrorMappingInterceptor(max_request_bytes=max_receive_bytes)
+    server = grpc.aio.server(interceptors=(error_mapping, *interceptors), options=options)
     register(server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)

@@ -94,3 +94,12 @@ def test_bench_stack_measures_every_path_on_cpu(tmp_path):
     assert report["startup_s"].keys() == processes.keys()
     (plot,) = tmp_path.glob("*.png")
     assert plot.read_bytes().startswith(b"\x89PNG\r\n\x1a\n")
+
+
+def test_bench_preprocess_flood_on_the_tiny_model(tiny_model_dir, tmp_path):
+    report = run_bench("bench_preprocess_flood.py", ["--model", str(tiny_model_dir), "--rounds", "1",
+                                                     "--idle-requests", "3", "--normal-max-tokens", "2",
+                                                     "--results-dir", str(tmp_path)], tmp_path)
+    statuses = {row["config"]: row["refusal_statuses"] for row in report["configs"]}
+    assert statuses == {"receive-limit": {"RESOURCE_EXHAUSTED": 4}, "byte-cap": {"INVALID_ARGUMENT": 4},
+                        "gateway": {"RESOURCE_EXHAUSTED": 4}}  # and the normal requests succeeded (the bench checks)

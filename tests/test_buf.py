@@ -60,7 +60,7 @@ def test_a_renumbered_field_is_reported_as_breaking(tmp_path):
     gateway_proto = copy / "protos/llmserve/v1/gateway.proto"
     text = gateway_proto.read_text()
     assert text.count("bool return_token_ids = 5;") == 1
-    gateway_proto.write_text(text.replace("bool return_token_ids = 5;", "bool return_token_ids = 6;"))
+    gateway_proto.write_text(text.replace("bool return_token_ids = 5;", "bool return_token_ids = 99;"))
 
     result = run_buf("breaking", "--against", BASELINE, cwd=copy, tmp_path=tmp_path)
     assert result.returncode != 0

@@ -150,6 +150,29 @@ def test_stream_and_unary_agree_greedy(gateway):
         assert messages[0].request_id != unary.request_id
 
 
+def token_id_params(token_ids, *, return_token_ids: bool = False, **sampling) -> gateway_pb2.GenerateParams:
+    return gateway_pb2.GenerateParams(
+        prompt_token_ids=common_pb2.TokenIdsInput(token_ids=token_ids),
+        sampling=common_pb2.SamplingParams(**sampling),
+        return_token_ids=return_token_ids,
+    )
+
+
+def test_a_token_id_prompt_generates_what_its_text_does(gateway, preprocess):
+    text = "The capital of France is"
+    token_ids = list(preprocess.Tokenize(preprocess_pb2.TokenizeRequest(text=text)).token_ids)
+    from_text = generate(gateway, prompt_params(text, max_tokens=16, return_token_ids=True, **GREEDY))
+    by_ids = token_id_params(token_ids, max_tokens=16, return_token_ids=True, **GREEDY)
+
+    from_ids = generate(gateway, by_ids)
+    streamed = collect_stream(gateway, by_ids)
+
+    assert list(from_ids.token_ids) == list(from_text.token_ids) and len(from_ids.token_ids) == 16
+    assert from_ids.text == from_text.text == "".join(m.text for m in streamed)
+    assert [t for m in streamed for t in m.token_ids] == list(from_text.token_ids)
+    assert from_ids.result.usage.prompt_tokens == streamed[-1].result.usage.prompt_tokens == len(token_ids)
+
+
 def test_concurrent_requests_keep_their_own_state(gateway):
     prompts = ["Hello", "The capital of France is", "def add(a, b):", "Continuous batching lets", "emoji 🙂", "0123"]
     requests = [prompt_params(p, max_tokens=12, return_token_ids=True, **GREEDY) for p in prompts]
@@ -278,7 +301,18 @@ BAD_REQUESTS = [
     (prompt_params("Hello", top_p=0.0), INVALID, "sampling.top_p: must be in (0, 1], got 0"),
     (prompt_params("Hello", max_tokens=0), INVALID, "sampling.max_tokens: must be at least 1, got 0"),
     (prompt_params("Hello", n=2), INVALID, "sampling.n: "),
-    (gateway_pb2.GenerateParams(), INVALID, "input: set either prompt or chat"),
+    (gateway_pb2.GenerateParams(), INVALID, "input: set one of prompt, chat or prompt_token_ids"),
+    (token_id_params([]), INVALID, "prompt_token_ids.token_ids: must not be empty"),
+    (
+        token_id_params([1, 2, 1_000_000]),
+        INVALID,
+        "prompt_token_ids.token_ids[2]: 1000000 is outside the vocabulary of ",
+    ),
+    (
+        token_id_params([5] * LONG_CONTEXT_TOKENS),
+        INVALID,
+        f"prompt_token_ids: {LONG_CONTEXT_TOKENS} tokens leaves no room for output in the model context",
+    ),
     (
         gateway_pb2.GenerateParams(model="other", prompt="Hello"),
         grpc.StatusCode.NOT_FOUND,

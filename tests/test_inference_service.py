@@ -24,6 +24,7 @@ from llmserve.inference.engine.engine_thread import EngineThread
 from llmserve.inference.engine.hf_engine import HFEngineCore
 from llmserve.inference.engine.types import EngineRequest
 from llmserve.inference.servicer import SERVICE_NAME, InferenceServicer
+from llmserve.message_limits import token_ids_request_bytes
 from llmserve.sampling import SamplingParams
 from llmserve.server import CHANNEL_OPTIONS, RunningServer, create_server
 from llmserve.v1 import common_pb2, inference_pb2, inference_pb2_grpc
@@ -59,6 +60,9 @@ async def start_service(model_dir) -> Service:
         "127.0.0.1:0",
         lambda server: inference_pb2_grpc.add_InferenceServiceServicer_to_server(servicer, server),
         [SERVICE_NAME],
+        max_receive_bytes=token_ids_request_bytes(
+            engine.model_info.max_context_tokens, engine.model_info.block_size_tokens
+        ),
     )
     await running.set_serving(True)
     channel = grpc.aio.insecure_channel(f"127.0.0.1:{running.port}", options=CHANNEL_OPTIONS)

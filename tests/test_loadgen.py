@@ -11,9 +11,9 @@ import sys
 import numpy as np
 import pytest
 
-from llmserve.loadgen.client import RequestRecord
+from llmserve.loadgen.client import RequestRecord, build_request
 from llmserve.loadgen.stats import itl_samples_ms, percentile, summarize, timeline, tpot_ms
-from llmserve.loadgen.workload import LengthDistribution, PromptBuilder, WorkloadConfig, plan_requests
+from llmserve.loadgen.workload import LengthDistribution, PromptBuilder, PromptForm, WorkloadConfig, plan_requests
 from tests.procs import running_stack
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
@@ -59,6 +59,18 @@ def test_plans_are_reproducible_and_share_prefixes_token_for_token(tiny_model_di
         for p in members:  # the shared text is also a shared token prefix (what the KV cache reuses)
             assert p.prompt_token_ids[: len(prefix_ids) - 1] == prefix_ids[:-1]
     assert all(p.max_tokens == 8 and p.send_at_s == 0.0 for p in planned)
+
+
+def test_each_prompt_form_sends_the_planned_prompt_in_its_field(tiny_model_dir):
+    builder = PromptBuilder.from_path(tiny_model_dir)
+    [planned] = plan_requests(_workload(num_requests=1, num_prefix_groups=1, prefix_tokens=8), builder)
+    sent = {form: build_request(planned, _workload(prompt_form=form), True, "").params for form in PromptForm}
+    assert sent[PromptForm.TEXT].prompt == planned.prefix_text + planned.suffix_text
+    assert [(m.role, m.content) for m in sent[PromptForm.CHAT].chat.messages] == [
+        ("system", planned.prefix_text), ("user", planned.suffix_text)
+    ]
+    assert sent[PromptForm.TOKEN_IDS].WhichOneof("input") == "prompt_token_ids"
+    assert tuple(sent[PromptForm.TOKEN_IDS].prompt_token_ids.token_ids) == planned.prompt_token_ids
 
 
 def test_poisson_arrivals_have_the_asked_mean_rate(tiny_model_dir):
@@ -132,9 +144,25 @@ def test_bench_sends_poisson_chat_load(gateway_address, tiny_model_dir, tmp_path
                        "--output-tokens", "3", "--no-plots")
     assert completed.returncode == 0, completed.stderr[-3000:]
     report = json.loads((tmp_path / "run.json").read_text())
-    assert report["config"]["request_rate"] == 20 and report["config"]["chat"]
+    assert report["config"]["request_rate"] == 20 and report["config"]["prompt_form"] == "chat"
     assert report["summary"]["num_completion_tokens"] == 6 * 3
     assert not list(tmp_path.glob("*.png"))
+
+
+def test_bench_sends_token_ids_of_exactly_the_planned_lengths(gateway_address, tiny_model_dir, tmp_path):
+    completed = _bench(gateway_address, tiny_model_dir, tmp_path, "--num-requests", "6", "--concurrency", "3",
+                       "--token-ids", "--prompt-tokens", "uniform:50:70", "--output-tokens", "3", "--seed", "5",
+                       "--prefix-groups", "2", "--prefix-tokens", "40", "--no-plots")
+    assert completed.returncode == 0, completed.stderr[-3000:]
+    report = json.loads((tmp_path / "run.json").read_text())
+    assert report["config"]["prompt_form"] == "token_ids"
+    workload = WorkloadConfig(num_requests=6, prompt_tokens=LengthDistribution.parse("uniform:50:70"),
+                              output_tokens=LengthDistribution.parse("3"), seed=5, num_prefix_groups=2,
+                              prefix_tokens=40, prompt_form=PromptForm.TOKEN_IDS)
+    planned = plan_requests(workload, PromptBuilder.from_path(tiny_model_dir))
+    summary = report["summary"]
+    assert summary["num_prompt_tokens"] == sum(p.num_prompt_tokens for p in planned)  # the server counted them
+    assert summary["num_completion_tokens"] == 6 * 3 and summary["num_cached_tokens"] > 0
 
 
 def test_bench_counts_errors_by_status(gateway_address, tiny_model_dir, tmp_path):

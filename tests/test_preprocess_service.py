@@ -32,6 +32,7 @@ pytestmark = pytest.mark.asyncio(loop_scope="session")
 
 CONTEXT = 256  # the tiny models' max_position_embeddings
 MAX_OUTPUT = 100
+MAX_PROMPT_BYTES = 16_000  # a little over the tiny model's derived cap, so that none of these tests meet it
 BLOCK_SIZE = 4
 ROLES = "expected one of system, user, assistant, tool"
 STRICT_TEMPLATE = (
@@ -53,6 +54,7 @@ def _config(model_dir: Path, **overrides) -> PreprocessConfig:
         block_size_tokens=BLOCK_SIZE,
         buckets=BucketConfig((16, 64)),
         num_workers=4,
+        max_prompt_bytes=MAX_PROMPT_BYTES,
     )
     return PreprocessConfig(**{**settings, **overrides})
 
@@ -156,6 +158,7 @@ async def test_get_info_fills_every_field(stub, reference):
             common_pb2.LengthBucket(index=2, max_prompt_tokens=CONTEXT),
         ],
         has_chat_template=True,
+        max_prompt_bytes=MAX_PROMPT_BYTES,
     )
     # No field left at its proto3 default, of those preprocess fills.
     assert {field.name for field, _ in info.ListFields()} == {f.name for f in info.DESCRIPTOR.fields}
@@ -203,6 +206,22 @@ async def test_preprocess_chat_matches_transformers(stub, tiny_model_dir):
         assert list(response.token_ids) == expected
         assert list(response.block_hashes) == chain_block_hashes(expected, BLOCK_SIZE)
     assert len(with_prompt.token_ids) > len(without_prompt.token_ids)
+
+
+async def test_token_ids_are_preprocessed_exactly_as_the_text_they_encode(stub, reference):
+    prompt = "The capital of France is Paris. Continuous batching lets new requests join the batch."
+    from_text = await stub.Preprocess(preprocess_pb2.PreprocessRequest(prompt=prompt, max_tokens=50))
+    token_ids = common_pb2.TokenIdsInput(token_ids=reference.encode(prompt).ids)
+
+    from_ids = await stub.Preprocess(preprocess_pb2.PreprocessRequest(prompt_token_ids=token_ids, max_tokens=50))
+
+    from_text.ClearField("preprocess_time_ns")
+    assert from_ids.preprocess_time_ns > 0
+    from_ids.ClearField("preprocess_time_ns")
+    assert from_ids == from_text  # same ids, bucket, block hashes and max_tokens
+    # Used as they are: no BOS or other special token is added around them.
+    one = await stub.Preprocess(preprocess_pb2.PreprocessRequest(prompt_token_ids=_token_ids(7)))
+    assert list(one.token_ids) == [7] and one.max_tokens == MAX_OUTPUT
 
 
 async def test_max_tokens_is_kept_when_it_fits(stub, reference):
@@ -288,10 +307,11 @@ async def test_detokenize_round_trips_and_skips_special_tokens_by_default(stub, 
 
 async def test_preprocess_invalid_arguments(stub, reference):
     request = preprocess_pb2.PreprocessRequest
+    vocab_size = reference.get_vocab_size(with_added_tokens=True)
     long_chat = _chat(("user", _x_prompt(300, reference)))
     num_long_chat_tokens = len((await stub.Tokenize(preprocess_pb2.TokenizeRequest(chat=long_chat))).token_ids)
     cases = [
-        (request(), "input: set one of prompt or chat"),
+        (request(), "input: set one of prompt, chat or prompt_token_ids"),
         (request(prompt=""), "prompt: must not be empty"),
         (request(chat=common_pb2.ChatInput()), "chat.messages: must not be empty"),
         (request(chat=_chat(("", "hi"))), f"chat.messages[0].role: must not be empty; {ROLES}"),
@@ -318,9 +338,26 @@ async def test_preprocess_invalid_arguments(stub, reference):
         ),
         (request(prompt="hi", max_tokens=101), "max_tokens: 101 exceeds the server limit of 100 output tokens"),
         (request(prompt="hi", max_tokens=0), "max_tokens: must be at least 1, got 0"),
+        (request(prompt_token_ids=common_pb2.TokenIdsInput()), "prompt_token_ids.token_ids: must not be empty"),
+        (
+            request(prompt_token_ids=_token_ids(5, vocab_size + 3, 6, vocab_size)),
+            f"prompt_token_ids.token_ids[1]: {vocab_size + 3} is outside the vocabulary of {vocab_size} tokens",
+        ),
+        (
+            request(prompt_token_ids=_token_ids(*[5] * 300)),
+            "prompt_token_ids: 300 tokens exceeds the model context of 256 tokens",
+        ),
+        (
+            request(prompt_token_ids=_token_ids(*[5] * 200), max_tokens=57),
+            "max_tokens: prompt (200 tokens) + max_tokens (57) exceeds the model context of 256 tokens",
+        ),
     ]
     for case, message in cases:
         assert await _invalid_argument(stub.Preprocess, case) == message
+
+
+def _token_ids(*token_ids: int) -> common_pb2.TokenIdsInput:
+    return common_pb2.TokenIdsInput(token_ids=token_ids)
 
 
 async def test_tokenize_and_detokenize_invalid_arguments(stub, reference):

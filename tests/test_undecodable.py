@@ -37,6 +37,10 @@ CASES = [
      "llmserve.v1.GenerateRequest"),
     ("preprocess", "/llmserve.v1.PreprocessService/Preprocess", False,
      preprocess_pb2.PreprocessRequest(request_id="r1", prompt=MARK), "llmserve.v1.PreprocessRequest"),
+    ("preprocess", "/llmserve.v1.PreprocessService/Tokenize", False,
+     preprocess_pb2.TokenizeRequest(
+         chat=common_pb2.ChatInput(messages=[common_pb2.ChatMessage(role="user", content=MARK)])),
+     "llmserve.v1.TokenizeRequest"),
     ("inference", "/llmserve.v1.InferenceService/GenerateTokens", True,
      inference_pb2.GenerateTokensRequest(request_id=MARK, prompt_token_ids=[1, 2, 3]), "llmserve.v1.GenerateTokensRequest"),
 ]
@@ -70,3 +74,16 @@ def test_the_stack_still_serves_after_bad_bytes(stack):
         request = gateway_pb2.GenerateRequest(params=gateway_pb2.GenerateParams(prompt="hello", sampling=sampling))
         response = gateway_pb2_grpc.GatewayServiceStub(channel).Generate(request, timeout=60)
     assert response.result.usage.completion_tokens == 3
+
+
+def test_truncated_token_ids_are_invalid_argument_too(stack):
+    params = gateway_pb2.GenerateParams(prompt_token_ids=common_pb2.TokenIdsInput(token_ids=[300, 301, 302]))
+    data = gateway_pb2.GenerateRequest(params=params).SerializeToString()
+    with grpc.insecure_channel(stack["gateway"].address) as channel:
+        call = channel.unary_unary("/llmserve.v1.GatewayService/Generate", request_serializer=None,
+                                   response_deserializer=None)
+        with pytest.raises(grpc.RpcError) as info:
+            call(data[:-1], timeout=30)  # the last id's varint cut in half
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    details = info.value.details()
+    assert details.startswith("request: not a valid protobuf message for /llmserve.v1.GatewayService/Generate")

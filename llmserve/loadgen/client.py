@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 
 import grpc
 
-from llmserve.loadgen.workload import PlannedRequest, WorkloadConfig
+from llmserve.loadgen.workload import PlannedRequest, PromptForm, WorkloadConfig
 from llmserve.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc
 
 _MAX_MESSAGE_BYTES = 64 << 20  # a long prompt sent as text must not hit gRPC's 4 MiB default
@@ -69,10 +69,12 @@ def build_request(planned: PlannedRequest, workload: WorkloadConfig, ignore_eos:
     """The gateway request for a planned one: greedy, exactly max_tokens when ignore_eos."""
     sampling = common_pb2.SamplingParams(max_tokens=planned.max_tokens, temperature=0.0, ignore_eos=ignore_eos)
     params = gateway_pb2.GenerateParams(model=model, sampling=sampling, return_token_ids=True)
-    if workload.use_chat:
+    if workload.prompt_form is PromptForm.CHAT:
         if planned.prefix_text:
             params.chat.messages.add(role="system", content=planned.prefix_text)
         params.chat.messages.add(role="user", content=planned.suffix_text)
+    elif workload.prompt_form is PromptForm.TOKEN_IDS:
+        params.prompt_token_ids.token_ids.extend(planned.prompt_token_ids)
     else:
         params.prompt = planned.prefix_text + planned.suffix_text
     return gateway_pb2.GenerateStreamRequest(params=params)

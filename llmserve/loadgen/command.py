@@ -2,6 +2,7 @@
 
     llmserve bench --num-requests 200 --concurrency 32 --prompt-tokens 512 --output-tokens 128
     llmserve bench --request-rate 8 --prompt-tokens uniform:128:1024 --prefix-groups 4 --prefix-tokens 256 --chat
+    llmserve bench --token-ids --prompt-tokens 512 --output-tokens 512 --concurrency 256
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from pathlib import Path
 from llmserve.loadgen.report import print_table, write_json, write_plots
 from llmserve.loadgen.runner import RunConfig, run_workload
 from llmserve.loadgen.stats import summarize, timeline
-from llmserve.loadgen.workload import LengthDistribution, PromptBuilder, WorkloadConfig, plan_requests
+from llmserve.loadgen.workload import LengthDistribution, PromptBuilder, PromptForm, WorkloadConfig, plan_requests
 
 DEFAULT_OUT_DIR = Path("bench/results")
 
@@ -48,7 +49,12 @@ def add_bench_parser(commands, add_client_options) -> None:
     shape.add_argument("--prefix-groups", type=int, default=0, metavar="G",
                        help="G shared prefixes; each request starts with one of them (default: none)")
     shape.add_argument("--prefix-tokens", type=int, default=0, metavar="N", help="tokens in each shared prefix")
-    shape.add_argument("--chat", action="store_true", help="send chat turns (the shared prefix as the system turn)")
+    form = shape.add_mutually_exclusive_group()
+    form.add_argument("--chat", dest="prompt_form", action="store_const", const=PromptForm.CHAT,
+                      default=PromptForm.TEXT, help="send chat turns (the shared prefix as the system turn)")
+    form.add_argument("--token-ids", dest="prompt_form", action="store_const", const=PromptForm.TOKEN_IDS,
+                      help="send the prompts as token ids (GenerateParams.prompt_token_ids): exactly the asked "
+                      "lengths, no special tokens added, no tokenizing in preprocess")
     shape.add_argument("--allow-eos", action="store_true", help="let requests stop at EOS (output lengths then vary)")
     shape.add_argument("--tokenizer", metavar="PATH",
                        help="tokenizer.json or a model directory to build prompts with (default: the default model's)")
@@ -74,7 +80,7 @@ def workload_from_args(args: argparse.Namespace) -> WorkloadConfig:
     return WorkloadConfig(
         num_requests=args.num_requests, prompt_tokens=args.prompt_tokens, output_tokens=args.output_tokens,
         seed=args.seed, request_rate=args.request_rate, num_prefix_groups=args.prefix_groups,
-        prefix_tokens=args.prefix_tokens if args.prefix_groups else 0, use_chat=args.chat,
+        prefix_tokens=args.prefix_tokens if args.prefix_groups else 0, prompt_form=args.prompt_form,
     )
 
 
@@ -111,6 +117,6 @@ def _config_dict(args: argparse.Namespace, workload: WorkloadConfig) -> dict:
         "address": args.address, "num_requests": workload.num_requests, "concurrency": args.concurrency,
         "request_rate": workload.request_rate, "workers": args.workers, "prompt_tokens": str(workload.prompt_tokens),
         "output_tokens": str(workload.output_tokens), "prefix_groups": workload.num_prefix_groups,
-        "prefix_tokens": workload.prefix_tokens, "chat": workload.use_chat,
+        "prefix_tokens": workload.prefix_tokens, "prompt_form": workload.prompt_form.value,
         "seed": workload.seed, "ignore_eos": not args.allow_eos,
     }

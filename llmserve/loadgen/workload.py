@@ -4,7 +4,9 @@ all drawn from one seed, so two runs with the same flags send the same requests.
 Prompts are built from the tokenizer's own whole-word tokens (" apple", "▁river"): such words
 re-tokenize one to one, so a prompt asked to be 512 tokens is 512 tokens (the builder checks with
 the tokenizer and trims or pads until it is). Requests in a shared-prefix group start with the
-same prefix (a system prompt, in chat mode) followed by their own suffix.
+same prefix (a system prompt, in chat mode) followed by their own suffix. Each request also
+carries its prompt's token ids (the text tokenized without special tokens), which is what it
+sends when the prompts go as token ids: same seed, same tokens, in either form.
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ from __future__ import annotations
 import random
 import re
 from dataclasses import dataclass
+from enum import Enum
 from pathlib import Path
 
 from tokenizers import Tokenizer
@@ -51,6 +54,14 @@ class LengthDistribution:
         return str(int(self.a)) if self.kind == "fixed" else f"{self.kind}:{self.a:g}:{self.b:g}"
 
 
+class PromptForm(Enum):
+    """How a planned prompt is sent to the gateway."""
+
+    TEXT = "text"  # GenerateParams.prompt: tokenized by preprocess (special tokens added)
+    CHAT = "chat"  # chat turns, the shared prefix as the system turn
+    TOKEN_IDS = "token_ids"  # GenerateParams.prompt_token_ids: exactly the planned ids, untokenized
+
+
 @dataclass(frozen=True, slots=True)
 class WorkloadConfig:
     num_requests: int
@@ -60,7 +71,7 @@ class WorkloadConfig:
     request_rate: float | None = None  # requests/s (Poisson arrivals); None: as fast as concurrency allows
     num_prefix_groups: int = 0  # 0: no shared prefixes
     prefix_tokens: int = 0  # tokens of each group's shared prefix
-    use_chat: bool = False  # chat turns (the prefix as the system turn) instead of a raw prompt
+    prompt_form: PromptForm = PromptForm.TEXT
 
 
 @dataclass(frozen=True, slots=True)

@@ -3,7 +3,8 @@
 `start_gateway` is what __main__ runs and what in-process tests call. Start-up order: wait
 (bounded) for preprocess and every inference replica to report SERVING, read their block
 layouts and refuse to start on a mismatch (BlockLayoutMismatch), keep the first replica's model
-card, bind, then report SERVING ourselves. Writing the port file is left to the caller (__main__), since
+card, bind with a receive-message limit sized from preprocess's prompt byte cap, then report
+SERVING ourselves. Writing the port file is left to the caller (__main__), since
 it is the last step of start-up.
 """
 
@@ -18,8 +19,9 @@ from llmserve.gateway.config import GatewayConfig
 from llmserve.gateway.detokenizer import Detokenizer
 from llmserve.gateway.generation import GenerationPipeline
 from llmserve.gateway.inference_client import InferenceClient, ModelCard
-from llmserve.gateway.preprocess_client import PreprocessClient
+from llmserve.gateway.preprocess_client import PreprocessClient, PreprocessInfo
 from llmserve.gateway.servicer import SERVICE_NAME, GatewayServicer
+from llmserve.message_limits import prompt_request_bytes
 from llmserve.server import RunningServer, create_server
 from llmserve.v1 import gateway_pb2_grpc
 
@@ -53,15 +55,16 @@ async def _read_model_cards(config: GatewayConfig, inference: InferenceClient) -
         await asyncio.gather(*(r.close() for r in others))
 
 
-async def _check_hops(config: GatewayConfig, preprocess: PreprocessClient, inference: InferenceClient) -> ModelCard:
-    """Wait for the hops, check that their block layouts agree; the first replica's card."""
+async def _check_hops(
+    config: GatewayConfig, preprocess: PreprocessClient, inference: InferenceClient
+) -> tuple[PreprocessInfo, ModelCard]:
+    """Wait for the hops, check that their block layouts agree; preprocess's info and the first
+    replica's card."""
     await preprocess.wait_until_serving(config.downstream_ready_timeout_s)
-    preprocess_layout, cards = await asyncio.gather(
-        preprocess.get_block_layout(), _read_model_cards(config, inference)
-    )
+    preprocess_info, cards = await asyncio.gather(preprocess.get_info(), _read_model_cards(config, inference))
     replica_layouts = dict(zip(config.inference_addresses, (card.block_layout for card in cards)))
-    check_block_layouts(preprocess_layout, replica_layouts)
-    return cards[0]
+    check_block_layouts(preprocess_info.block_layout, replica_layouts)
+    return preprocess_info, cards[0]
 
 
 async def start_gateway(config: GatewayConfig, worker_id: int = 0) -> RunningGateway:
@@ -79,7 +82,7 @@ async def start_gateway(config: GatewayConfig, worker_id: int = 0) -> RunningGat
     try:
         # Loading the tokenizer overlaps with waiting for the hops.
         detokenizer_task = asyncio.create_task(asyncio.to_thread(Detokenizer.from_model_dir, config.model_path))
-        model = await _check_hops(config, preprocess, inference)
+        preprocess_info, model = await _check_hops(config, preprocess, inference)
         detokenizer = await detokenizer_task
     except BaseException:
         await inference.close()
@@ -94,6 +97,8 @@ async def start_gateway(config: GatewayConfig, worker_id: int = 0) -> RunningGat
         config.address,
         lambda s: gateway_pb2_grpc.add_GatewayServiceServicer_to_server(servicer, s),
         (SERVICE_NAME,),
+        # A client's request is preprocess's, plus sampling: the same bound, from the same cap.
+        max_receive_bytes=prompt_request_bytes(preprocess_info.max_prompt_bytes, preprocess_info.max_context_tokens),
     )
     await server.set_serving(True)
     log.info(

@@ -27,11 +27,21 @@ _PREPROCESS_FIELDS_AS_CLIENT_FIELDS = {"max_tokens": "sampling.max_tokens"}
 
 @dataclass(frozen=True, slots=True)
 class PromptInput:
-    """What to generate from: raw prompt text, or chat turns (exactly one is set)."""
+    """What to generate from: raw prompt text, chat turns or token ids (exactly one is set)."""
 
     prompt: str | None = None
     chat: tuple[ChatMessage, ...] | None = None
     add_generation_prompt: bool | None = None  # None: the service default (true)
+    token_ids: list[int] | None = None  # used as they are: no template, no special tokens
+
+
+@dataclass(frozen=True, slots=True)
+class PreprocessInfo:
+    """What the gateway needs to know of preprocess at start-up."""
+
+    block_layout: BlockLayout
+    max_context_tokens: int
+    max_prompt_bytes: int  # larger prompts are refused (the gateway sizes its receive limit by it)
 
 
 @dataclass(frozen=True, slots=True)
@@ -53,6 +63,8 @@ def _request_to_pb(
         request.chat.messages.extend(chat_to_pb(list(prompt_input.chat)))
         if prompt_input.add_generation_prompt is not None:
             request.chat.add_generation_prompt = prompt_input.add_generation_prompt
+    elif prompt_input.token_ids is not None:
+        request.prompt_token_ids.token_ids.extend(prompt_input.token_ids)
     else:
         request.prompt = prompt_input.prompt or ""
     if max_tokens is not None:
@@ -69,12 +81,16 @@ class PreprocessClient:
     async def wait_until_serving(self, timeout_s: float) -> None:
         await wait_until_serving(self._channel, f"preprocess at {self.address}", timeout_s)
 
-    async def get_block_layout(self, timeout_s: float | None = 10.0) -> BlockLayout:
+    async def get_info(self, timeout_s: float | None = 10.0) -> PreprocessInfo:
         try:
             response = await self._stub.GetPreprocessInfo(preprocess_pb2.GetPreprocessInfoRequest(), timeout=timeout_s)
         except grpc.aio.AioRpcError as error:
             raise error_from_rpc("preprocess", error) from None
-        return BlockLayout(response.model.block_size_tokens, response.model.block_hash_version)
+        return PreprocessInfo(
+            block_layout=BlockLayout(response.model.block_size_tokens, response.model.block_hash_version),
+            max_context_tokens=response.model.max_context_tokens,
+            max_prompt_bytes=response.max_prompt_bytes,
+        )
 
     async def preprocess(
         self,

@@ -117,7 +117,10 @@ def _prompt_input_from_pb(request: gateway_pb2.GenerateParams) -> PromptInput:
             chat=tuple(chat_from_pb(chat.messages)),
             add_generation_prompt=chat.add_generation_prompt if chat.HasField("add_generation_prompt") else None,
         )
-    raise InvalidArgument("input", "set either prompt or chat")
+    if which == "prompt_token_ids":
+        # Checked by preprocess, against the vocabulary of the tokenizer it and the detokenizer share.
+        return PromptInput(token_ids=list(request.prompt_token_ids.token_ids))
+    raise InvalidArgument("input", "set one of prompt, chat or prompt_token_ids")
 
 
 def _has_content(delta: GenerationDelta, return_token_ids: bool) -> bool:

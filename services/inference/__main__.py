@@ -18,6 +18,7 @@ from llmserve.inference.config import InferenceConfig
 from llmserve.inference.engine.config import MODEL_GROUP
 from llmserve.inference.engine_flags import add_engine_arguments, engine_config, engine_options
 from llmserve.inference.servicer import SERVICE_NAME, InferenceServicer
+from llmserve.message_limits import token_ids_request_bytes
 from llmserve.model_files import ModelFiles
 from llmserve.server import configure_logging, create_server, exit_with_parent, serve_until_signal, write_port_file
 from llmserve.server_flags import add_server_arguments, server_options
@@ -63,6 +64,9 @@ async def serve(config: InferenceConfig) -> None:
         config.address,
         lambda server: inference_pb2_grpc.add_InferenceServiceServicer_to_server(servicer, server),
         [SERVICE_NAME],
+        max_receive_bytes=token_ids_request_bytes(
+            engine.model_info.max_context_tokens, engine.model_info.block_size_tokens
+        ),
     )
     if not servicer.replica_id:
         servicer.replica_id = f"{socket.gethostname()}-{running.port}"

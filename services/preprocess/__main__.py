@@ -14,7 +14,12 @@ from pathlib import Path
 
 from llmserve.block_hash import DEFAULT_BLOCK_SIZE
 from llmserve.buckets import DEFAULT_BUCKET_BOUNDS, BucketConfig
-from llmserve.preprocess.config import DEFAULT_MAX_OUTPUT_TOKENS, DEFAULT_NUM_WORKERS, PreprocessConfig
+from llmserve.preprocess.config import (
+    DEFAULT_MAX_IN_FLIGHT_PROMPT_BYTES,
+    DEFAULT_MAX_OUTPUT_TOKENS,
+    DEFAULT_NUM_WORKERS,
+    PreprocessConfig,
+)
 from llmserve.preprocess.server import start_server
 from llmserve.server import configure_logging, exit_with_parent, serve_until_signal
 from llmserve.server_flags import PREPROCESS_PORT, add_server_arguments, server_options
@@ -72,11 +77,18 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--max-prompt-bytes", type=_positive_int, metavar="BYTES",
         help="refuse a prompt (or the chat turns together) over this many UTF-8 bytes before "
-        "tokenizing it (default: the context x the longest token's bytes x 2, more than can fit)",
+        "tokenizing it (default: the context x the longest token's bytes x 2, more than can fit); "
+        "a message over it plus 64 KiB (or the context as token ids, if larger) is refused unparsed",
     )
     parser.add_argument(
         "--workers", type=_positive_int, default=DEFAULT_NUM_WORKERS, metavar="N",
         help="threads that tokenize concurrently off the event loop (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--max-in-flight-prompt-bytes", type=_positive_int, default=DEFAULT_MAX_IN_FLIGHT_PROMPT_BYTES,
+        metavar="BYTES",
+        help="prompt bytes held at once, waiting for a worker or being tokenized; a request that does "
+        "not fit is refused with RESOURCE_EXHAUSTED and a retry delay (default: %(default)s)",
     )
     return parser
 
@@ -92,6 +104,7 @@ def config_from_args(args: argparse.Namespace) -> PreprocessConfig:
         max_context_tokens=args.max_context_tokens,
         num_workers=args.workers,
         max_prompt_bytes=args.max_prompt_bytes,
+        max_in_flight_prompt_bytes=args.max_in_flight_prompt_bytes,
     )
 
 

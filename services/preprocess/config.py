@@ -11,6 +11,9 @@ from llmserve.server_flags import DEFAULT_GRACE_PERIOD_S, DEFAULT_HOST
 
 DEFAULT_MAX_OUTPUT_TOKENS = 4096
 DEFAULT_NUM_WORKERS = 4
+# Prompt bytes preprocess holds at once (waiting for a worker or being tokenized): a bound on its
+# memory under a flood; a request that does not fit gets RESOURCE_EXHAUSTED with a retry delay.
+DEFAULT_MAX_IN_FLIGHT_PROMPT_BYTES = 256 * 1024 * 1024
 
 
 @dataclass(frozen=True, slots=True)
@@ -30,9 +33,10 @@ class PreprocessConfig:
     num_workers: int = DEFAULT_NUM_WORKERS  # threads that run tokenization off the event loop
     # None: derived (context x the longest token's bytes x 2): larger prompts are refused untokenized.
     max_prompt_bytes: int | None = None
+    max_in_flight_prompt_bytes: int = DEFAULT_MAX_IN_FLIGHT_PROMPT_BYTES
 
     def __post_init__(self) -> None:
-        for name in ("block_size_tokens", "max_output_tokens", "num_workers"):
+        for name in ("block_size_tokens", "max_output_tokens", "num_workers", "max_in_flight_prompt_bytes"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
         if self.max_context_tokens is not None and self.max_context_tokens < 2:

@@ -9,12 +9,13 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
+from llmserve.message_limits import prompt_request_bytes
 from llmserve.preprocess.config import PreprocessConfig
 from llmserve.preprocess.preprocessor import Preprocessor
 from llmserve.preprocess.servicer import SERVICE_NAME, PreprocessServicer
+from llmserve.preprocess.worker_pool import WorkerPool
 from llmserve.server import RunningServer, create_server, write_port_file
 from llmserve.v1 import preprocess_pb2_grpc
 
@@ -26,7 +27,7 @@ class PreprocessServer:
     """A serving preprocess server and the worker threads it tokenizes on."""
 
     running: RunningServer
-    executor: ThreadPoolExecutor
+    workers: WorkerPool
     preprocessor: Preprocessor
 
     @property
@@ -35,34 +36,39 @@ class PreprocessServer:
 
     def close(self) -> None:
         """Stop the worker threads (after the gRPC server has stopped)."""
-        self.executor.shutdown(wait=True, cancel_futures=True)
+        self.workers.close()
 
 
 async def start_server(config: PreprocessConfig) -> PreprocessServer:
     """Load, bind `config.address`, set health SERVING and only then write the port file."""
     preprocessor = await asyncio.to_thread(Preprocessor.load, config)
-    executor = ThreadPoolExecutor(max_workers=config.num_workers, thread_name_prefix="preprocess")
-    servicer = PreprocessServicer(preprocessor, executor)
+    workers = WorkerPool(config.num_workers, config.max_in_flight_prompt_bytes)
+    servicer = PreprocessServicer(preprocessor, workers)
+    info = preprocessor.info
+    max_receive_bytes = prompt_request_bytes(info.max_prompt_bytes, info.max_context_tokens)
     running = await create_server(
         config.address,
         lambda server: preprocess_pb2_grpc.add_PreprocessServiceServicer_to_server(servicer, server),
         [SERVICE_NAME],
+        max_receive_bytes=max_receive_bytes,
     )
     await running.set_serving(True)
     write_port_file(config.port_file, running.port)
-    info = preprocessor.info
     log.info(
         "serving %s on port %d: vocab %d, context %d tokens, max output %d tokens, max prompt %d bytes, "
-        "block size %d, buckets %s, chat template %s, %d workers",
+        "max message %d bytes, block size %d, buckets %s, chat template %s, %d workers holding at most "
+        "%d prompt bytes",
         info.model_name,
         running.port,
         info.vocab_size,
         info.max_context_tokens,
         info.max_output_tokens,
-        preprocessor.limits.max_prompt_bytes,
+        info.max_prompt_bytes,
+        max_receive_bytes,
         info.block_size_tokens,
         ",".join(str(b.max_prompt_tokens) for b in info.buckets),
         "yes" if info.has_chat_template else "no",
         config.num_workers,
+        config.max_in_flight_prompt_bytes,
     )
-    return PreprocessServer(running=running, executor=executor, preprocessor=preprocessor)
+    return PreprocessServer(running=running, workers=workers, preprocessor=preprocessor)

@@ -1,25 +1,26 @@
 """The Preprocess gRPC servicer: protobuf in and out, the pipeline on worker threads.
 
-Protobuf stops here: requests become internal types (`Chat`, str), the `Preprocessor` runs on a
-thread pool (the Rust tokenizer releases the GIL there, so concurrent requests tokenize in
-parallel and the event loop stays free), and results become responses. Errors propagate as
-`ServiceError`s to the interceptor installed by `create_server`.
+Protobuf stops here: requests become internal types (`Chat`, `PromptTokenIds`, str). The cheap
+checks run on the event loop, so an oversized or malformed request is refused before it waits
+for anything; the rest of the `Preprocessor` runs on the `WorkerPool` (the Rust tokenizer
+releases the GIL there, so concurrent requests tokenize in parallel and the event loop stays
+free), within its byte budget. Errors propagate as `ServiceError`s to the interceptor installed
+by `create_server`.
 """
 
 from __future__ import annotations
 
-import asyncio
-import functools
 import logging
 import time
-from concurrent.futures import Executor
 
 import grpc
 
 from llmserve.buckets import LengthBucket
-from llmserve.errors import InvalidArgument
+from llmserve.errors import ServiceError
+from llmserve.message_limits import MAX_TOKEN_ID_BYTES
 from llmserve.pb import chat_from_pb
-from llmserve.preprocess.preprocessor import Chat, Preprocessor, TextOrChat
+from llmserve.preprocess.preprocessor import Chat, Preprocessor, PromptInput, PromptTokenIds
+from llmserve.preprocess.worker_pool import WorkerPool
 from llmserve.v1 import common_pb2, preprocess_pb2, preprocess_pb2_grpc
 
 log = logging.getLogger(__name__)
@@ -32,13 +33,15 @@ def _chat_from_pb(pb: common_pb2.ChatInput) -> Chat:
     return Chat(tuple(chat_from_pb(pb.messages)), add_generation_prompt)
 
 
-def _input_from_pb(request, text_field: str) -> TextOrChat | None:
-    """The request's `oneof input` as internal types: its text field, a Chat, or None."""
+def _input_from_pb(request, text_field: str) -> PromptInput | None:
+    """The request's `oneof input` as internal types: its text field, a Chat, token ids or None."""
     which = request.WhichOneof("input")
     if which == text_field:
         return getattr(request, text_field)
     if which == "chat":
         return _chat_from_pb(request.chat)
+    if which == "prompt_token_ids":
+        return PromptTokenIds(list(request.prompt_token_ids.token_ids))
     return None
 
 
@@ -47,14 +50,9 @@ def _bucket_to_pb(bucket: LengthBucket) -> common_pb2.LengthBucket:
 
 
 class PreprocessServicer(preprocess_pb2_grpc.PreprocessServiceServicer):
-    def __init__(self, preprocessor: Preprocessor, executor: Executor):
+    def __init__(self, preprocessor: Preprocessor, workers: WorkerPool):
         self._preprocessor = preprocessor
-        self._executor = executor
-
-    async def _run(self, fn, *args, **kwargs):
-        """Run a blocking pipeline call on the worker threads."""
-        loop = asyncio.get_running_loop()
-        return await loop.run_in_executor(self._executor, functools.partial(fn, *args, **kwargs))
+        self._workers = workers
 
     async def Preprocess(
         self, request: preprocess_pb2.PreprocessRequest, context: grpc.aio.ServicerContext
@@ -62,11 +60,11 @@ class PreprocessServicer(preprocess_pb2_grpc.PreprocessServiceServicer):
         start_ns = time.perf_counter_ns()
         request_id = request.request_id or "-"
         max_tokens = request.max_tokens if request.HasField("max_tokens") else None
+        prompt_input = _input_from_pb(request, "prompt")
         try:
-            result = await self._run(
-                self._preprocessor.preprocess, _input_from_pb(request, "prompt"), max_tokens
-            )
-        except InvalidArgument as exc:
+            num_bytes = self._preprocessor.check(prompt_input, max_tokens)
+            result = await self._workers.run(num_bytes, self._preprocessor.preprocess, prompt_input, max_tokens)
+        except ServiceError as exc:
             log.info("request_id=%s rejected: %s", request_id, exc.message)
             raise
         elapsed_ns = time.perf_counter_ns() - start_ns
@@ -92,11 +90,11 @@ class PreprocessServicer(preprocess_pb2_grpc.PreprocessServiceServicer):
         self, request: preprocess_pb2.TokenizeRequest, context: grpc.aio.ServicerContext
     ) -> preprocess_pb2.TokenizeResponse:
         add_special_tokens = request.add_special_tokens if request.HasField("add_special_tokens") else None
+        text_or_chat = _input_from_pb(request, "text")
         try:
-            result = await self._run(
-                self._preprocessor.tokenize, _input_from_pb(request, "text"), add_special_tokens
-            )
-        except InvalidArgument as exc:
+            num_bytes = self._preprocessor.check_tokenize(text_or_chat)
+            result = await self._workers.run(num_bytes, self._preprocessor.tokenize, text_or_chat, add_special_tokens)
+        except ServiceError as exc:
             log.info("tokenize rejected: %s", exc.message)
             raise
         return preprocess_pb2.TokenizeResponse(
@@ -107,11 +105,13 @@ class PreprocessServicer(preprocess_pb2_grpc.PreprocessServiceServicer):
         self, request: preprocess_pb2.DetokenizeRequest, context: grpc.aio.ServicerContext
     ) -> preprocess_pb2.DetokenizeResponse:
         skip_special_tokens = request.skip_special_tokens if request.HasField("skip_special_tokens") else True
+        token_ids = list(request.token_ids)
         try:
-            text = await self._run(
-                self._preprocessor.detokenize, list(request.token_ids), skip_special_tokens=skip_special_tokens
+            text = await self._workers.run(
+                len(token_ids) * MAX_TOKEN_ID_BYTES,
+                self._preprocessor.detokenize, token_ids, skip_special_tokens=skip_special_tokens,
             )
-        except InvalidArgument as exc:
+        except ServiceError as exc:
             log.info("detokenize rejected: %s", exc.message)
             raise
         return preprocess_pb2.DetokenizeResponse(text=text)
@@ -133,4 +133,5 @@ class PreprocessServicer(preprocess_pb2_grpc.PreprocessServiceServicer):
             max_output_tokens=info.max_output_tokens,
             buckets=[_bucket_to_pb(b) for b in info.buckets],
             has_chat_template=info.has_chat_template,
+            max_prompt_bytes=info.max_prompt_bytes,
         )

@@ -53,6 +53,22 @@ def default_max_prompt_bytes(max_context_tokens: int, max_token_bytes: int) -> i
     return max_context_tokens * max_token_bytes * _NORMALIZATION_SLACK
 
 
+# What a chat turn takes on the wire besides its role and content (tags and lengths): counted
+# toward the cap, so that the receive limit (cap + slack, llmserve.message_limits) holds every
+# chat the cap allows, however many turns it has.
+TURN_FRAMING_BYTES = 8
+
+
+def utf8_bytes(text: str) -> int:
+    """`len(text.encode("utf-8"))`, without the copy for ASCII text (isascii is O(1))."""
+    return len(text) if text.isascii() else len(text.encode("utf-8"))
+
+
+def chat_bytes(messages: Sequence[ChatMessage]) -> int:
+    """A chat's size against the prompt byte cap: roles, contents and turn framing."""
+    return sum(utf8_bytes(m.role) + utf8_bytes(m.content) + TURN_FRAMING_BYTES for m in messages)
+
+
 def check_prompt_bytes(field: str, num_bytes: int, limits: Limits) -> None:
     if num_bytes > limits.max_prompt_bytes:
         raise InvalidArgument(
@@ -110,9 +126,10 @@ def resolve_max_tokens(field: str, num_prompt_tokens: int, requested: int | None
     return requested
 
 
-def check_token_ids(token_ids: Sequence[int], vocab_size: int) -> None:
+def check_token_ids(field: str, token_ids: Sequence[int], vocab_size: int) -> None:
+    """Every id below `vocab_size`; the first one that is not is named as `field[i]`."""
     if not token_ids or max(token_ids) < vocab_size:
         return
     for i, token_id in enumerate(token_ids):
         if token_id >= vocab_size:
-            raise InvalidArgument(f"token_ids[{i}]", f"{token_id} is outside the vocabulary of {vocab_size} tokens")
+            raise InvalidArgument(f"{field}[{i}]", f"{token_id} is outside the vocabulary of {vocab_size} tokens")

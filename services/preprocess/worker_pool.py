@@ -1,0 +1,81 @@
+"""The worker threads preprocess runs its pipeline on, and the bound on what waits for them.
+
+Tokenizing is CPU work in Rust that releases the GIL, so it runs on `num_workers` threads while
+the event loop keeps serving. What waits for a thread is bounded by bytes, not by count: every
+admitted request holds its prompt until it finishes, and admission counts the prompt's bytes
+against `max_in_flight_bytes`. A request that does not fit is refused at once with
+RESOURCE_EXHAUSTED and a RetryInfo delay (the bytes ahead of it over the measured tokenizing
+rate), so a flood of long but legal prompts cannot grow memory without bound, while short
+prompts still fit beside long ones. Refusing rather than queueing without end lets the client
+(or a balancer) retry elsewhere with an honest hint. A request is always admitted when nothing
+is in flight, so the budget never refuses a prompt the byte cap allows.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import time
+from concurrent.futures import ThreadPoolExecutor
+from typing import Callable, TypeVar
+
+from llmserve.errors import ResourceExhausted
+
+T = TypeVar("T")
+
+# One worker's tokenizing rate before anything was measured (tokenizers does ~1-5 MB/s a thread).
+_INITIAL_BYTES_PER_S = 2_000_000.0
+# Weight of the newest measurement in the rate's moving average.
+_RATE_SMOOTHING = 0.2
+
+
+class WorkerPool:
+    """Runs blocking pipeline calls on worker threads, within a byte budget. Use from one event
+    loop: the accounting is done on the loop thread, never on the workers."""
+
+    def __init__(self, num_workers: int, max_in_flight_bytes: int):
+        self._executor = ThreadPoolExecutor(max_workers=num_workers, thread_name_prefix="preprocess")
+        self._num_workers = num_workers
+        self._max_in_flight_bytes = max_in_flight_bytes
+        self._in_flight_bytes = 0  # prompts admitted and not finished (waiting or running)
+        self._bytes_per_s = _INITIAL_BYTES_PER_S  # one worker's, moving average
+
+    async def run(self, num_bytes: int, fn: Callable[..., T], /, *args, **kwargs) -> T:
+        """`fn(*args, **kwargs)` on a worker, holding `num_bytes` of the budget meanwhile;
+        ResourceExhausted (with a retry delay) when they do not fit."""
+        self._admit(num_bytes)
+        elapsed_s: list[float] = []  # set by the worker when fn returns or raises
+
+        def timed() -> T:
+            start_s = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                elapsed_s.append(time.perf_counter() - start_s)
+
+        try:
+            return await asyncio.get_running_loop().run_in_executor(self._executor, timed)
+        finally:
+            self._in_flight_bytes -= num_bytes
+            if elapsed_s:  # empty when the caller was cancelled before fn finished
+                self._measure(num_bytes, elapsed_s[0])
+
+    def close(self) -> None:
+        """Stop the worker threads (after the gRPC server has stopped)."""
+        self._executor.shutdown(wait=True, cancel_futures=True)
+
+    def _admit(self, num_bytes: int) -> None:
+        if self._in_flight_bytes and self._in_flight_bytes + num_bytes > self._max_in_flight_bytes:
+            raise ResourceExhausted(
+                f"preprocess is holding {self._in_flight_bytes} prompt bytes (limit "
+                f"{self._max_in_flight_bytes}); a prompt of {num_bytes} bytes does not fit, retry later",
+                retry_after_ms=self._drain_time_ms(),
+            )
+        self._in_flight_bytes += num_bytes
+
+    def _drain_time_ms(self) -> int:
+        return max(1, math.ceil(1000 * self._in_flight_bytes / (self._bytes_per_s * self._num_workers)))
+
+    def _measure(self, num_bytes: int, elapsed_s: float) -> None:
+        rate = num_bytes / max(elapsed_s, 1e-6)
+        self._bytes_per_s += _RATE_SMOOTHING * (rate - self._bytes_per_s)
