@@ -24,7 +24,9 @@ import grpc
 
 from llmserve.inference.engine.types import EngineCore, EngineOutput, EngineRequest
 from llmserve.loadgen.client import RequestRecord, WorkerPlan, record_stream
-from llmserve.loadgen.workload import LengthDistribution, PlannedRequest, PromptBuilder, WorkloadConfig, plan_requests
+from llmserve.loadgen.workload import (
+    LengthDistribution, PlannedRequest, PromptBuilder, PromptForm, WorkloadConfig, plan_requests,
+)
 from llmserve.sampling import SamplingParams
 from llmserve.v1 import common_pb2, inference_pb2, inference_pb2_grpc
 
@@ -47,7 +49,8 @@ class Plans:
     def __init__(self, args, builder: PromptBuilder):
         def cell(streams: int, num_requests: int, output_tokens: int, seed: int) -> PlannedCell:
             workload = WorkloadConfig(num_requests, LengthDistribution("fixed", args.prompt_tokens),
-                                      LengthDistribution("fixed", output_tokens), seed=seed)
+                                      LengthDistribution("fixed", output_tokens), seed=seed,
+                                      prompt_form=PromptForm.TOKEN_IDS)  # the gateway path sends ids too
             return PlannedCell(streams, workload, plan_requests(workload, builder))
 
         most = max(args.streams)

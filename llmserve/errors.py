@@ -111,7 +111,8 @@ async def _map_exception(exc: BaseException, context: grpc.aio.ServicerContext, 
     await context.abort(grpc.StatusCode.INTERNAL, f"internal error in {method}: {type(exc).__name__}: {exc}")
 
 
-def _check_decoded(request) -> None:
+def check_decoded(request) -> None:
+    """Raise the status of a request the guarded deserializer could not or would not parse."""
     if isinstance(request, Undecodable):
         raise InvalidArgument("request", request.problem)
     if isinstance(request, Oversized):  # no RetryInfo: the same request will never fit
@@ -121,7 +122,7 @@ def _check_decoded(request) -> None:
 def _wrap_unary(behavior: Callable[..., Awaitable[Any]], method: str):
     async def handler(request, context):
         try:
-            _check_decoded(request)
+            check_decoded(request)
             return await behavior(request, context)
         except (grpc.aio.AbortError, grpc.RpcError):
             raise
@@ -134,7 +135,7 @@ def _wrap_unary(behavior: Callable[..., Awaitable[Any]], method: str):
 def _wrap_stream(behavior: Callable[..., Any], method: str):
     async def handler(request, context):
         try:
-            _check_decoded(request)
+            check_decoded(request)
             async for response in behavior(request, context):
                 yield response
         except (grpc.aio.AbortError, grpc.RpcError):
@@ -174,7 +175,7 @@ class ErrorMappingInterceptor(grpc.aio.ServerInterceptor):
             return grpc.stream_stream_rpc_method_handler(
                 # the request is an iterator here: the handler checks each message it reads
                 _wrap_stream(handler.stream_stream, method),
-                request_deserializer=guard_deserializer(handler.request_deserializer, method),
+                request_deserializer=guard_deserializer(handler.request_deserializer, method, self._max_request_bytes),
                 response_serializer=handler.response_serializer,
             )
         return handler

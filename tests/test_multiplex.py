@@ -125,3 +125,14 @@ async def test_an_undecodable_command_ends_the_stream_with_invalid_argument(infe
             async for _ in call:
                 pass
     assert raised.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+
+
+async def test_an_oversized_command_ends_the_stream_with_resource_exhausted(stub):
+    call = stub.Multiplex()
+    await call.write(generate("huge", prompt=[7] * 100_000))  # far over the context's receive limit
+    await call.done_writing()
+    with pytest.raises(grpc.aio.AioRpcError) as raised:
+        async for _ in call:
+            pass
+    assert raised.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert (await stub.GetLoad(inference_pb2.GetLoadRequest())).num_running == 0

@@ -22,11 +22,10 @@ import logging
 import time
 from typing import AsyncIterator
 
-from llmserve.errors import InvalidArgument, ServiceError, rich_status_for
+from llmserve.errors import InvalidArgument, ServiceError, check_decoded, rich_status_for
 from llmserve.inference.engine.async_engine import coalesced
 from llmserve.inference.engine.types import EngineOutput
 from llmserve.inference.wire import deadline_ns, output_to_pb, request_from_pb
-from llmserve.undecodable import Undecodable
 from llmserve.v1 import inference_pb2
 
 log = logging.getLogger(__name__)
@@ -47,8 +46,7 @@ class MultiplexedStream:
         """Apply every command the gateway sends, until it ends its side of the stream."""
         try:
             async for command in commands:
-                if isinstance(command, Undecodable):
-                    raise InvalidArgument("request", command.problem)
+                check_decoded(command)  # an unparsable or oversized command ends the stream
                 if command.HasField("generate"):
                     self._start(command.generate)
                 elif command.HasField("abort"):
