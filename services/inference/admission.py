@@ -51,6 +51,7 @@ from llmserve.inference.engine.config import (
     DEFAULT_KV_OVERCOMMIT,
     DEFAULT_MAX_NUM_SEQS,
     WAITING_PROMPT_CONTEXTS,
+    WAITING_PROMPT_TOKENS_PER_REQUEST,
     EngineConfig,
     default_max_waiting_requests,
 )
@@ -67,7 +68,7 @@ class AdmissionConfig:
     accelerator with the default --max-num-seqs."""
 
     max_waiting_requests: int = default_max_waiting_requests("cuda", DEFAULT_MAX_NUM_SEQS)
-    max_waiting_prompt_tokens: int | None = None  # None: WAITING_PROMPT_CONTEXTS x the context
+    max_waiting_prompt_tokens: int | None = None  # None: see WAITING_PROMPT_CONTEXTS
     kv_overcommit: float = DEFAULT_KV_OVERCOMMIT
 
     @classmethod
@@ -114,8 +115,9 @@ class AdmissionController:
         clock: Callable[[], int] = time.monotonic_ns,
     ):
         self.max_waiting_requests = config.max_waiting_requests
-        self.max_waiting_prompt_tokens = (
-            config.max_waiting_prompt_tokens or WAITING_PROMPT_CONTEXTS * max_context_tokens
+        self.max_waiting_prompt_tokens = config.max_waiting_prompt_tokens or max(
+            WAITING_PROMPT_CONTEXTS * max_context_tokens,
+            WAITING_PROMPT_TOKENS_PER_REQUEST * config.max_waiting_requests,
         )
         self.kv_overcommit = config.kv_overcommit
         self._max_kv_blocks = int(kv_blocks_total * config.kv_overcommit)
