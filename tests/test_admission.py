@@ -35,10 +35,12 @@ class Clock:
         self.now_ns += int(seconds * S)
 
 
-def controller(clock: Clock, *, kv_blocks_total: int = 0, **budgets) -> AdmissionController:
+def controller(
+    clock: Clock, *, kv_blocks_total: int = 0, step_grows_with_batch: bool = True, **budgets
+) -> AdmissionController:
     return AdmissionController(
         AdmissionConfig(**budgets), kv_blocks_total=kv_blocks_total, block_size_tokens=BLOCK,
-        max_context_tokens=CONTEXT, clock=clock,
+        max_context_tokens=CONTEXT, step_grows_with_batch=step_grows_with_batch, clock=clock,
     )  # fmt: skip
 
 
@@ -183,6 +185,17 @@ def test_a_deadline_the_measured_pace_cannot_meet_is_refused_at_once():
         admission.admit(request("c", 100, 50, deadline_ns=clock.now_ns + 15 * S))
     assert "estimated 15.5 s" in refused.value.message and "1000 tokens/s" in refused.value.message
     admission.admit(request("c", 100, 50, deadline_ns=clock.now_ns + 16 * S))
+
+
+def test_where_the_step_does_not_grow_with_the_batch_the_measured_step_is_the_estimate():
+    clock = Clock()
+    admission = controller(clock, step_grows_with_batch=False)  # an accelerator
+    admission.admit(request("a", 100, 100))
+    clock.advance(0.1)
+    admission.observe([token("a")])
+    admission.admit(request("b", 400))
+    # the same 0.5 s wait as on a CPU, then 50 tokens at the measured 0.1 s per step: 5 s
+    assert admission.finish_estimate(request("c", 100, 50)).total_s == pytest.approx(5.5)
 
 
 @pytest.mark.parametrize(("step_s", "expected_ms"), [(0.001, MIN_RETRY_AFTER_MS), (100.0, MAX_RETRY_AFTER_MS)])

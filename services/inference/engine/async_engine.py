@@ -77,6 +77,7 @@ class AsyncEngine:
             kv_blocks_total=client.load().kv_blocks_total,
             block_size_tokens=self.model_info.block_size_tokens,
             max_context_tokens=self.model_info.max_context_tokens,
+            step_grows_with_batch=self.model_info.device == "cpu",
         )
         self._streams: dict[str, _Stream] = {}  # request_id → stream, for each in-flight request
         self._is_accepting = False
