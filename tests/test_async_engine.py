@@ -15,12 +15,12 @@ from llmserve.inference.engine.engine_thread import EngineThread
 from llmserve.inference.engine.hf_engine import HFEngineCore
 from llmserve.inference.engine.types import EngineOutput, EngineRequest
 from llmserve.sampling import FinishReason, SamplingParams
+from tests.engine_streams import HANG_GUARD_S, collect, wait_until
 
 # Async fixtures live on the session loop (pyproject); run the tests on it too.
 pytestmark = pytest.mark.asyncio(loop_scope="session")
 
 PROMPT = [5, 17, 42, 99, 100, 7, 250, 31]
-HANG_GUARD_S = 30.0  # generous bound so a bug fails the test instead of hanging it
 
 
 def make_request(request_id: str, prompt: list[int] = PROMPT, **sampling) -> EngineRequest:
@@ -31,21 +31,6 @@ def make_request(request_id: str, prompt: list[int] = PROMPT, **sampling) -> Eng
 
 def hf_config(model_dir) -> EngineConfig:
     return EngineConfig(model_path=model_dir, model_name="tiny", backend="hf")
-
-
-async def collect(engine: AsyncEngine, request: EngineRequest) -> list[EngineOutput]:
-    async def consume():
-        return [output async for output in engine.generate(request)]
-
-    return await asyncio.wait_for(consume(), HANG_GUARD_S)
-
-
-async def wait_until(predicate) -> None:
-    """Poll a condition the engine thread makes true shortly (bounded by HANG_GUARD_S)."""
-    deadline = time.monotonic() + HANG_GUARD_S
-    while not predicate():
-        assert time.monotonic() < deadline, "condition not reached"
-        await asyncio.sleep(0.005)
 
 
 async def collect_once_free(engine: AsyncEngine, request: EngineRequest) -> list[EngineOutput]:

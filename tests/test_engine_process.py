@@ -19,11 +19,11 @@ from llmserve.inference.engine.engine_thread import EngineThread
 from llmserve.inference.engine.torch_engine import TorchEngineCore
 from llmserve.inference.engine.types import EngineOutput, EngineRequest
 from llmserve.sampling import DEADLINE_EXCEEDED_MESSAGE, FinishReason, SamplingParams, TokenLogprob
+from tests.engine_streams import HANG_GUARD_S, collect, wait_until
 
 pytestmark = pytest.mark.asyncio(loop_scope="session")
 
 PROMPT = [5, 17, 42, 99, 100, 7, 250, 31]
-HANG_GUARD_S = 60.0
 
 
 def torch_config(model_dir, **overrides) -> EngineConfig:
@@ -45,20 +45,6 @@ def direct_tokens(model_dir, request: EngineRequest) -> dict[int, list[int]]:
         for output in core.step():
             tokens.setdefault(output.sequence_index, []).extend(output.new_token_ids)
     return tokens
-
-
-async def collect(engine: AsyncEngine, request: EngineRequest) -> list[EngineOutput]:
-    async def consume():
-        return [output async for output in engine.generate(request)]
-
-    return await asyncio.wait_for(consume(), HANG_GUARD_S)
-
-
-async def wait_until(predicate) -> None:
-    deadline = time.monotonic() + HANG_GUARD_S
-    while not predicate():
-        assert time.monotonic() < deadline, "condition not reached"
-        await asyncio.sleep(0.01)
 
 
 @pytest.fixture(scope="module")
