@@ -67,7 +67,8 @@ async def test_concurrent_requests_all_complete(engine, tiny_model_dir):
     results = await asyncio.gather(*(collect(engine, r) for r in requests))
     for request, outputs in zip(requests, results):
         assert [t for o in outputs for t in o.new_token_ids] == reference_tokens(tiny_model_dir, request)
-        assert [o.finish_reason for o in outputs] == [None] * (request.sampling.max_tokens - 1) + [FinishReason.LENGTH]
+        # a reader that falls behind gets coalesced outputs: only the last one is final
+        assert [o.finish_reason for o in outputs] == [None] * (len(outputs) - 1) + [FinishReason.LENGTH]
     load = engine.load()
     assert (load.num_running, load.num_waiting, load.num_finished_total, load.num_aborted_total) == (0, 0, 4, 0)
     assert not any(engine.abort(r.request_id) for r in requests)  # none is in flight any more
@@ -89,8 +90,9 @@ async def test_abort_mid_stream_ends_the_stream_and_frees_the_request(engine):
                 assert engine.abort("long") is True
                 assert engine.abort("long") is False  # idempotent
     last = outputs[-1]
-    assert (last.finish_reason, last.new_token_ids, last.num_prompt_tokens) == (FinishReason.CANCELLED, [], 8)
-    assert len(outputs) < 200
+    # tokens sampled before the abort landed may be coalesced into the CANCELLED output
+    assert (last.finish_reason, last.num_prompt_tokens) == (FinishReason.CANCELLED, 8)
+    assert sum(len(o.new_token_ids) for o in outputs) < 200
     load = engine.load()
     assert (load.num_running, load.num_aborted_total) == (0, 1)
     assert engine.abort("long") is False
