@@ -130,7 +130,9 @@ def test_bench_measures_a_real_stack(gateway_address, tiny_model_dir, tmp_path):
     summary = report["summary"]
     assert summary["num_succeeded"] == 12 and summary["num_completion_tokens"] == 12 * 6
     assert summary["num_cached_tokens"] > 0  # the shared prefixes hit the prefix cache
-    assert summary["itl_ms"]["count"] == 12 * 5
+    # one ITL sample per token after each request's first message; the gateway coalesces tokens
+    # for a reader that falls behind, so a first message may carry more than one
+    assert 12 * 3 <= summary["itl_ms"]["count"] <= 12 * 5
     assert 0 < summary["ttft_ms"]["p50"] <= summary["ttft_ms"]["p90"] <= summary["ttft_ms"]["p99"]
     assert summary["ttft_ms"]["p99"] <= summary["e2e_ms"]["p99"]
     assert sum(report["timeline"]["output_tokens_per_s"]) * report["timeline"]["bin_s"] == 12 * 6
