@@ -21,8 +21,8 @@ from typing import AsyncIterator, Callable
 import grpc
 
 from llmserve.errors import ServiceError
-from llmserve.gateway.hop_errors import DownstreamError
 from llmserve.gateway.detokenizer import Detokenizer, DetokenizerStream
+from llmserve.gateway.hop_errors import DownstreamError
 from llmserve.gateway.inference_client import InferenceClient
 from llmserve.gateway.preprocess_client import PreparedPrompt, PreprocessClient, PromptInput
 from llmserve.gateway.stop_strings import StopStringMatcher

@@ -124,9 +124,9 @@ class EngineLoop:
     def _abort_expired(self) -> list[EngineOutput]:
         """Every request past its deadline, aborted at this step boundary (finished requests
         leave stale heap entries, which _abort ignores)."""
-        if not self._deadlines or self._deadlines[0][0] > time.monotonic_ns():
-            return []
         now_ns = time.monotonic_ns()
+        if not self._deadlines or self._deadlines[0][0] > now_ns:
+            return []
         expired: list[str] = []
         while self._deadlines and self._deadlines[0][0] <= now_ns:
             expired.append(heapq.heappop(self._deadlines)[1])
