@@ -136,3 +136,24 @@ async def test_an_oversized_command_ends_the_stream_with_resource_exhausted(stub
             pass
     assert raised.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
     assert (await stub.GetLoad(inference_pb2.GetLoadRequest())).num_running == 0
+
+
+async def test_a_bad_command_ends_the_stream_at_once_and_frees_its_requests(inference_address, stub):
+    async with grpc.aio.insecure_channel(inference_address) as channel:
+        call = channel.stream_stream("/llmserve.v1.InferenceService/Multiplex")()
+        await call.write(generate("running", max_tokens=240).SerializeToString())
+        first = inference_pb2.MultiplexResponse.FromString(await asyncio.wait_for(call.read(), HANG_GUARD_S))
+        assert first.outputs[0].request_id == "running"
+        await call.write(b"\x0a\x05\x0a\x03\xff\xfe\xfd")  # generate.request_id: invalid UTF-8
+        received = []
+
+        async def read_to_the_end():
+            while (message := await call.read()) is not grpc.aio.EOF:
+                received.extend(inference_pb2.MultiplexResponse.FromString(message).outputs)
+
+        with pytest.raises(grpc.aio.AioRpcError) as raised:
+            await asyncio.wait_for(read_to_the_end(), HANG_GUARD_S)
+    assert raised.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    # the stream did not wait for its request to run to max_tokens
+    assert not any(output.output.finish_reason for output in received)
+    await wait_for_free_blocks(stub)

@@ -22,7 +22,7 @@ import logging
 import time
 from typing import AsyncIterator
 
-from llmserve.errors import InvalidArgument, ServiceError, check_decoded, rich_status_for
+from llmserve.errors import ServiceError, check_decoded, rich_status_for
 from llmserve.inference.engine.async_engine import coalesced
 from llmserve.inference.engine.types import EngineOutput
 from llmserve.inference.wire import deadline_ns, output_to_pb, request_from_pb
@@ -41,6 +41,7 @@ class MultiplexedStream:
         self._has_news = asyncio.Event()
         self._unfinished: dict[str, int] = {}  # request id → its sequences without a final output
         self._is_reading = True
+        self._bad_command: ServiceError | None = None  # what ended the reading early
 
     async def read_commands(self, commands: AsyncIterator[inference_pb2.MultiplexRequest]) -> None:
         """Apply every command the gateway sends, until it ends its side of the stream."""
@@ -51,16 +52,20 @@ class MultiplexedStream:
                     self._start(command.generate)
                 elif command.HasField("abort"):
                     self._engine.abort(command.abort.request_id)
+        except ServiceError as error:
+            self._bad_command = error  # responses() raises it: the stream ends now, not after its requests
         finally:
             self._is_reading = False
             self._has_news.set()
 
     async def responses(self) -> AsyncIterator[inference_pb2.MultiplexResponse]:
         """Everything produced since the previous message, until the gateway has ended its side
-        and every request has finished."""
+        and every request has finished. Raises what a bad command ended the reading with."""
         while self._is_reading or self._unfinished or self._outputs or self._refusals:
             await self._has_news.wait()
             self._has_news.clear()
+            if self._bad_command is not None:
+                raise self._bad_command
             if self._outputs or self._refusals:
                 yield self._take_response()
 
@@ -74,8 +79,6 @@ class MultiplexedStream:
         arrival_ns = time.monotonic_ns()
         request_id = pb_request.request_id
         try:
-            if request_id in self._unfinished:
-                raise InvalidArgument("request_id", f"{request_id!r} is already in flight on this stream")
             deadline = deadline_ns(pb_request, arrival_ns, None)
             request = request_from_pb(pb_request, self._engine.model_info, arrival_ns, deadline)
             self._engine.submit(request, self._on_output)

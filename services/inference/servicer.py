@@ -53,7 +53,7 @@ class InferenceServicer(inference_pb2_grpc.InferenceServiceServicer):
         try:
             async for response in stream.responses():
                 yield response
-            await reader  # raises what ended the reading (an undecodable command)
+            await reader  # it ended when the gateway ended its side: surface any other failure
         finally:
             reader.cancel()
             stream.close()
