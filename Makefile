@@ -9,7 +9,7 @@ NODE_DIR := tests/node
 # Where the launcher keeps the converted default model (see llmserve/model_store.py).
 export LLMSERVE_CACHE_DIR ?= $(HOME)/.cache/llmserve
 
-.PHONY: setup protos node-client proto-baseline serve test test-fast bench clean help
+.PHONY: setup protos node-client redis-server proto-baseline serve test test-fast bench clean help
 
 help:  ## List the targets
 	@grep -E '^[a-z-]+:.*##' $(MAKEFILE_LIST) | sed 's/:.*##/\t/'
@@ -24,7 +24,7 @@ $(VENV)/.installed: pyproject.toml
 	$(PY) -m pip install -q --no-build-isolation -e '.[dev,redis,bench]'
 	touch $@
 
-setup: $(VENV)/.installed protos node-client  ## Create .venv with everything installed and protos built
+setup: $(VENV)/.installed protos node-client redis-server  ## Create .venv with everything installed and protos built
 
 # Optional: without npm, `make serve` still works and the Node client test is skipped.
 node-client:  ## Install the Node.js client test's packages (npm ci, when npm is installed)
@@ -33,6 +33,15 @@ node-client:  ## Install the Node.js client test's packages (npm ci, when npm is
 $(NODE_DIR)/node_modules/.installed: $(NODE_DIR)/package.json $(NODE_DIR)/package-lock.json
 	cd $(NODE_DIR) && npm ci --no-audit --no-fund
 	touch $@
+
+# Optional: the routing-index and tokenization-cache tests start a real redis-server on loopback;
+# without one (and no apt-get to install it) they are skipped. `make serve` never needs Redis.
+redis-server:  ## Install redis-server from Debian packages when missing (root or sudo)
+	@if command -v redis-server >/dev/null; then :; \
+	elif command -v apt-get >/dev/null && { [ "$$(id -u)" -eq 0 ] || sudo -n true 2>/dev/null; }; then \
+	  S=$$([ "$$(id -u)" -eq 0 ] || echo sudo); $$S apt-get install -y -q redis-server >/dev/null 2>&1 || \
+	  { $$S apt-get update -q >/dev/null && $$S apt-get install -y -q redis-server >/dev/null; }; \
+	else echo "redis-server not found and cannot be installed: the Redis tests will be skipped"; fi
 
 # Generated code is never committed: this target rebuilds it into llmserve/v1/.
 protos: $(PROTO_OUT)/.built  ## Generate Python code from protos/
