@@ -123,8 +123,10 @@ async def drive_async_engine(engine, planned: list[PlannedRequest], concurrency:
     return sorted(records, key=lambda record: record.index)
 
 
-async def send_to_inference(channel: grpc.aio.Channel, planned: PlannedRequest, plan: WorkerPlan) -> RequestRecord:
-    """One GenerateTokens call with the planned prompt's token ids (WorkerPlan.send)."""
+async def send_to_inference(channel: grpc.aio.Channel, planned: PlannedRequest, plan: WorkerPlan,
+                            conversation) -> RequestRecord:
+    """One GenerateTokens call with the planned prompt's token ids (WorkerPlan.send; single turns
+    only: `conversation` is always empty)."""
     stub = inference_pb2_grpc.InferenceServiceStub(channel)
     sampling = common_pb2.SamplingParams(max_tokens=planned.max_tokens, temperature=0.0, ignore_eos=plan.ignore_eos)
     request = inference_pb2.GenerateTokensRequest(

@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 
 from llmserve.loadgen.client import RequestRecord, build_request
+from llmserve.loadgen.conversation import Conversation
 from llmserve.loadgen.stats import itl_samples_ms, percentile, summarize, timeline, tpot_ms
 from llmserve.loadgen.workload import LengthDistribution, PromptBuilder, PromptForm, WorkloadConfig, plan_requests
 from tests.procs import running_stack
@@ -71,6 +72,33 @@ def test_each_prompt_form_sends_the_planned_prompt_in_its_field(tiny_model_dir):
     ]
     assert sent[PromptForm.TOKEN_IDS].WhichOneof("input") == "prompt_token_ids"
     assert tuple(sent[PromptForm.TOKEN_IDS].prompt_token_ids.token_ids) == planned.prompt_token_ids
+
+
+def test_conversations_plan_consecutive_turns_and_send_their_history(tiny_model_dir):
+    builder = PromptBuilder.from_path(tiny_model_dir)
+    planned = plan_requests(_workload(num_requests=9, num_turns=3, num_prefix_groups=2, prefix_tokens=16,
+                                      request_rate=10.0), builder)
+    assert [(p.conversation, p.turn) for p in planned] == [(c, t) for c in range(3) for t in range(3)]
+    for turns in (planned[0:3], planned[3:6], planned[6:9]):
+        assert len({p.prefix_group for p in turns}) == 1 and turns[0].send_at_s > 0
+        assert all(p.send_at_s == 0.0 for p in turns[1:])  # sent when the turn before has ended
+        assert turns[0].prompt_token_ids == builder.token_ids(turns[0].prefix_text + turns[0].suffix_text)
+        assert turns[1].prompt_token_ids == builder.token_ids(turns[1].suffix_text)  # only the new message
+    first, second, third = planned[0:3]
+    conversation = Conversation(first.prefix_text)
+    conversation.add(first, " answer one", (7, 8))
+    conversation.add(second, " answer two", (9,))
+    sent = {form: build_request(third, _workload(prompt_form=form, num_turns=3), True, "", conversation).params
+            for form in PromptForm}
+    assert sent[PromptForm.TEXT].prompt == (first.prefix_text + first.suffix_text + " answer one" + second.suffix_text
+                                            + " answer two" + third.suffix_text)
+    assert [(m.role, m.content) for m in sent[PromptForm.CHAT].chat.messages] == [
+        ("system", first.prefix_text), ("user", first.suffix_text), ("assistant", " answer one"),
+        ("user", second.suffix_text), ("assistant", " answer two"), ("user", third.suffix_text),
+    ]
+    assert tuple(sent[PromptForm.TOKEN_IDS].prompt_token_ids.token_ids) == (
+        first.prompt_token_ids + (7, 8) + second.prompt_token_ids + (9,) + third.prompt_token_ids
+    )
 
 
 def test_poisson_arrivals_have_the_asked_mean_rate(tiny_model_dir):
@@ -165,6 +193,32 @@ def test_bench_sends_token_ids_of_exactly_the_planned_lengths(gateway_address, t
     summary = report["summary"]
     assert summary["num_prompt_tokens"] == sum(p.num_prompt_tokens for p in planned)  # the server counted them
     assert summary["num_completion_tokens"] == 6 * 3 and summary["num_cached_tokens"] > 0
+
+
+def test_bench_replays_conversations_over_their_own_answers(gateway_address, tiny_model_dir, tmp_path):
+    completed = _bench(gateway_address, tiny_model_dir, tmp_path, "--num-requests", "12", "--turns", "3",
+                       "--concurrency", "2", "--workers", "2", "--token-ids", "--prompt-tokens", "uniform:20:40",
+                       "--output-tokens", "5", "--seed", "3", "--no-plots")
+    assert completed.returncode == 0, completed.stderr[-3000:]
+    report = json.loads((tmp_path / "run.json").read_text())
+    assert report["config"]["turns"] == 3
+    workload = WorkloadConfig(num_requests=12, prompt_tokens=LengthDistribution.parse("uniform:20:40"),
+                              output_tokens=LengthDistribution.parse("5"), seed=3, prompt_form=PromptForm.TOKEN_IDS,
+                              num_turns=3)
+    planned = plan_requests(workload, PromptBuilder.from_path(tiny_model_dir))
+    expected_prompt_tokens, reusable_tokens, history = 0, 0, 0
+    for p in planned:
+        history = 0 if p.turn == 0 else history
+        prompt = history + p.num_prompt_tokens
+        expected_prompt_tokens += prompt
+        # what a turn can find cached: the full blocks of the history its previous turn computed
+        # (the last answer token was sampled, never fed back), 16 tokens per block
+        reusable_tokens += min(history - 1, prompt - 1) // 16 * 16 if p.turn else 0
+        history = prompt + 5
+    summary = report["summary"]
+    assert summary["num_succeeded"] == 12
+    assert summary["num_prompt_tokens"] == expected_prompt_tokens  # each turn carried its real history
+    assert reusable_tokens * 0.9 <= summary["num_cached_tokens"]
 
 
 def test_bench_counts_errors_by_status(gateway_address, tiny_model_dir, tmp_path):

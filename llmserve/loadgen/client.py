@@ -16,7 +16,8 @@ from dataclasses import dataclass, field
 
 import grpc
 
-from llmserve.loadgen.workload import PlannedRequest, PromptForm, WorkloadConfig
+from llmserve.loadgen.conversation import Conversation
+from llmserve.loadgen.workload import PlannedRequest, WorkloadConfig
 from llmserve.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc
 
 _MAX_MESSAGE_BYTES = 64 << 20  # a long prompt sent as text must not hit gRPC's 4 MiB default
@@ -38,6 +39,9 @@ class RequestRecord:
     num_cached_tokens: int = 0
     status: str = "OK"  # a grpc.StatusCode name
     error: str = ""
+    # The answer, kept only in multi-turn runs (the next turn's prompt includes it).
+    answer_text: str = ""
+    answer_token_ids: list[int] = field(default_factory=list)
 
     @property
     def is_ok(self) -> bool:
@@ -59,49 +63,50 @@ class WorkerPlan:
     timeout_s: float
     ignore_eos: bool
     model: str = ""
-    # Sends one request on the channel and records it. None: the gateway's GenerateStream
-    # (send_one); bench/bench_stack.py sends to an inference replica. A module-level function:
-    # the plan is pickled into a spawned worker, which imports it by name.
-    send: Callable[[grpc.aio.Channel, PlannedRequest, "WorkerPlan"], Awaitable[RequestRecord]] | None = None
+    # Sends one request (the conversation's next turn) on the channel and records it. None: the
+    # gateway's GenerateStream (send_one); bench/bench_stack.py sends to an inference replica. A
+    # module-level function: the plan is pickled into a spawned worker, which imports it by name.
+    send: Callable[[grpc.aio.Channel, PlannedRequest, "WorkerPlan", Conversation], Awaitable[RequestRecord]] | None = None
 
 
-def build_request(planned: PlannedRequest, workload: WorkloadConfig, ignore_eos: bool, model: str):
-    """The gateway request for a planned one: greedy, exactly max_tokens when ignore_eos."""
+def build_request(planned: PlannedRequest, workload: WorkloadConfig, ignore_eos: bool, model: str,
+                  conversation: Conversation | None = None):
+    """The gateway request for a planned one: greedy, exactly max_tokens when ignore_eos; its
+    prompt is the conversation so far (none: a first turn) and the planned text."""
     sampling = common_pb2.SamplingParams(max_tokens=planned.max_tokens, temperature=0.0, ignore_eos=ignore_eos)
     params = gateway_pb2.GenerateParams(model=model, sampling=sampling, return_token_ids=True)
-    if workload.prompt_form is PromptForm.CHAT:
-        if planned.prefix_text:
-            params.chat.messages.add(role="system", content=planned.prefix_text)
-        params.chat.messages.add(role="user", content=planned.suffix_text)
-    elif workload.prompt_form is PromptForm.TOKEN_IDS:
-        params.prompt_token_ids.token_ids.extend(planned.prompt_token_ids)
-    else:
-        params.prompt = planned.prefix_text + planned.suffix_text
+    (conversation or Conversation(planned.prefix_text)).fill_prompt(params, planned, workload.prompt_form)
     return gateway_pb2.GenerateStreamRequest(params=params)
 
 
-async def send_one(channel: grpc.aio.Channel, planned: PlannedRequest, plan: WorkerPlan) -> RequestRecord:
+async def send_one(channel: grpc.aio.Channel, planned: PlannedRequest, plan: WorkerPlan,
+                   conversation: Conversation) -> RequestRecord:
     stub = gateway_pb2_grpc.GatewayServiceStub(channel)
     record = RequestRecord(planned.index, planned.prefix_group, planned.num_prompt_tokens, planned.max_tokens)
-    request = build_request(planned, plan.workload, plan.ignore_eos, plan.model)
+    request = build_request(planned, plan.workload, plan.ignore_eos, plan.model, conversation)
     record.start_s = time.monotonic()
     stream = stub.GenerateStream(request, timeout=plan.timeout_s)
-    return await record_stream(record, stream, _result_usage)
+    return await record_stream(record, stream, _result_usage, keep_answer=plan.workload.num_turns > 1)
 
 
 def _result_usage(message: gateway_pb2.GenerateStreamResponse):
     return message.result.usage if message.HasField("result") else None
 
 
-async def record_stream(record: RequestRecord, stream, usage_of) -> RequestRecord:
+async def record_stream(record: RequestRecord, stream, usage_of, keep_answer: bool = False) -> RequestRecord:
     """Read a server stream into `record`: when each message carrying `token_ids` arrived, the
-    usage of the message for which `usage_of(message)` gives one, a gRPC error as the status."""
+    usage of the message for which `usage_of(message)` gives one, a gRPC error as the status;
+    with `keep_answer`, the streamed text and token ids too."""
     try:
         async for message in stream:
             now = time.monotonic()
             if message.token_ids:
                 record.message_times_s.append(now)
                 record.message_num_tokens.append(len(message.token_ids))
+                if keep_answer:
+                    record.answer_token_ids.extend(message.token_ids)
+            if keep_answer:
+                record.answer_text += message.text
             usage = usage_of(message)
             if usage is not None:
                 record.num_prompt_tokens = usage.prompt_tokens
@@ -116,21 +121,41 @@ async def record_stream(record: RequestRecord, stream, usage_of) -> RequestRecor
 
 async def run_plan(plan: WorkerPlan, start_at_s: float, on_done=None) -> list[RequestRecord]:
     """Send every request of the plan (closed loop, or at its send time), at most
-    `max_in_flight` at once; `on_done(record)` after each."""
+    `max_in_flight` at once, a conversation's turns one after the other (a failed turn ends its
+    conversation: the later turns are recorded as not sent); `on_done(record)` after each."""
     options = [("grpc.max_send_message_length", _MAX_MESSAGE_BYTES),
                ("grpc.max_receive_message_length", _MAX_MESSAGE_BYTES)]
     send = plan.send or send_one
     async with grpc.aio.insecure_channel(plan.address, options=options) as channel:
         in_flight = asyncio.Semaphore(plan.max_in_flight)
 
-        async def one(planned: PlannedRequest) -> RequestRecord:
-            delay = start_at_s + planned.send_at_s - time.monotonic()
+        async def converse(turns: list[PlannedRequest]) -> list[RequestRecord]:
+            delay = start_at_s + turns[0].send_at_s - time.monotonic()
             if delay > 0:
                 await asyncio.sleep(delay)
-            async with in_flight:
-                record = await send(channel, planned, plan)
-            if on_done is not None:
-                on_done(record)
-            return record
+            conversation, records = Conversation(turns[0].prefix_text), []
+            for planned in turns:
+                if records and not records[-1].is_ok:
+                    record = _not_sent(planned, records[-1])
+                else:
+                    async with in_flight:
+                        record = await send(channel, planned, plan, conversation)
+                    conversation.add(planned, record.answer_text, tuple(record.answer_token_ids))
+                records.append(record)
+                if on_done is not None:
+                    on_done(record)
+            return records
 
-        return list(await asyncio.gather(*(one(planned) for planned in plan.requests)))
+        conversations: dict[int, list[PlannedRequest]] = {}
+        for planned in plan.requests:
+            conversations.setdefault(planned.conversation, []).append(planned)
+        done = await asyncio.gather(*(converse(turns) for turns in conversations.values()))
+        return [record for records in done for record in records]
+
+
+def _not_sent(planned: PlannedRequest, failed: RequestRecord) -> RequestRecord:
+    """A turn after a failed one: not sent, reported with the failure that ended its conversation."""
+    record = RequestRecord(planned.index, planned.prefix_group, planned.num_prompt_tokens, planned.max_tokens,
+                           start_s=failed.end_s, end_s=failed.end_s, status=failed.status)
+    record.error = f"not sent: turn {planned.turn - 1} of its conversation failed ({failed.error})"
+    return record

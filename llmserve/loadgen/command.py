@@ -3,6 +3,7 @@
     llmserve bench --num-requests 200 --concurrency 32 --prompt-tokens 512 --output-tokens 128
     llmserve bench --request-rate 8 --prompt-tokens uniform:128:1024 --prefix-groups 4 --prefix-tokens 256 --chat
     llmserve bench --token-ids --prompt-tokens 512 --output-tokens 512 --concurrency 256
+    llmserve bench --prefix-groups 4 --prefix-tokens 1024 --turns 4 --prompt-tokens 128 --chat
 """
 
 from __future__ import annotations
@@ -49,6 +50,10 @@ def add_bench_parser(commands, add_client_options) -> None:
     shape.add_argument("--prefix-groups", type=int, default=0, metavar="G",
                        help="G shared prefixes; each request starts with one of them (default: none)")
     shape.add_argument("--prefix-tokens", type=int, default=0, metavar="N", help="tokens in each shared prefix")
+    shape.add_argument("--turns", type=_positive_int, default=1, metavar="T",
+                       help="conversations of T turns: each turn's prompt is the conversation so far (earlier "
+                       "turns and the answers the server gave) plus a new --prompt-tokens message; "
+                       "--num-requests counts turns (default: %(default)s)")
     form = shape.add_mutually_exclusive_group()
     form.add_argument("--chat", dest="prompt_form", action="store_const", const=PromptForm.CHAT,
                       default=PromptForm.TEXT, help="send chat turns (the shared prefix as the system turn)")
@@ -81,6 +86,7 @@ def workload_from_args(args: argparse.Namespace) -> WorkloadConfig:
         num_requests=args.num_requests, prompt_tokens=args.prompt_tokens, output_tokens=args.output_tokens,
         seed=args.seed, request_rate=args.request_rate, num_prefix_groups=args.prefix_groups,
         prefix_tokens=args.prefix_tokens if args.prefix_groups else 0, prompt_form=args.prompt_form,
+        num_turns=args.turns,
     )
 
 
@@ -118,5 +124,5 @@ def _config_dict(args: argparse.Namespace, workload: WorkloadConfig) -> dict:
         "request_rate": workload.request_rate, "workers": args.workers, "prompt_tokens": str(workload.prompt_tokens),
         "output_tokens": str(workload.output_tokens), "prefix_groups": workload.num_prefix_groups,
         "prefix_tokens": workload.prefix_tokens, "prompt_form": workload.prompt_form.value,
-        "seed": workload.seed, "ignore_eos": not args.allow_eos,
+        "seed": workload.seed, "ignore_eos": not args.allow_eos, "turns": workload.num_turns,
     }

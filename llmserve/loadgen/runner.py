@@ -48,10 +48,12 @@ class RunResult:
 
 
 def worker_plans(planned: list[PlannedRequest], workload: WorkloadConfig, config: RunConfig) -> list[WorkerPlan]:
-    num_workers = max(1, min(config.num_workers, len(planned), config.concurrency))
+    num_conversations = len({p.conversation for p in planned})
+    num_workers = max(1, min(config.num_workers, num_conversations, config.concurrency))
     plans = []
     for k in range(num_workers):
-        share = tuple(planned[k::num_workers])
+        # Whole conversations per worker: a conversation's turns go one after the other.
+        share = tuple(p for p in planned if p.conversation % num_workers == k)
         max_in_flight = config.concurrency // num_workers + (1 if k < config.concurrency % num_workers else 0)
         plans.append(WorkerPlan(config.address, share, workload, max_in_flight, config.timeout_s,
                                 config.ignore_eos, config.model, config.send))

@@ -7,6 +7,11 @@ the tokenizer and trims or pads until it is). Requests in a shared-prefix group 
 same prefix (a system prompt, in chat mode) followed by their own suffix. Each request also
 carries its prompt's token ids (the text tokenized without special tokens), which is what it
 sends when the prompts go as token ids: same seed, same tokens, in either form.
+
+With `num_turns` > 1 the requests form conversations of that many turns: a turn's planned text
+is only its new user message; the load generator sends it after the conversation's history (every
+earlier turn and the answer the server actually gave it, see loadgen/conversation.py), so each
+turn's prompt extends the one before, the way chat users reuse their own KV cache.
 """
 
 from __future__ import annotations
@@ -72,19 +77,27 @@ class WorkloadConfig:
     num_prefix_groups: int = 0  # 0: no shared prefixes
     prefix_tokens: int = 0  # tokens of each group's shared prefix
     prompt_form: PromptForm = PromptForm.TEXT
+    num_turns: int = 1  # turns per conversation; 1: independent requests
+
+    def __post_init__(self) -> None:
+        if self.num_turns < 1:
+            raise ValueError(f"num_turns must be >= 1, got {self.num_turns}")
 
 
 @dataclass(frozen=True, slots=True)
 class PlannedRequest:
-    """One request to send: `send_at_s` after the run starts (0 for closed-loop runs)."""
+    """One request to send: `send_at_s` after the run starts (0 for closed-loop runs); a turn
+    after a conversation's first is sent when the turn before it has ended."""
 
     index: int
     send_at_s: float
     prefix_group: int  # -1: no shared prefix
     prefix_text: str
-    suffix_text: str
-    prompt_token_ids: tuple[int, ...]
+    suffix_text: str  # the request's own text; in a conversation, this turn's user message
+    prompt_token_ids: tuple[int, ...]  # prefix + suffix, or (turns after the first) the suffix's
     max_tokens: int
+    conversation: int = 0  # requests of one conversation share it; single-turn: the index
+    turn: int = 0  # 0-based position in its conversation
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -129,22 +142,27 @@ class PromptBuilder:
 
 
 def plan_requests(config: WorkloadConfig, builder: PromptBuilder) -> list[PlannedRequest]:
-    """Every request of the run, in send order, from `config.seed`."""
+    """Every request of the run, in send order, from `config.seed`. A conversation's turns are
+    consecutive; its prefix group and send time are drawn at its first turn."""
     rng = random.Random(config.seed)
     prefixes = [builder.text(config.prefix_tokens, rng) for _ in range(config.num_prefix_groups)]
-    send_at_s = 0.0
+    send_at_s, group = 0.0, -1
     planned = []
     for index in range(config.num_requests):
-        if config.request_rate:
-            send_at_s += rng.expovariate(config.request_rate)
-        group = rng.randrange(len(prefixes)) if prefixes else -1
+        conversation, turn = divmod(index, config.num_turns)
+        if turn == 0:
+            if config.request_rate:
+                send_at_s += rng.expovariate(config.request_rate)
+            group = rng.randrange(len(prefixes)) if prefixes else -1
         prefix = prefixes[group] if prefixes else ""
-        num_suffix_tokens = max(1, config.prompt_tokens.sample(rng) - (config.prefix_tokens if prefixes else 0))
+        num_prefix_tokens = config.prefix_tokens if prefixes and turn == 0 else 0
+        num_suffix_tokens = max(1, config.prompt_tokens.sample(rng) - num_prefix_tokens)
         suffix = builder.text(num_suffix_tokens, rng)
-        joined = f"{prefix}{suffix}" if prefix else suffix
+        joined = f"{prefix}{suffix}" if prefix and turn == 0 else suffix
         planned.append(PlannedRequest(
-            index=index, send_at_s=send_at_s if config.request_rate else 0.0, prefix_group=group,
+            index=index, send_at_s=send_at_s if config.request_rate and turn == 0 else 0.0, prefix_group=group,
             prefix_text=prefix, suffix_text=suffix, prompt_token_ids=builder.token_ids(joined),
-            max_tokens=config.output_tokens.sample(rng),
+            max_tokens=config.output_tokens.sample(rng), conversation=conversation,
+            turn=turn,
         ))
     return planned
