@@ -26,6 +26,7 @@ import json
 import sys
 import tempfile
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -105,9 +106,13 @@ def start_stack(args, policy: str, model_dir: Path, log_dir: Path) -> list:
     try:
         services.append(start_service("preprocess", [*model, "--block-size", str(BLOCK_SIZE)], log_dir / "preprocess",
                                       timeout_s=args.startup_timeout_s))
-        for k in range(args.replicas):
-            services.append(start_service("inference", [*model, *engine, "--replica-id", f"replica-{k}"],
-                                          log_dir / f"inference-{k}", timeout_s=args.startup_timeout_s))
+        # The replicas load and capture their CUDA graphs at once (a thread each waits for one).
+        with ThreadPoolExecutor(args.replicas) as pool:
+            starting = [pool.submit(start_service, "inference", [*model, *engine, "--replica-id", f"replica-{k}"],
+                                    log_dir / f"inference-{k}", timeout_s=args.startup_timeout_s)
+                        for k in range(args.replicas)]
+            for future in starting:
+                services.append(future.result())
         replicas = [arg for service in services[1:] for arg in ("--inference", service.address)]
         services.append(start_service("gateway", [*model, "--preprocess", services[0].address, *replicas,
                                                   "--routing", policy, *args.gateway_arg],
