@@ -111,8 +111,9 @@ def start_stack(args, policy: str, model_dir: Path, log_dir: Path) -> list:
             starting = [pool.submit(start_service, "inference", [*model, *engine, "--replica-id", f"replica-{k}"],
                                     log_dir / f"inference-{k}", timeout_s=args.startup_timeout_s)
                         for k in range(args.replicas)]
+            services += [future.result() for future in starting if future.exception() is None]
             for future in starting:
-                services.append(future.result())
+                future.result()  # the first failure, after the started ones are in `services` to stop
         replicas = [arg for service in services[1:] for arg in ("--inference", service.address)]
         services.append(start_service("gateway", [*model, "--preprocess", services[0].address, *replicas,
                                                   "--routing", policy, *args.gateway_arg],
