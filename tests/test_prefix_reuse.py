@@ -1,0 +1,86 @@
+"""Prefix reuse through the torch engine: prompts that share a prefix and are prefilled in the
+same step (many users of one system prompt arriving together) cache as much as the same
+prompts sent one after another, and the prefix-cache counters add up.
+
+A tiny random Llama (tests/factories.py) with a 512-token context; block size 16.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+
+from llmserve.inference.engine.torch_engine import TorchEngineCore
+from tests.test_torch_engine import assert_pool_full, greedy, make_engine, make_prompt, request, run
+
+NUM_NEW_TOKENS = 4
+
+
+@pytest.fixture(scope="module")
+def long_context_model_dir(tiny_model_dir, tmp_path_factory) -> Path:
+    """The tiny Llama with room for 300-token prompts (its weights do not depend on it)."""
+    model_dir = tmp_path_factory.mktemp("tiny-llama-512") / "model"
+    shutil.copytree(tiny_model_dir, model_dir)
+    config = json.loads((model_dir / "config.json").read_text())
+    config["max_position_embeddings"] = 512
+    (model_dir / "config.json").write_text(json.dumps(config))
+    return model_dir
+
+
+def long_engine(model_dir: Path, **overrides) -> TorchEngineCore:
+    """Room for every prompt of a test in one step, so twins are prefilled together."""
+    settings = dict(num_kv_blocks=512, max_batched_tokens=8192, max_num_seqs=32)
+    settings.update(overrides)
+    return make_engine(model_dir, **settings)
+
+
+def send(engine: TorchEngineCore, prompts: dict[str, list[int]]) -> dict[str, tuple[int, list[int]]]:
+    """Run `prompts` together: (cached tokens, generated ids) by request id."""
+    results = run(engine, [request(name, prompt, greedy(NUM_NEW_TOKENS)) for name, prompt in prompts.items()])
+    return {name: (result.finals[0].num_cached_tokens, result.token_ids[0]) for name, result in results.items()}
+
+
+def send_one_by_one(engine: TorchEngineCore, prompts: dict[str, list[int]]) -> dict[str, tuple[int, list[int]]]:
+    return {name: send(engine, {name: prompt})[name] for name, prompt in prompts.items()}
+
+
+def cached_tokens(results: dict[str, tuple[int, list[int]]]) -> dict[str, int]:
+    return {name: num_cached for name, (num_cached, _) in results.items()}
+
+
+def test_seventeen_prompts_on_one_system_prompt_sent_together_are_all_cached(long_context_model_dir):
+    system = make_prompt(16, seed=1)  # one block shared by all
+    prompts = {f"user{i}": system + make_prompt(284, seed=100 + i) for i in range(17)}  # 300 tokens each
+    engine = long_engine(long_context_model_dir)
+    first = send(engine, prompts)
+    assert set(cached_tokens(first).values()) == {0}
+    resent = send(engine, prompts)
+    assert cached_tokens(resent) == {name: 288 for name in prompts}  # (300 - 1) // 16 blocks each
+    assert {name: ids for name, (_, ids) in resent.items()} == {name: ids for name, (_, ids) in first.items()}
+    load = engine.load()
+    assert load.prefix_cache_queried_tokens_total == 2 * 17 * 300
+    assert load.prefix_cache_hit_tokens_total == 17 * 288
+    assert_pool_full(engine)
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_twins_sent_together_cache_as_much_as_sent_one_after_another(long_context_model_dir, async_scheduling):
+    shared = make_prompt(32, seed=2)
+    prompts = {"A": shared + make_prompt(20, seed=3), "B": shared + make_prompt(20, seed=4)}  # 52 tokens each
+    together = long_engine(long_context_model_dir, async_scheduling=async_scheduling)
+    in_turn = long_engine(long_context_model_dir, async_scheduling=async_scheduling)
+    first_together, first_in_turn = send(together, prompts), send_one_by_one(in_turn, prompts)
+    assert cached_tokens(first_together) == {"A": 0, "B": 0}
+    assert cached_tokens(first_in_turn) == {"A": 0, "B": 32}
+    rerun_b_together, rerun_b_in_turn = send(together, {"B": prompts["B"]}), send(in_turn, {"B": prompts["B"]})
+    assert cached_tokens(rerun_b_together) == cached_tokens(rerun_b_in_turn) == {"B": 48}
+    # B ran on A's blocks after its step: its output is the one it has alone.
+    assert first_together["B"][1] == first_in_turn["B"][1] == rerun_b_together["B"][1]
+    assert together.load().prefix_cache_hit_tokens_total == 48
+    assert in_turn.load().prefix_cache_hit_tokens_total == 32 + 48
+    for engine in (together, in_turn):
+        assert engine.load().prefix_cache_queried_tokens_total == 3 * 52
+        assert_pool_full(engine)
