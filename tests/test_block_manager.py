@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import pytest
 
-from llmserve.block_hash import chain_block_hashes
+from llmserve.block_hash import HashNamespace, chain_block_hashes
 from llmserve.inference.engine.block_manager import BlockManager
 from llmserve.inference.engine.sequence import Sequence
 from llmserve.sampling import SamplingParams
 
 BLOCK_SIZE = 4
+HASH_SEED = HashNamespace(model_fingerprint=1, tokenizer_fingerprint=2, block_size_tokens=BLOCK_SIZE).seed()
 
 
 def make_seq(token_ids, seq_id: int = 1, block_hashes: list[int] | None = None) -> Sequence:
@@ -21,6 +22,7 @@ def make_seq(token_ids, seq_id: int = 1, block_hashes: list[int] | None = None) 
         num_prompt_tokens=len(token_ids),
         sampling=SamplingParams(max_tokens=8),
         block_hashes=list(block_hashes or []),
+        hash_seed=HASH_SEED,
     )
 
 
@@ -102,13 +104,13 @@ def test_fully_cached_prompt_still_computes_its_last_token(manager):
 
 def test_request_hashes_are_used_when_given(manager):
     compute(manager, make_seq(range(8), seq_id=1))
-    hashes = chain_block_hashes(list(range(9)), BLOCK_SIZE)
+    hashes = chain_block_hashes(list(range(9)), BLOCK_SIZE, HASH_SEED)
     assert manager.find_cached_blocks(make_seq(range(9), seq_id=2, block_hashes=hashes)) == [0, 1]
 
 
 def test_hash_collision_with_different_tokens_is_no_hit(manager):
     compute(manager, make_seq([1, 2, 3, 4, 5], seq_id=1))
-    forged = chain_block_hashes([1, 2, 3, 4], BLOCK_SIZE)  # claims the tokens were 1..4
+    forged = chain_block_hashes([1, 2, 3, 4], BLOCK_SIZE, HASH_SEED)  # claims the tokens were 1..4
     assert manager.find_cached_blocks(make_seq([9, 9, 9, 9, 5], seq_id=2, block_hashes=forged)) == []
 
 
@@ -118,7 +120,7 @@ def test_collision_on_a_later_block_needs_the_same_parent(manager):
     first = make_seq([1, 2, 3, 4, 5, 6, 7, 8, 0], seq_id=1)
     compute(manager, first)
     compute(manager, make_seq([9, 9, 9, 9, 0], seq_id=3))  # registers [9, 9, 9, 9] as block 2
-    forged = [chain_block_hashes([9, 9, 9, 9], BLOCK_SIZE)[0], first.block_hashes[1]]
+    forged = [chain_block_hashes([9, 9, 9, 9], BLOCK_SIZE, HASH_SEED)[0], first.block_hashes[1]]
     other = make_seq([9, 9, 9, 9, 5, 6, 7, 8, 0], seq_id=2, block_hashes=forged)
     assert manager.find_cached_blocks(other) == [3]
 
@@ -185,7 +187,7 @@ def test_twin_blocks_computed_in_one_step_register_once_and_the_chains_go_on(man
 def test_a_hash_collision_is_no_twin_and_ends_the_registration(manager):
     first = make_seq([1, 2, 3, 4, 0], seq_id=1)
     compute(manager, first)  # block 0 registered under hash(1, 2, 3, 4)
-    forged = chain_block_hashes([1, 2, 3, 4], BLOCK_SIZE)  # claims its tokens are 1..4
+    forged = chain_block_hashes([1, 2, 3, 4], BLOCK_SIZE, HASH_SEED)  # claims its tokens are 1..4
     other = make_seq([9, 9, 9, 9, 5, 6, 7, 8, 0], seq_id=2, block_hashes=forged)
     compute(manager, other)
     assert other.block_ids == [2, 3, 4] and other.num_registered_blocks == 0

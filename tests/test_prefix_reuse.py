@@ -1,6 +1,7 @@
 """Prefix reuse through the torch engine: prompts that share a prefix and are prefilled in the
 same step (many users of one system prompt arriving together) cache as much as the same
-prompts sent one after another, and the prefix-cache counters add up.
+prompts sent one after another, and the prefix-cache counters add up; a cache salt shares
+blocks only with requests of the same salt; preprocess's hashes are the engine's own.
 
 A tiny random Llama (tests/factories.py) with a 512-token context; block size 16.
 """
@@ -14,6 +15,8 @@ from pathlib import Path
 import pytest
 
 from llmserve.inference.engine.torch_engine import TorchEngineCore
+from llmserve.preprocess.config import PreprocessConfig
+from llmserve.preprocess.preprocessor import Preprocessor, PromptTokenIds
 from tests.test_torch_engine import assert_pool_full, greedy, make_engine, make_prompt, request, run
 
 NUM_NEW_TOKENS = 4
@@ -37,9 +40,11 @@ def long_engine(model_dir: Path, **overrides) -> TorchEngineCore:
     return make_engine(model_dir, **settings)
 
 
-def send(engine: TorchEngineCore, prompts: dict[str, list[int]]) -> dict[str, tuple[int, list[int]]]:
-    """Run `prompts` together: (cached tokens, generated ids) by request id."""
-    results = run(engine, [request(name, prompt, greedy(NUM_NEW_TOKENS)) for name, prompt in prompts.items()])
+def send(engine: TorchEngineCore, prompts: dict[str, list[int]], **fields) -> dict[str, tuple[int, list[int]]]:
+    """Run `prompts` together (with EngineRequest `fields`): (cached tokens, generated ids) by
+    request id."""
+    requests = [request(name, prompt, greedy(NUM_NEW_TOKENS), **fields) for name, prompt in prompts.items()]
+    results = run(engine, requests)
     return {name: (result.finals[0].num_cached_tokens, result.token_ids[0]) for name, result in results.items()}
 
 
@@ -84,3 +89,37 @@ def test_twins_sent_together_cache_as_much_as_sent_one_after_another(long_contex
     for engine in (together, in_turn):
         assert engine.load().prefix_cache_queried_tokens_total == 3 * 52
         assert_pool_full(engine)
+
+
+def test_a_cache_salt_shares_cached_blocks_only_with_the_same_salt(tiny_model_dir):
+    engine = make_engine(tiny_model_dir)
+    prompt = {"p": make_prompt(40, seed=5)}  # 2 full blocks the re-runs may hit
+    assert cached_tokens(send(engine, prompt, cache_salt="tenant-a")) == {"p": 0}
+    assert cached_tokens(send(engine, prompt)) == {"p": 0}
+    assert cached_tokens(send(engine, prompt, cache_salt="tenant-b")) == {"p": 0}
+    assert cached_tokens(send(engine, prompt, cache_salt="tenant-a")) == {"p": 32}
+    assert cached_tokens(send(engine, prompt)) == {"p": 32}
+    assert_pool_full(engine)
+
+
+def test_preprocess_hashes_like_the_engine_for_the_same_prompt_and_salt(tiny_model_dir):
+    """The engine computes the hashes of a request sent without them; the same prompt sent
+    with preprocess's hashes then hits every block, for the same salt only."""
+    preprocessor = Preprocessor.load(PreprocessConfig(model_path=tiny_model_dir))
+    engine = make_engine(tiny_model_dir)
+    prompt = make_prompt(40, seed=6)
+
+    def preprocessed(cache_salt: str) -> dict:
+        """The EngineRequest fields the gateway sends for `prompt` with `cache_salt`."""
+        return dict(
+            block_hashes=preprocessor.preprocess(PromptTokenIds(prompt), NUM_NEW_TOKENS, cache_salt).block_hashes,
+            block_size_tokens=preprocessor.info.block_size_tokens,
+            block_hash_version=preprocessor.info.block_hash_version,
+            cache_salt=cache_salt,
+        )
+
+    assert preprocessor.info.hash_namespace == engine.model_info.hash_namespace
+    send(engine, {"engine-hashed": prompt}, cache_salt="t")
+    assert cached_tokens(send(engine, {"other-salt": prompt}, **preprocessed(""))) == {"other-salt": 0}
+    assert cached_tokens(send(engine, {"same-salt": prompt}, **preprocessed("t"))) == {"same-salt": 32}
+    assert_pool_full(engine)
