@@ -17,7 +17,7 @@ import pytest
 from llmserve.inference.engine.torch_engine import TorchEngineCore
 from llmserve.preprocess.config import PreprocessConfig
 from llmserve.preprocess.preprocessor import Preprocessor, PromptTokenIds
-from tests.test_torch_engine import assert_pool_full, greedy, make_engine, make_prompt, request, run
+from tests.test_torch_engine import Result, assert_pool_full, drain, greedy, make_engine, make_prompt, request, run
 
 NUM_NEW_TOKENS = 4
 
@@ -90,6 +90,33 @@ def test_twins_sent_together_cache_as_much_as_sent_one_after_another(long_contex
         assert engine.load().prefix_cache_queried_tokens_total == 3 * 52
         assert_pool_full(engine)
 
+
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_a_freed_duplicate_is_reused_at_once_and_changes_no_output(long_context_model_dir, async_scheduling):
+    """B swaps onto A's blocks as their prefill step is launched; C, admitted by the very next
+    schedule (the prefill maybe still running on the device), computes into B's duplicates."""
+    shared = make_prompt(32, seed=2)
+    prompts = {"A": shared + make_prompt(20, seed=3), "B": shared + make_prompt(20, seed=4)}
+    prompts["C"] = make_prompt(40, seed=5)
+    alone = {name: send(long_engine(long_context_model_dir), {name: p})[name][1] for name, p in prompts.items()}
+    engine = long_engine(long_context_model_dir, async_scheduling=async_scheduling)
+    for name in ("A", "B"):
+        engine.add_request(request(name, prompts[name], greedy(NUM_NEW_TOKENS)))
+    results: dict[str, Result] = {}
+    for output in engine.step():
+        results.setdefault(output.request_id, Result()).add(output)
+    a, b = sorted((seq for seq in engine.scheduler.running), key=lambda seq: seq.request_id)
+    assert b.block_ids[:2] == a.block_ids[:2]
+    duplicates = list(engine.block_manager._free)[:2]  # B's own first blocks, freed by the swap
+    assert engine.block_manager.blocks[duplicates[0]].registration_id == 0
+    engine.add_request(request("C", prompts["C"], greedy(NUM_NEW_TOKENS)))
+    for output in engine.step():
+        results.setdefault(output.request_id, Result()).add(output)
+    (c,) = [seq for seq in engine.scheduler.running if seq.request_id == "C"]
+    assert c.block_ids[:2] == duplicates
+    drain(engine, results)
+    assert {name: result.token_ids[0] for name, result in results.items()} == alone
+    assert_pool_full(engine)
 
 def test_a_cache_salt_shares_cached_blocks_only_with_the_same_salt(tiny_model_dir):
     engine = make_engine(tiny_model_dir)
