@@ -1,11 +1,17 @@
-"""Preprocess and inference started with different --block-size: the gateway refuses to start
-and inference refuses the mismatched hashes from a direct caller (real servers, hf backend)."""
+"""Preprocess and inference started with different --block-size or on different checkpoint
+files: the gateway refuses to start, and inference refuses hashes of another block size from a
+direct caller (real servers, hf backend)."""
 
 from __future__ import annotations
+
+import json
+import shutil
 
 import grpc
 import pytest
 
+from llmserve.block_hash import HashNamespace
+from llmserve.gateway.block_layout import BlockLayout, BlockLayoutMismatch, check_block_layouts
 from llmserve.launcher import ServiceProcess
 from llmserve.v1 import common_pb2, inference_pb2, inference_pb2_grpc, preprocess_pb2, preprocess_pb2_grpc
 from tests.procs import start_service, stop_service
@@ -31,13 +37,13 @@ def mismatched(tiny_model_dir, tmp_path_factory):
                 stop_service(service)
 
 
-def test_the_gateway_refuses_to_start_naming_both_block_sizes(mismatched, tiny_model_dir, tmp_path):
-    preprocess, inference = mismatched
+def gateway_start_error(preprocess, inference, model_dir, tmp_path) -> str:
+    """The one ERROR line of a gateway that exits 1 at start-up without serving."""
     gateway = ServiceProcess(
         "gateway",
         "llmserve.gateway",
         [
-            "--host", "127.0.0.1", "--port", "0", "--model", str(tiny_model_dir),
+            "--host", "127.0.0.1", "--port", "0", "--model", str(model_dir),
             "--preprocess", preprocess.address, "--inference", inference.address,
         ],
         port_file=tmp_path / "gateway.port",
@@ -51,9 +57,50 @@ def test_the_gateway_refuses_to_start_naming_both_block_sizes(mismatched, tiny_m
     assert not (tmp_path / "gateway.port").exists()
     error_lines = [line for line in (tmp_path / "gateway.log").read_text().splitlines() if " ERROR " in line]
     assert len(error_lines) == 1, error_lines
-    assert error_lines[0].endswith(
+    return error_lines[0]
+
+
+def test_the_gateway_refuses_to_start_naming_both_block_sizes(mismatched, tiny_model_dir, tmp_path):
+    preprocess, inference = mismatched
+    assert gateway_start_error(preprocess, inference, tiny_model_dir, tmp_path).endswith(
         f"cannot start: block size mismatch: preprocess uses 16 tokens per block, inference at "
         f"{inference.address} uses 32; start both with the same --block-size"
+    )
+
+
+def test_the_gateway_refuses_to_start_on_another_model_config(tiny_model_dir, tmp_path):
+    other = tmp_path / "other-model"
+    shutil.copytree(tiny_model_dir, other)
+    config = json.loads((other / "config.json").read_text())
+    (other / "config.json").write_text(json.dumps({**config, "rms_norm_eps": 1e-6}))
+    preprocess = start_service("preprocess", ["--model", str(tiny_model_dir)], tmp_path)
+    try:
+        inference = start_service("inference", ["--model", str(other), "--backend", "hf"], tmp_path)
+        try:
+            error = gateway_start_error(preprocess, inference, tiny_model_dir, tmp_path)
+        finally:
+            stop_service(inference)
+    finally:
+        stop_service(preprocess)
+    ours, theirs = HashNamespace.of_model_dir(tiny_model_dir, 16), HashNamespace.of_model_dir(other, 16)
+    assert error.endswith(
+        f"cannot start: block hash namespace mismatch: preprocess hashes for a model whose config.json has "
+        f"fingerprint {ours.model_fingerprint:016x}, inference at {inference.address} serves one with "
+        f"{theirs.model_fingerprint:016x}; start both with the same --model (the same checkpoint, byte for byte)"
+    )
+
+
+def test_a_tokenizer_mismatch_is_named_too():
+    preprocess = BlockLayout(block_size_tokens=16, block_hash_version=2, model_fingerprint=1, tokenizer_fingerprint=2)
+    same = {"a:1": preprocess, "b:2": preprocess}
+    check_block_layouts(preprocess, same)
+    other_tokenizer = BlockLayout(block_size_tokens=16, block_hash_version=2, model_fingerprint=1, tokenizer_fingerprint=3)
+    with pytest.raises(BlockLayoutMismatch) as raised:
+        check_block_layouts(preprocess, {**same, "c:3": other_tokenizer})
+    assert str(raised.value) == (
+        "block hash namespace mismatch: preprocess hashes for a tokenizer whose tokenizer.json has fingerprint "
+        "0000000000000002, inference at c:3 serves one with 0000000000000003; start both with the same --model "
+        "(the same checkpoint, byte for byte)"
     )
 
 

@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import pytest
 
-from llmserve.block_hash import chain_block_hashes
+from llmserve.block_hash import HashNamespace, chain_block_hashes
 from llmserve.inference.engine.block_manager import BlockManager
 from llmserve.inference.engine.sequence import Sequence
 from llmserve.sampling import SamplingParams
 
 BLOCK_SIZE = 4
+HASH_SEED = HashNamespace(model_fingerprint=1, tokenizer_fingerprint=2, block_size_tokens=BLOCK_SIZE).seed()
 
 
 def make_seq(token_ids, seq_id: int = 1, block_hashes: list[int] | None = None) -> Sequence:
@@ -21,6 +22,7 @@ def make_seq(token_ids, seq_id: int = 1, block_hashes: list[int] | None = None) 
         num_prompt_tokens=len(token_ids),
         sampling=SamplingParams(max_tokens=8),
         block_hashes=list(block_hashes or []),
+        hash_seed=HASH_SEED,
     )
 
 
@@ -89,19 +91,26 @@ def test_fully_cached_prompt_still_computes_its_last_token(manager):
     compute(manager, make_seq(range(8), seq_id=1))  # blocks 0, 1 registered
     again = make_seq(range(8), seq_id=2)
     assert manager.find_cached_blocks(again) == [0]  # (8 - 1) // 4 = 1 block at most
-    compute(manager, again)
+    assert manager.allocate(again, 4, [0])
     assert again.block_ids == [0, 2]  # the last block is recomputed in a fresh block
+    again.num_computed_tokens = 8
+    manager.register_computed_blocks(again)
+    assert again.block_ids == [0, 1]  # ... then swapped onto its cached twin, which is freed
+    assert list(manager._free)[0] == 2 and ref_counts(manager)[:3] == [2, 2, 0]
+    again.token_ids += [8, 9, 10, 11, 12]  # its decodes fill a block chained to the twin
+    compute(manager, again, 4)
+    assert manager.find_cached_blocks(make_seq(range(13), seq_id=3)) == [0, 1, 2]
 
 
 def test_request_hashes_are_used_when_given(manager):
     compute(manager, make_seq(range(8), seq_id=1))
-    hashes = chain_block_hashes(list(range(9)), BLOCK_SIZE)
+    hashes = chain_block_hashes(list(range(9)), BLOCK_SIZE, HASH_SEED)
     assert manager.find_cached_blocks(make_seq(range(9), seq_id=2, block_hashes=hashes)) == [0, 1]
 
 
 def test_hash_collision_with_different_tokens_is_no_hit(manager):
     compute(manager, make_seq([1, 2, 3, 4, 5], seq_id=1))
-    forged = chain_block_hashes([1, 2, 3, 4], BLOCK_SIZE)  # claims the tokens were 1..4
+    forged = chain_block_hashes([1, 2, 3, 4], BLOCK_SIZE, HASH_SEED)  # claims the tokens were 1..4
     assert manager.find_cached_blocks(make_seq([9, 9, 9, 9, 5], seq_id=2, block_hashes=forged)) == []
 
 
@@ -111,7 +120,7 @@ def test_collision_on_a_later_block_needs_the_same_parent(manager):
     first = make_seq([1, 2, 3, 4, 5, 6, 7, 8, 0], seq_id=1)
     compute(manager, first)
     compute(manager, make_seq([9, 9, 9, 9, 0], seq_id=3))  # registers [9, 9, 9, 9] as block 2
-    forged = [chain_block_hashes([9, 9, 9, 9], BLOCK_SIZE)[0], first.block_hashes[1]]
+    forged = [chain_block_hashes([9, 9, 9, 9], BLOCK_SIZE, HASH_SEED)[0], first.block_hashes[1]]
     other = make_seq([9, 9, 9, 9, 5, 6, 7, 8, 0], seq_id=2, block_hashes=forged)
     assert manager.find_cached_blocks(other) == [3]
 
@@ -149,16 +158,60 @@ def test_hit_refreshes_recency(manager):
     assert list(manager._free)[-2:] == [2, 0]  # block 0 is now the most recently used
 
 
-def test_twin_blocks_computed_in_one_step_register_once(manager):
-    a, b = make_seq(range(8), seq_id=1), make_seq(range(8), seq_id=2)
-    for seq in (a, b):
-        assert manager.allocate(seq, 8)
-    for seq in (a, b):
-        seq.num_computed_tokens = 8
+def compute_in_one_step(manager: BlockManager, seqs: list[Sequence]) -> None:
+    """Allocate every sequence first, then register each: their step computed them together."""
+    for seq in seqs:
+        assert manager.allocate(seq, seq.num_tokens)
+    for seq in seqs:
+        seq.num_computed_tokens = seq.num_tokens
         manager.register_computed_blocks(seq)
-    assert [manager.blocks[i].registration_id > 0 for i in range(4)] == [True, True, False, False]
+
+
+def test_twin_blocks_computed_in_one_step_register_once_and_the_chains_go_on(manager):
+    shared = [1, 2, 3, 4, 5, 6, 7, 8]
+    a, b = make_seq(shared + [10, 11, 12, 13, 14], seq_id=1), make_seq(shared + [20, 21, 22, 23, 24], seq_id=2)
+    compute_in_one_step(manager, [a, b])
+    assert a.block_ids == [0, 1, 2, 3]
+    assert b.block_ids == [0, 1, 6, 7]  # swapped onto a's blocks 0, 1; its own 4, 5 freed ...
+    assert list(manager._free)[:2] == [5, 4]  # ... to the front: they hold nothing to keep
+    assert ref_counts(manager) == [2, 2, 1, 1, 0, 0, 1, 1]
+    assert b.num_registered_blocks == 3 and manager.stats().num_blocks_cached == 4
+    assert manager.blocks[6].parent_registration_id == manager.blocks[1].registration_id
+    resent_b = make_seq(b.token_ids, seq_id=3)
+    assert manager.find_cached_blocks(resent_b) == [0, 1, 6]  # as if b had come after a
+    manager.free(a)
     manager.free(b)
-    assert list(manager._free)[:2] == [2, 3]  # b's unregistered twins are reused first
+    assert manager.num_free_blocks == 8
+
+
+def test_a_hash_collision_is_no_twin_and_ends_the_registration(manager):
+    first = make_seq([1, 2, 3, 4, 0], seq_id=1)
+    compute(manager, first)  # block 0 registered under hash(1, 2, 3, 4)
+    forged = chain_block_hashes([1, 2, 3, 4], BLOCK_SIZE, HASH_SEED)  # claims its tokens are 1..4
+    other = make_seq([9, 9, 9, 9, 5, 6, 7, 8, 0], seq_id=2, block_hashes=forged)
+    compute(manager, other)
+    assert other.block_ids == [2, 3, 4] and other.num_registered_blocks == 0
+    assert manager.stats().num_blocks_cached == 1
+
+
+def test_a_forked_sibling_on_a_duplicate_swaps_onto_the_twin_too(manager):
+    prompt = [1, 2, 3, 4, 5, 6, 7, 8]
+    first, parent = make_seq(prompt, seq_id=1), make_seq(prompt, seq_id=2)
+    for seq in (first, parent):
+        assert manager.allocate(seq, 8)
+        seq.num_computed_tokens = 8
+    manager.register_computed_blocks(first)  # blocks 0, 1 registered
+    child = make_seq(prompt, seq_id=3)
+    assert manager.fork(parent, child) is None  # forked before the parent registers (same launch)
+    manager.register_computed_blocks(parent)
+    assert parent.block_ids == [0, 1] and child.block_ids == [2, 3]
+    assert ref_counts(manager)[:4] == [2, 2, 1, 1]  # the duplicates live on for the child
+    child.num_computed_tokens = 8
+    manager.register_computed_blocks(child)
+    assert child.block_ids == [0, 1] and ref_counts(manager)[:4] == [3, 3, 0, 0]
+    for seq in (first, parent, child):
+        manager.free(seq)
+    assert manager.num_free_blocks == 8
 
 
 def test_fork_shares_full_blocks_and_copies_the_partial_one(manager):

@@ -428,3 +428,18 @@ def test_inference_down_is_unavailable(services, model_dir, tmp_path):
         if gateway is not None:
             assert stop_service(gateway) == 0, gateway.log_tail()
         stop_service(inference)
+
+
+def test_a_cache_salt_shares_the_prefix_cache_only_with_the_same_salt(gateway, inference, services):
+    if inference.GetModelInfo(inference_pb2.GetModelInfoRequest()).model.backend == "hf":
+        pytest.skip("the hf backend has no prefix cache")
+    token_ids = list(range(100, 140))  # 2 full blocks of 16 that no other test sends
+
+    def num_cached_tokens(cache_salt: str) -> int:
+        params = token_id_params(token_ids, max_tokens=2)
+        params.cache_salt = cache_salt
+        return generate(gateway, params).result.usage.cached_tokens
+
+    assert [num_cached_tokens(salt) for salt in ("salt-a", "", "salt-b", "salt-a", "")] == [0, 0, 0, 32, 32]
+    for service in services.values():
+        assert "salt-a" not in service.log_path.read_text()

@@ -16,7 +16,7 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
-from llmserve.block_hash import HASH_VERSION
+from llmserve.block_hash import HASH_VERSION, fingerprint
 from llmserve.inference.backends import BackendUnavailable, create_engine, create_engine_core
 from llmserve.inference.engine.async_engine import AsyncEngine
 from llmserve.inference.engine.config import EngineConfig
@@ -315,7 +315,7 @@ async def test_abort_rpc(service):
     await wait_for_load(service.stub, lambda load: load.num_running == 0)
 
 
-async def test_get_model_info(service, vocab_size):
+async def test_get_model_info(service, vocab_size, tiny_model_dir):
     info = await service.stub.GetModelInfo(inference_pb2.GetModelInfoRequest())
     assert info == inference_pb2.GetModelInfoResponse(
         model=common_pb2.ModelInfo(
@@ -329,6 +329,8 @@ async def test_get_model_info(service, vocab_size):
             backend="hf",
             device="cpu",
             block_hash_version=HASH_VERSION,
+            model_fingerprint=fingerprint((tiny_model_dir / "config.json").read_bytes()),
+            tokenizer_fingerprint=fingerprint((tiny_model_dir / "tokenizer.json").read_bytes()),
         ),
         replica_id="replica-under-test",
     )

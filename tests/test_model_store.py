@@ -18,6 +18,7 @@ import numpy as np
 import pytest
 import torch
 
+from llmserve.block_hash import HashNamespace
 from llmserve.gguf_convert import convert_gguf_to_hf, reverse_rope_permutation
 from llmserve.gguf_metadata import UnsupportedGGUFError
 from llmserve.gguf_tokenizer import build_tokenizer
@@ -299,6 +300,13 @@ def test_tokenizer_config_and_model_files(tiny_gguf, tiny_converted):
     assert (tokenizer_config["bos_token"], tokenizer_config["eos_token"]) == ("<|im_start|>", "<|im_end|>")
     assert (tokenizer_config["unk_token"], tokenizer_config["pad_token"]) == ("<|endoftext|>", "<|im_end|>")
     assert tokenizer_config["add_bos_token"] is False
+
+
+def test_two_conversions_of_one_gguf_hash_blocks_in_one_namespace(tiny_gguf, tiny_converted, tmp_path):
+    """Services that each convert the same GGUF (one cache directory per host) write the same
+    config.json and tokenizer.json bytes, so their block hashes agree."""
+    again = convert_gguf_to_hf(tiny_gguf[0], tmp_path / "again", progress=False)
+    assert HashNamespace.of_model_dir(again, 16) == HashNamespace.of_model_dir(tiny_converted, 16)
 
 
 def test_smollm_pre_tokenizer_splits_digits_one_by_one(tmp_path):

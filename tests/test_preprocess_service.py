@@ -19,7 +19,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 from transformers import AutoTokenizer
 
-from llmserve.block_hash import chain_block_hashes
+from llmserve.block_hash import HASH_VERSION, HashNamespace, fingerprint
 from llmserve.buckets import BucketConfig
 from llmserve.preprocess.__main__ import build_parser
 from llmserve.preprocess.config import PreprocessConfig
@@ -104,6 +104,12 @@ def stub(stubs):
 
 
 @pytest.fixture(scope="module")
+def namespace(tiny_model_dir) -> HashNamespace:
+    """What the main server hashes with."""
+    return HashNamespace.of_model_dir(tiny_model_dir, BLOCK_SIZE)
+
+
+@pytest.fixture(scope="module")
 def reference(tiny_model_dir) -> tokenizers.Tokenizer:
     return tokenizers.Tokenizer.from_file(str(tiny_model_dir / "tokenizer.json"))
 
@@ -135,12 +141,12 @@ async def _invalid_argument(call, request) -> str:
 # --- GetPreprocessInfo ------------------------------------------------------------------------
 
 
-async def test_get_info_fills_every_field(stub, reference):
+async def test_get_info_fills_every_field(stub, reference, tiny_model_dir):
     info = await stub.GetPreprocessInfo(preprocess_pb2.GetPreprocessInfoRequest())
 
     preprocess_fields = {
         "model_name", "tokenizer_vocab_size", "max_context_tokens", "eos_token_ids", "block_size_tokens",
-        "block_hash_version",
+        "block_hash_version", "model_fingerprint", "tokenizer_fingerprint",
     }
     assert info == preprocess_pb2.GetPreprocessInfoResponse(
         model=common_pb2.ModelInfo(
@@ -149,7 +155,9 @@ async def test_get_info_fills_every_field(stub, reference):
             max_context_tokens=CONTEXT,
             eos_token_ids=[reference.token_to_id("<|im_end|>")],
             block_size_tokens=BLOCK_SIZE,
-            block_hash_version=1,
+            block_hash_version=HASH_VERSION,
+            model_fingerprint=fingerprint((tiny_model_dir / "config.json").read_bytes()),
+            tokenizer_fingerprint=fingerprint((tiny_model_dir / "tokenizer.json").read_bytes()),
         ),
         max_output_tokens=MAX_OUTPUT,
         buckets=[
@@ -173,7 +181,7 @@ async def test_get_info_reports_a_missing_chat_template(stubs):
 # --- Preprocess ---------------------------------------------------------------------------
 
 
-async def test_preprocess_prompt(stub, reference):
+async def test_preprocess_prompt(stub, reference, namespace):
     prompt = "The capital of France is Paris. Continuous batching lets new requests join the batch."
     expected_ids = reference.encode(prompt).ids
     assert 16 < len(expected_ids) <= 64
@@ -182,15 +190,30 @@ async def test_preprocess_prompt(stub, reference):
 
     assert list(response.token_ids) == expected_ids
     assert response.bucket == common_pb2.LengthBucket(index=1, max_prompt_tokens=64)
-    assert list(response.block_hashes) == chain_block_hashes(expected_ids, BLOCK_SIZE)
+    assert list(response.block_hashes) == namespace.block_hashes(expected_ids)
     assert len(response.block_hashes) == len(expected_ids) // BLOCK_SIZE
     assert response.block_size_tokens == BLOCK_SIZE
-    assert response.block_hash_version == 1
+    assert response.block_hash_version == HASH_VERSION
     assert response.max_tokens == MAX_OUTPUT
     assert response.preprocess_time_ns > 0
 
 
-async def test_preprocess_chat_matches_transformers(stub, tiny_model_dir):
+async def test_the_cache_salt_namespaces_the_block_hashes(stub, namespace):
+    token_ids = list(range(3, 3 + 4 * BLOCK_SIZE))
+
+    async def hashes(cache_salt: str) -> list[int]:
+        request = preprocess_pb2.PreprocessRequest(
+            prompt_token_ids=common_pb2.TokenIdsInput(token_ids=token_ids), max_tokens=4, cache_salt=cache_salt
+        )
+        return list((await stub.Preprocess(request)).block_hashes)
+
+    unsalted, tenant_a, tenant_a_again, tenant_b = [await hashes(salt) for salt in ("", "a", "a", "b")]
+    assert unsalted == namespace.block_hashes(token_ids) and len(unsalted) == 4
+    assert tenant_a == tenant_a_again == namespace.block_hashes(token_ids, "a")
+    assert not set(tenant_a) & set(unsalted) and not set(tenant_a) & set(tenant_b)
+
+
+async def test_preprocess_chat_matches_transformers(stub, tiny_model_dir, namespace):
     hf = AutoTokenizer.from_pretrained(tiny_model_dir)
     turns = [("system", "Be brief."), ("user", "Héllo 東京 🙂"), ("assistant", "Hi."), ("user", "Capital of Italy?")]
     conversation = [{"role": r, "content": c} for r, c in turns]
@@ -204,7 +227,7 @@ async def test_preprocess_chat_matches_transformers(stub, tiny_model_dir):
     for response, add_generation_prompt in ((with_prompt, True), (without_prompt, False)):
         expected = hf.apply_chat_template(conversation, add_generation_prompt=add_generation_prompt)["input_ids"]
         assert list(response.token_ids) == expected
-        assert list(response.block_hashes) == chain_block_hashes(expected, BLOCK_SIZE)
+        assert list(response.block_hashes) == namespace.block_hashes(expected)
     assert len(with_prompt.token_ids) > len(without_prompt.token_ids)
 
 
@@ -451,7 +474,7 @@ async def test_subprocess_serves_reflects_and_exits_0_on_sigterm(tiny_model_dir,
             assert health.status == health_pb2.HealthCheckResponse.SERVING
             assert "llmserve.v1.PreprocessService" in await _list_services(channel)
             response = await preprocess_pb2_grpc.PreprocessServiceStub(channel).Preprocess(
-                preprocess_pb2.PreprocessRequest(request_id="sub-1", prompt="Hello there")
+                preprocess_pb2.PreprocessRequest(request_id="sub-1", prompt="Hello there", cache_salt="salt-4711")
             )
             assert response.block_size_tokens == 4
         process.send_signal(signal.SIGTERM)
@@ -461,6 +484,7 @@ async def test_subprocess_serves_reflects_and_exits_0_on_sigterm(tiny_model_dir,
             process.kill()
             await process.wait()
     log = log_file.read_text()
+    assert "sub-1" in log and "salt-4711" not in log  # the request is logged at DEBUG, its salt never
     assert f"request_id=sub-1 prompt_tokens={len(response.token_ids)} bucket=0" in log
     assert "draining" in log
 

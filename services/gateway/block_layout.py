@@ -1,8 +1,10 @@
 """The block layout preprocess hashes with and every inference replica caches with.
 
 Prefix block hashes are only reusable when both sides cut blocks the same way and hash them
-with the same definition; a mismatch would make every prefix-cache lookup miss in silence, so
-the gateway refuses to start on one (inference refuses such hashes from direct callers too).
+with the same definition in the same namespace (llmserve.block_hash: model and tokenizer
+fingerprints); a mismatch would make every prefix-cache lookup miss in silence, so the gateway
+refuses to start on one (inference refuses hashes of another block size or version from direct
+callers too).
 """
 
 from __future__ import annotations
@@ -15,6 +17,8 @@ from typing import Mapping
 class BlockLayout:
     block_size_tokens: int
     block_hash_version: int
+    model_fingerprint: int  # of the checkpoint's config.json
+    tokenizer_fingerprint: int  # of its tokenizer.json
 
 
 class BlockLayoutMismatch(ValueError):
@@ -22,8 +26,8 @@ class BlockLayoutMismatch(ValueError):
 
 
 def check_block_layouts(preprocess: BlockLayout, replicas: Mapping[str, BlockLayout]) -> None:
-    """Raise BlockLayoutMismatch naming both values and the flag to fix, for the first replica
-    (by address) whose layout differs from preprocess's."""
+    """Raise BlockLayoutMismatch naming both values and what to fix, for the first replica (by
+    address) whose layout differs from preprocess's."""
     for address, replica in replicas.items():
         if replica.block_size_tokens != preprocess.block_size_tokens:
             raise BlockLayoutMismatch(
@@ -37,3 +41,18 @@ def check_block_layouts(preprocess: BlockLayout, replicas: Mapping[str, BlockLay
                 f"inference at {address} expects version {replica.block_hash_version}; run the same "
                 "llmserve release on both (the version is built in, no flag changes it)"
             )
+        for part, file_name, fingerprint_of in _NAMESPACE_PARTS:
+            if fingerprint_of(replica) != fingerprint_of(preprocess):
+                raise BlockLayoutMismatch(
+                    f"block hash namespace mismatch: preprocess hashes for a {part} whose {file_name} has "
+                    f"fingerprint {fingerprint_of(preprocess):016x}, inference at {address} serves one with "
+                    f"{fingerprint_of(replica):016x}; start both with the same --model (the same checkpoint, "
+                    "byte for byte)"
+                )
+
+
+# (what, the checkpoint file it is named by, its fingerprint in a layout)
+_NAMESPACE_PARTS = (
+    ("model", "config.json", lambda layout: layout.model_fingerprint),
+    ("tokenizer", "tokenizer.json", lambda layout: layout.tokenizer_fingerprint),
+)

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import AsyncIterator, Callable
 
 import grpc
@@ -43,6 +43,7 @@ class GenerationRequest:
     prompt_input: PromptInput
     sampling: SamplingParams
     arrival_ns: int
+    cache_salt: str = field(repr=False)  # whom it shares the prefix cache with; never logged
 
 
 @dataclass(frozen=True, slots=True)
@@ -105,6 +106,7 @@ class GenerationPipeline:
             request.request_id,
             request.prompt_input,
             max_tokens=request.sampling.max_tokens,
+            cache_salt=request.cache_salt,
             timeout_s=time_remaining(),
         )
         stream = self._inference.generate(

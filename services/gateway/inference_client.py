@@ -101,7 +101,9 @@ class InferenceClient:
             max_context_tokens=info.max_context_tokens,
             eos_token_ids=tuple(info.eos_token_ids),
             backend=info.backend,
-            block_layout=BlockLayout(info.block_size_tokens, info.block_hash_version),
+            block_layout=BlockLayout(
+                info.block_size_tokens, info.block_hash_version, info.model_fingerprint, info.tokenizer_fingerprint
+            ),
         )
 
     def generate(
@@ -119,8 +121,9 @@ class InferenceClient:
             prompt_token_ids=prompt.token_ids,
             sampling=sampling_to_pb(sampling),
             block_hashes=prompt.block_hashes,
-            block_size_tokens=prompt.block_layout.block_size_tokens,
-            block_hash_version=prompt.block_layout.block_hash_version,
+            block_size_tokens=prompt.block_size_tokens,
+            block_hash_version=prompt.block_hash_version,
+            cache_salt=prompt.cache_salt,
             priority=priority,
             timeout_ms=max(1, int(timeout_s * 1000)) if timeout_s is not None else 0,
         )

@@ -7,7 +7,7 @@ bounds the whole chain; a gRPC error becomes a ServiceError (`hop_errors.error_f
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import grpc
 
@@ -49,16 +49,18 @@ class PreparedPrompt:
     """A validated, tokenized prompt and the max_tokens preprocess resolved for it."""
 
     token_ids: list[int]
-    block_hashes: list[int]
-    block_layout: BlockLayout
+    block_hashes: list[int]  # chained from the namespace seed of cache_salt
+    block_size_tokens: int
+    block_hash_version: int
+    cache_salt: str = field(repr=False)  # never logged
     max_tokens: int
     preprocess_time_ns: int
 
 
 def _request_to_pb(
-    request_id: str, prompt_input: PromptInput, max_tokens: int | None
+    request_id: str, prompt_input: PromptInput, max_tokens: int | None, cache_salt: str
 ) -> preprocess_pb2.PreprocessRequest:
-    request = preprocess_pb2.PreprocessRequest(request_id=request_id)
+    request = preprocess_pb2.PreprocessRequest(request_id=request_id, cache_salt=cache_salt)
     if prompt_input.chat is not None:
         request.chat.messages.extend(chat_to_pb(list(prompt_input.chat)))
         if prompt_input.add_generation_prompt is not None:
@@ -87,7 +89,10 @@ class PreprocessClient:
         except grpc.aio.AioRpcError as error:
             raise error_from_rpc("preprocess", error) from None
         return PreprocessInfo(
-            block_layout=BlockLayout(response.model.block_size_tokens, response.model.block_hash_version),
+            block_layout=BlockLayout(
+                response.model.block_size_tokens, response.model.block_hash_version,
+                response.model.model_fingerprint, response.model.tokenizer_fingerprint,
+            ),
             max_context_tokens=response.model.max_context_tokens,
             max_prompt_bytes=response.max_prompt_bytes,
         )
@@ -98,10 +103,12 @@ class PreprocessClient:
         prompt_input: PromptInput,
         *,
         max_tokens: int | None,
+        cache_salt: str,
         timeout_s: float | None,
     ) -> PreparedPrompt:
-        """Template, tokenize and validate; preprocess resolves `max_tokens` (None: unset)."""
-        request = _request_to_pb(request_id, prompt_input, max_tokens)
+        """Template, tokenize, validate and hash for `cache_salt` ("" = none); preprocess
+        resolves `max_tokens` (None: unset)."""
+        request = _request_to_pb(request_id, prompt_input, max_tokens, cache_salt)
         try:
             response = await self._stub.Preprocess(request, timeout=timeout_s, metadata=request_metadata(request_id))
         except grpc.aio.AioRpcError as error:
@@ -109,7 +116,9 @@ class PreprocessClient:
         return PreparedPrompt(
             token_ids=list(response.token_ids),
             block_hashes=list(response.block_hashes),
-            block_layout=BlockLayout(response.block_size_tokens, response.block_hash_version),
+            block_size_tokens=response.block_size_tokens,
+            block_hash_version=response.block_hash_version,
+            cache_salt=cache_salt,
             max_tokens=response.max_tokens,
             preprocess_time_ns=response.preprocess_time_ns,
         )

@@ -104,6 +104,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
             prompt_input=_prompt_input_from_pb(request),
             sampling=sampling,
             arrival_ns=arrival_ns,
+            cache_salt=request.cache_salt,
         )
 
 

@@ -78,6 +78,8 @@ class InferenceServicer(inference_pb2_grpc.InferenceServiceServicer):
             backend=info.backend,
             device=info.device,
             block_hash_version=HASH_VERSION,
+            model_fingerprint=info.hash_namespace.model_fingerprint,
+            tokenizer_fingerprint=info.hash_namespace.tokenizer_fingerprint,
         )
         return inference_pb2.GetModelInfoResponse(model=model, replica_id=self.replica_id)
 

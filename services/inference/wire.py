@@ -51,6 +51,7 @@ def request_from_pb(
         block_hashes=list(pb_request.block_hashes),
         block_size_tokens=pb_request.block_size_tokens,
         block_hash_version=pb_request.block_hash_version,
+        cache_salt=pb_request.cache_salt,
         priority=pb_request.priority,
         deadline_ns=deadline_ns,
     )

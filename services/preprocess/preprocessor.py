@@ -9,7 +9,8 @@ A generation request goes through five steps:
   3. tokenization: a prompt with the tokenizer's special tokens (BOS etc.), a rendered chat
      without them, as transformers' `apply_chat_template(tokenize=True)` does; token ids skip it;
   4. the prompt is checked against the context and max_tokens resolved;
-  5. its length bucket and the chained hashes of its full blocks are attached.
+  5. its length bucket and the chained hashes of its full blocks (namespaced by the model,
+     tokenizer, block size and the request's cache salt) are attached.
 Steps 2-5 (`preprocess`, `tokenize`) are synchronous and thread-safe; the servicer runs them on
 worker threads, after `check` on the event loop.
 """
@@ -22,7 +23,7 @@ from typing import Sequence
 
 import jinja2
 
-from llmserve.block_hash import HASH_VERSION, chain_block_hashes
+from llmserve.block_hash import HASH_VERSION, HashNamespace
 from llmserve.buckets import BucketConfig, LengthBucket
 from llmserve.errors import InvalidArgument
 from llmserve.message_limits import MAX_TOKEN_ID_BYTES
@@ -82,10 +83,14 @@ class PreprocessInfo:
     max_output_tokens: int
     max_prompt_bytes: int
     eos_token_ids: tuple[int, ...]
-    block_size_tokens: int
+    hash_namespace: HashNamespace
     block_hash_version: int
     buckets: tuple[LengthBucket, ...]
     has_chat_template: bool
+
+    @property
+    def block_size_tokens(self) -> int:
+        return self.hash_namespace.block_size_tokens
 
 
 class Preprocessor:
@@ -98,7 +103,7 @@ class Preprocessor:
         chat_template: ChatTemplate | None,
         limits: Limits,
         buckets: BucketConfig,
-        block_size_tokens: int,
+        hash_namespace: HashNamespace,
         model_name: str,
         eos_token_ids: tuple[int, ...],
     ):
@@ -106,7 +111,7 @@ class Preprocessor:
         self.chat_template = chat_template
         self.limits = limits
         self.buckets = buckets
-        self.block_size_tokens = block_size_tokens
+        self.hash_namespace = hash_namespace
         self.info = PreprocessInfo(
             model_name=model_name,
             vocab_size=tokenizer.vocab_size,
@@ -114,7 +119,7 @@ class Preprocessor:
             max_output_tokens=limits.max_output_tokens,
             max_prompt_bytes=limits.max_prompt_bytes,
             eos_token_ids=eos_token_ids,
-            block_size_tokens=block_size_tokens,
+            hash_namespace=hash_namespace,
             block_hash_version=HASH_VERSION,
             buckets=tuple(buckets.buckets()),
             has_chat_template=chat_template is not None,
@@ -140,7 +145,7 @@ class Preprocessor:
             chat_template=_compile_chat_template(model, tokenizer),
             limits=limits,
             buckets=config.buckets.limited_to(limits.max_context_tokens),
-            block_size_tokens=config.block_size_tokens,
+            hash_namespace=HashNamespace.of_model_dir(model.path, config.block_size_tokens),
             model_name=model.model_name,
             eos_token_ids=model.eos_token_ids,
         )
@@ -157,9 +162,9 @@ class Preprocessor:
             validation.check_prompt(request_input)
         return self._check_text_or_chat(request_input, text_field="prompt")
 
-    def preprocess(self, request_input: PromptInput, max_tokens: int | None) -> Preprocessed:
-        """Steps 2-5 for an input that passed `check`: token ids, bucket, block hashes and
-        resolved max_tokens."""
+    def preprocess(self, request_input: PromptInput, max_tokens: int | None, cache_salt: str) -> Preprocessed:
+        """Steps 2-5 for an input that passed `check`: token ids, bucket, block hashes (for
+        `cache_salt`, "" = none) and resolved max_tokens."""
         if isinstance(request_input, PromptTokenIds):
             token_ids, field = request_input.token_ids, _TOKEN_IDS_FIELD
         else:
@@ -169,7 +174,7 @@ class Preprocessor:
         return Preprocessed(
             token_ids=token_ids,
             bucket=self.buckets.bucket_for(len(token_ids)),
-            block_hashes=chain_block_hashes(token_ids, self.block_size_tokens),
+            block_hashes=self.hash_namespace.block_hashes(token_ids, cache_salt),
             max_tokens=resolved_max_tokens,
         )
 

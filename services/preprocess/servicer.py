@@ -63,7 +63,9 @@ class PreprocessServicer(preprocess_pb2_grpc.PreprocessServiceServicer):
         prompt_input = _input_from_pb(request, "prompt")
         try:
             num_bytes = self._preprocessor.check(prompt_input, max_tokens)
-            result = await self._workers.run(num_bytes, self._preprocessor.preprocess, prompt_input, max_tokens)
+            result = await self._workers.run(
+                num_bytes, self._preprocessor.preprocess, prompt_input, max_tokens, request.cache_salt
+            )
         except ServiceError as exc:
             log.info("request_id=%s rejected: %s", request_id, exc.message)
             raise
@@ -80,7 +82,7 @@ class PreprocessServicer(preprocess_pb2_grpc.PreprocessServiceServicer):
             token_ids=result.token_ids,
             bucket=_bucket_to_pb(result.bucket),
             block_hashes=result.block_hashes,
-            block_size_tokens=self._preprocessor.block_size_tokens,
+            block_size_tokens=self._preprocessor.info.block_size_tokens,
             block_hash_version=self._preprocessor.info.block_hash_version,
             max_tokens=result.max_tokens,
             preprocess_time_ns=elapsed_ns,
@@ -127,6 +129,8 @@ class PreprocessServicer(preprocess_pb2_grpc.PreprocessServiceServicer):
             eos_token_ids=info.eos_token_ids,
             block_size_tokens=info.block_size_tokens,
             block_hash_version=info.block_hash_version,
+            model_fingerprint=info.hash_namespace.model_fingerprint,
+            tokenizer_fingerprint=info.hash_namespace.tokenizer_fingerprint,
         )
         return preprocess_pb2.GetPreprocessInfoResponse(
             model=model,

@@ -15,6 +15,19 @@ suffix.
 Reuse is exact even if two prefixes' hashes collide: a block is reused only when its stored
 token ids equal the sequence's and it was computed on top of the very block matched before it
 (checked through registration ids), so the whole prefix is verified token by token.
+
+Twins: sequences admitted in the same step with a common prefix (many users of one system
+prompt arriving together) each compute that prefix into blocks of their own, and a prompt of a
+whole number of blocks recomputes its last block (find_cached_blocks) beside the cached one.
+The first to register a block enters it; each later sequence swaps onto that registered twin
+(same hash, tokens and parent) and frees its duplicate, so its later blocks register with the
+twin as parent and stay findable. The swap is safe with a step launched and not processed
+(async scheduling): a block is registered once the step that computes it is launched, every
+step that names the duplicate is launched by then (their block tables were copied out of
+`block_ids` when they were staged), and the device runs steps in launch order on one stream,
+so a new owner of the duplicate (given it by a later schedule) writes only after those steps
+read it; and the twin was computed by a step launched no later, so the sequence's next step
+reads it complete. Nothing enters or leaves the cache in a swap.
 """
 
 from __future__ import annotations
@@ -100,9 +113,7 @@ class BlockManager:
             if block_id is None:
                 break
             block = self.blocks[block_id]
-            if block.parent_registration_id != parent_registration_id:
-                break
-            if block.token_ids != seq.block_token_ids(index, self.block_size):
+            if not _holds(block, seq.block_token_ids(index, self.block_size), parent_registration_id):
                 break
             hit_ids.append(block_id)
             parent_registration_id = block.registration_id
@@ -134,13 +145,7 @@ class BlockManager:
     def free(self, seq: Sequence) -> None:
         """Drop the sequence's references, tail first (the caller resets its computed tokens)."""
         for block_id in reversed(seq.block_ids):
-            block = self.blocks[block_id]
-            block.ref_count -= 1
-            assert block.ref_count >= 0, f"block {block_id} freed twice"
-            if block.ref_count == 0:
-                self._free[block_id] = None
-                if block.registration_id == 0:
-                    self._free.move_to_end(block_id, last=False)  # nothing to keep: reuse first
+            self._release(block_id)
         seq.block_ids = []
         seq.num_registered_blocks = 0
 
@@ -166,18 +171,27 @@ class BlockManager:
         return parent.block_ids[num_full], child.block_ids[-1]
 
     def register_computed_blocks(self, seq: Sequence) -> None:
-        """Enter the sequence's newly full, computed blocks into the prefix cache."""
+        """Enter the sequence's newly full, computed blocks into the prefix cache, swapping onto
+        the registered twin of any block another sequence entered first (module docstring).
+
+        Called once the step that computes them is launched."""
         if not self.enable_prefix_caching:
             return
         num_full = seq.num_computed_tokens // self.block_size
         for index in range(seq.num_registered_blocks, num_full):
             block = self.blocks[seq.block_ids[index]]
-            parent_registration_id = self.blocks[seq.block_ids[index - 1]].registration_id if index else 0
             if block.registration_id == 0:
+                # Blocks before num_registered_blocks are registered and held, so never evicted.
+                parent_registration_id = self.blocks[seq.block_ids[index - 1]].registration_id if index else 0
                 block_hash = seq.block_hash(index, self.block_size)
-                if block_hash in self._cached or (index and parent_registration_id == 0):
-                    break  # a twin was computed in the same step and registered first: keep it
-                self._register(block, block_hash, seq.block_token_ids(index, self.block_size), parent_registration_id)
+                token_ids = seq.block_token_ids(index, self.block_size)
+                cached_id = self._cached.get(block_hash)
+                if cached_id is None:
+                    self._register(block, block_hash, token_ids, parent_registration_id)
+                elif _holds(self.blocks[cached_id], token_ids, parent_registration_id):
+                    self._swap(seq, index, cached_id)
+                else:
+                    break  # a hash collision: the cached block holds another prefix
             seq.num_registered_blocks = index + 1
 
     def count_prefix_lookup(self, num_queried_tokens: int, num_hit_tokens: int) -> None:
@@ -195,12 +209,31 @@ class BlockManager:
 
     def _adopt_cached(self, seq: Sequence, cached_block_ids: list[int]) -> None:
         for block_id in cached_block_ids:
-            block = self.blocks[block_id]
-            if block.ref_count == 0:
-                del self._free[block_id]
-            block.ref_count += 1
+            self._reference(block_id)
         seq.block_ids = list(cached_block_ids)
         seq.num_registered_blocks = len(cached_block_ids)
+
+    def _swap(self, seq: Sequence, index: int, twin_id: int) -> None:
+        """Point block `index` of `seq` at its registered twin and release the duplicate."""
+        duplicate_id = seq.block_ids[index]
+        self._reference(twin_id)
+        seq.block_ids[index] = twin_id
+        self._release(duplicate_id)
+
+    def _reference(self, block_id: int) -> None:
+        block = self.blocks[block_id]
+        if block.ref_count == 0:
+            del self._free[block_id]
+        block.ref_count += 1
+
+    def _release(self, block_id: int) -> None:
+        block = self.blocks[block_id]
+        block.ref_count -= 1
+        assert block.ref_count >= 0, f"block {block_id} freed twice"
+        if block.ref_count == 0:
+            self._free[block_id] = None
+            if block.registration_id == 0:
+                self._free.move_to_end(block_id, last=False)  # nothing to keep: reuse first
 
     def _take_free_block(self) -> int:
         block_id, _ = self._free.popitem(last=False)
@@ -224,3 +257,9 @@ class BlockManager:
         block.token_ids = ()
         block.registration_id = 0
         block.parent_registration_id = 0
+
+
+def _holds(block: Block, token_ids: tuple[int, ...], parent_registration_id: int) -> bool:
+    """True if the registered `block` holds `token_ids` computed on top of the block registered
+    as `parent_registration_id`: the same prefix, verified token by token."""
+    return block.token_ids == token_ids and block.parent_registration_id == parent_registration_id

@@ -17,7 +17,7 @@ Invariants:
 
 Who writes which field (one writer each; the others only read):
   SequenceFactory, at construction only: the identity, prompt, sampling and random-stream
-    fields, and a forked sibling's copies of its parent's (prompt, block hashes,
+    fields, and a forked sibling's copies of its parent's (prompt, block hashes, hash seed,
     num_cached_tokens, was_admitted, first_scheduled_ns);
   Sequence.block_hash: block_hashes (extended lazily from token_ids);
   BlockManager: block_ids, num_registered_blocks (the block table and its prefix-cache progress);
@@ -58,8 +58,10 @@ class Sequence:
     status: SequenceStatus = SequenceStatus.WAITING
     block_ids: list[int] = field(default_factory=list)
     # Chained hashes (llmserve.block_hash) of the full blocks of token_ids known so far;
-    # extended lazily by block_hash().
+    # extended lazily by block_hash(), block 0 chained from hash_seed: the namespace seed of the
+    # request's cache salt (HashNamespace.seed).
     block_hashes: list[int] = field(default_factory=list)
+    hash_seed: int = 0
     num_computed_tokens: int = 0  # tokens whose K/V are in the cache
     num_registered_blocks: int = 0
     num_cached_tokens: int = 0  # prompt tokens the prefix cache served at first admission
@@ -109,7 +111,7 @@ class Sequence:
         """Chained hash of full block `block_index` (computed and remembered on first use)."""
         while len(self.block_hashes) <= block_index:
             start = len(self.block_hashes) * block_size
-            parent = self.block_hashes[-1] if self.block_hashes else None
+            parent = self.block_hashes[-1] if self.block_hashes else self.hash_seed
             self.block_hashes.append(hash_block(parent, self.token_ids[start : start + block_size]))
         return self.block_hashes[block_index]
 

@@ -4,13 +4,19 @@ BlockManager.fork, and sample their first token from the parent's logits row).
 
 Each sequence samples from its own torch.Generator on the engine's device: the request's seed,
 or one derived from the engine seed per request; siblings derive theirs from the parent's.
+
+Block hashes: a request's own (from preprocess) when cut and defined like ours, else computed
+lazily (Sequence.block_hash) from the engine's namespace seed for the request's cache salt.
 """
 
 from __future__ import annotations
 
+import hashlib
+import struct
+
 import torch
 
-from llmserve.block_hash import HASH_VERSION, hash_block
+from llmserve.block_hash import HASH_VERSION, HashNamespace
 from llmserve.inference.engine.config import EngineConfig
 from llmserve.inference.engine.kv_cache import device_tensor
 from llmserve.inference.engine.sequence import Sequence
@@ -18,9 +24,10 @@ from llmserve.inference.engine.types import EngineRequest
 
 
 class SequenceFactory:
-    def __init__(self, config: EngineConfig, device: torch.device):
+    def __init__(self, config: EngineConfig, device: torch.device, hash_namespace: HashNamespace):
         self._engine_seed = config.seed
         self._block_size = config.block_size_tokens
+        self._hash_namespace = hash_namespace
         self._device = device
         self._next_seq_id = 0
         self._num_requests = 0
@@ -41,6 +48,7 @@ class SequenceFactory:
             arrival_ns=request.arrival_ns,
             priority=request.priority,
             block_hashes=self._usable_block_hashes(request),
+            hash_seed=self._hash_namespace.seed(request.cache_salt),
             rng=self._generator(seed),
         )
 
@@ -70,6 +78,7 @@ class SequenceFactory:
             arrival_ns=parent.arrival_ns,
             priority=parent.priority,
             block_hashes=list(parent.block_hashes),  # the prompt's: nothing after it is hashed yet
+            hash_seed=parent.hash_seed,
             num_cached_tokens=parent.num_cached_tokens,
             was_admitted=True,
             rng=self._generator(_derived_seed(parent.rng.initial_seed(), index)),
@@ -92,9 +101,15 @@ class SequenceFactory:
         return self._next_seq_id
 
 
+# The key of derived seeds: the first block-hash seed (v1), which derived them before block
+# hashes were namespaced, so that seeded streams stay as they were.
+_DERIVED_SEED_KEY = hashlib.blake2b(b"llmserve-block-hash-v1", digest_size=8).digest()
+
+
 def _derived_seed(seed: int, index: int) -> int:
     """A well-mixed 64-bit seed for stream `index` derived from `seed` (index 0 keeps `seed`, so
     sequence 0 of an n > 1 request samples like the same request with n = 1)."""
     if index == 0:
         return seed
-    return hash_block(None, [seed & 0xFFFFFFFF, (seed >> 32) & 0xFFFFFFFF, index & 0xFFFFFFFF])
+    words = struct.pack("<3I", seed & 0xFFFFFFFF, (seed >> 32) & 0xFFFFFFFF, index & 0xFFFFFFFF)
+    return int.from_bytes(hashlib.blake2b(_DERIVED_SEED_KEY + words, digest_size=8).digest(), "little")

@@ -98,7 +98,7 @@ class TorchEngineCore:
         self.model_info = ModelInfo.describe(
             config, files, vocab_size=self.runner.vocab_size, backend="torch", device=str(self.runner.device)
         )
-        self._sequences = SequenceFactory(config, self.runner.device)
+        self._sequences = SequenceFactory(config, self.runner.device, self.model_info.hash_namespace)
         self._requests = RequestTracker()
         self.step_stats = step_stats
         self._unprocessed_step: _UnprocessedStep | None = None

@@ -19,6 +19,7 @@ import time
 from collections.abc import Callable
 from typing import AsyncIterator
 
+from llmserve.block_hash import HashNamespace
 from llmserve.errors import InvalidArgument, Unavailable
 from llmserve.inference.engine.config import EngineConfig
 from llmserve.inference.engine.types import EngineLoad, EngineOutput, EngineRequest, ModelInfo
@@ -122,6 +123,7 @@ class TrtllmEngine:
             dtype=config.dtype,
             backend="trtllm",
             device=config.device,
+            hash_namespace=HashNamespace.of_model_dir(files.path, config.block_size_tokens),
         )
         self._results: dict[str, object] = {}  # request_id → RequestOutput, for each in-flight request
         self._forwarders: dict[str, asyncio.Task] = {}  # request_id → its submit() task

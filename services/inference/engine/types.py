@@ -11,12 +11,14 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Protocol
 
+from llmserve.block_hash import HashNamespace
 from llmserve.sampling import FinishReason, SamplingParams, TokenLogprob
 
 
 @dataclass(slots=True)
 class EngineRequest:
-    """One request as the engine sees it. `block_hashes` may be empty (the engine computes them)."""
+    """One request as the engine sees it. `block_hashes` may be empty (the engine computes them,
+    chained from its namespace seed for `cache_salt`)."""
 
     request_id: str
     prompt_token_ids: list[int]
@@ -25,6 +27,7 @@ class EngineRequest:
     block_hashes: list[int] = field(default_factory=list)
     block_size_tokens: int = 0
     block_hash_version: int = 0
+    cache_salt: str = field(default="", repr=False)  # never logged: it names a tenant
     priority: int = 0
     deadline_ns: int = 0  # time.monotonic_ns() when the caller stops waiting; 0 = no deadline
 
@@ -82,6 +85,7 @@ class ModelInfo:
     dtype: str
     backend: str
     device: str
+    hash_namespace: HashNamespace  # what its block hashes are namespaced by (llmserve.block_hash)
 
     @classmethod
     def describe(cls, config, files, *, vocab_size: int, backend: str, device: str) -> "ModelInfo":
@@ -96,6 +100,7 @@ class ModelInfo:
             dtype=config.dtype,
             backend=backend,
             device=device,
+            hash_namespace=HashNamespace.of_model_dir(files.path, config.block_size_tokens),
         )
 
 
