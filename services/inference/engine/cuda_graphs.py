@@ -12,10 +12,11 @@ built over views of the static buffers: a replay reads each step's values throug
 Why: a decode step launches ~10 kernels per layer, most of them tiny at small batches; replayed
 as one graph they run back to back without Python or launch gaps.
 
-Graphs share one memory pool and are captured largest first, so the smaller ones reuse its
-blocks. Capture happens at engine start, before the service reports SERVING. The host-side
-padding is pure (pad_decode_step); `DecodeGraphs(capture=False)` runs the same static-buffer
-path eagerly, which is how the CPU tests exercise it.
+Graphs share one memory pool (with the prefill graphs too, engine/prefill_graphs.py) and are
+captured largest first, so the smaller ones reuse its blocks (capture_graphs). Capture happens
+at engine start, before the service reports SERVING. The host-side padding is pure
+(pad_decode_step); `DecodeGraphs(pool=None)` runs the same static-buffer path eagerly, which is
+how the CPU tests exercise it.
 """
 
 from __future__ import annotations
@@ -38,6 +39,7 @@ log = logging.getLogger(__name__)
 ForwardLogits = Callable[[torch.Tensor, torch.Tensor, object], torch.Tensor]
 # (slot_mapping, block_tables, context_lens) over the static buffers -> attention metadata
 DecodeMetadataFor = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], object]
+GraphPool = tuple  # torch.cuda.graph_pool_handle(): graphs captured into one pool share its memory
 
 
 def graph_batch_sizes(max_num_seqs: int, sizes: tuple[int, ...] = DECODE_GRAPH_BATCH_SIZES) -> tuple[int, ...]:
@@ -76,7 +78,7 @@ def pad_decode_step(step: StepInputs, size: int) -> PaddedDecode:
 
 
 class DecodeGraphs:
-    """Static decode inputs, and one captured graph per size (or eager runs, capture=False)."""
+    """Static decode inputs, and one captured graph per size (or eager runs, pool=None)."""
 
     def __init__(
         self,
@@ -85,7 +87,7 @@ class DecodeGraphs:
         max_blocks_per_seq: int,
         metadata_for: DecodeMetadataFor,
         device: torch.device,
-        capture: bool,
+        pool: GraphPool | None,
     ):
         self.forward_logits = forward_logits
         self.sizes = tuple(sorted(sizes))
@@ -108,10 +110,11 @@ class DecodeGraphs:
             torch.zeros(max_size * max_blocks_per_seq, dtype=torch.int32, pin_memory=pin) for _ in range(2)
         ]
         self._num_staged = 0
+        self.num_steps = 0  # steps run on the static buffers (replayed when captured)
         self._graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self._outputs: dict[int, torch.Tensor] = {}
-        if capture:
-            self._capture_all()
+        if pool is not None:
+            self._graphs, self._outputs = capture_graphs("decode", self.sizes, self._forward, pool, device)
 
     def can_run(self, step: StepInputs) -> bool:
         return (
@@ -128,6 +131,7 @@ class DecodeGraphs:
         self._stage(pad_decode_step(step, size))
         if fill_input_ids is not None:
             fill_input_ids(self.input_ids)
+        self.num_steps += 1
         graph = self._graphs.get(size)
         if graph is None:
             return self._forward(size)[: step.num_decodes]
@@ -153,18 +157,22 @@ class DecodeGraphs:
         meta = self.metadata_for(self.slot_mapping[:size], self.block_tables[:size], self.context_lens[:size])
         return self.forward_logits(self.input_ids[:size], self.positions[:size], meta)
 
-    def _capture_all(self) -> None:
-        start = time.perf_counter()
-        pool = torch.cuda.graph_pool_handle()
-        for size in reversed(self.sizes):
-            self._forward(size)  # warm-up: compiles the kernels, sets up cuBLAS for this shape
-            torch.cuda.synchronize(self.device)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=pool):
-                self._outputs[size] = self._forward(size)
-            self._graphs[size] = graph
-        torch.cuda.synchronize(self.device)
-        log.info(
-            "captured %d decode CUDA graphs (batch sizes %s) in %.1f s",
-            len(self._graphs), ",".join(map(str, self.sizes)), time.perf_counter() - start,
-        )
+
+def capture_graphs(
+    kind: str, sizes: tuple[int, ...], forward: Callable[[int], torch.Tensor], pool: GraphPool, device: torch.device
+) -> tuple[dict[int, torch.cuda.CUDAGraph], dict[int, torch.Tensor]]:
+    """One graph of `forward(size)` per size, largest first, into `pool`; (graphs, outputs) by
+    size. The static inputs must hold values `forward` can run on eagerly (the warm-up)."""
+    start = time.perf_counter()
+    graphs, outputs = {}, {}
+    for size in sorted(sizes, reverse=True):
+        forward(size)  # warm-up: compiles the kernels, sets up cuBLAS for this shape
+        torch.cuda.synchronize(device)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=pool):
+            outputs[size] = forward(size)
+        graphs[size] = graph
+    torch.cuda.synchronize(device)
+    log.info("captured %d %s CUDA graphs (sizes %s) in %.1f s", len(graphs), kind, ",".join(map(str, sorted(sizes))),
+             time.perf_counter() - start)
+    return graphs, outputs

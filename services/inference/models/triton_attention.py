@@ -4,8 +4,9 @@ the chunks, both reading K/V in place through the block tables (kernels/); the s
 the Triton ones (models/triton_ops.py).
 
 It also serves a float8 (e4m3) KV cache, skips negative (padding) slots when writing, and
-builds its decode metadata over static buffers, so decode steps replay as CUDA graphs
-(engine/cuda_graphs.py). Imports triton: imported only when chosen.
+builds its decode and one-chunk prefill metadata over static buffers, so those steps replay as
+CUDA graphs (engine/cuda_graphs.py, engine/prefill_graphs.py). Imports triton: imported only
+when chosen.
 """
 
 from __future__ import annotations
@@ -29,8 +30,9 @@ CPU_NUM_SMS = 4  # the Triton interpreter (CPU tests): a few decode splits still
 @dataclass(slots=True)
 class TritonAttentionMetadata:
     """What the Triton kernels read for one step. Tensors are int32 on the device; the same
-    object, built over static buffers, is captured in a decode CUDA graph, so nothing here may
-    need a host value that changes between replays (the host ints are fixed per graph)."""
+    object, built over static buffers, is captured in a CUDA graph, so nothing here may
+    need a host value that changes between replays (the host ints are fixed per graph: a
+    prefill graph's max query length is its padded size)."""
 
     slot_mapping: torch.Tensor  # [num_tokens]: cache slot of each new token, -1 = padding row
     num_decode_tokens: int  # the leading tokens, one per single-token sequence
@@ -41,8 +43,7 @@ class TritonAttentionMetadata:
     prefill_query_starts: torch.Tensor | None = None  # [num_chunks]: first row in the flat batch
     prefill_query_lens: torch.Tensor | None = None  # [num_chunks]
     prefill_context_lens: torch.Tensor | None = None  # [num_chunks]: cached prefix + chunk
-    prefill_max_query_len: int = 0
-
+    prefill_max_query_len: int = 0  # sizes the prefill kernel's grid
 
 
 class TritonAttention(AttentionBackend[TritonAttentionMetadata]):
@@ -50,7 +51,7 @@ class TritonAttention(AttentionBackend[TritonAttentionMetadata]):
     ops = TRITON_OPS
     supports_fp8_kv_cache = True
     needs_warm_up = True
-    supports_decode_graphs = True
+    supports_cuda_graphs = True
 
     def __init__(self, config: DecoderConfig, block_size: int, device: torch.device):
         super().__init__(config, block_size, device)
@@ -84,6 +85,22 @@ class TritonAttention(AttentionBackend[TritonAttentionMetadata]):
             decode_block_tables=block_tables,
             decode_context_lens=context_lens,
             decode_num_splits=self._decode_num_splits(size),
+        )
+
+    def prefill_graph_metadata(
+        self, slot_mapping: torch.Tensor, block_tables: torch.Tensor, query_starts: torch.Tensor,
+        query_lens: torch.Tensor, context_lens: torch.Tensor,
+    ) -> TritonAttentionMetadata:
+        return TritonAttentionMetadata(
+            slot_mapping=slot_mapping,
+            num_decode_tokens=0,
+            decode_block_tables=None,
+            decode_context_lens=None,
+            prefill_block_tables=block_tables,
+            prefill_query_starts=query_starts,
+            prefill_query_lens=query_lens,
+            prefill_context_lens=context_lens,
+            prefill_max_query_len=slot_mapping.shape[0],
         )
 
     def rope_tables(self, positions: torch.Tensor, inv_freq: torch.Tensor, dtype: torch.dtype) -> RopeTables:
