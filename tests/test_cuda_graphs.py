@@ -142,6 +142,19 @@ def test_decode_num_splits_fills_the_gpu_only_when_batches_are_small():
     assert decode_num_splits(256, 8, num_sms=132) == 1
 
 
+def test_prefill_num_splits_split_only_few_tiles_over_long_contexts():
+    pytest.importorskip("triton")
+    from llmserve.inference.kernels.paged_prefill import prefill_num_splits
+
+    # 12 query heads on 132 SMs: (max query len, chunks, longest context) -> splits
+    assert prefill_num_splits(416, 1, 12, 4096, num_sms=132) == 4  # 7 tiles x 12 heads: 84 programs
+    assert prefill_num_splits(512, 1, 12, 131072, num_sms=132) == 3  # a 512-token graph
+    assert prefill_num_splits(16, 1, 12, 4096, num_sms=132) == 16
+    assert prefill_num_splits(16, 1, 12, 300, num_sms=132) == 1  # splits of < 256 keys do not pay
+    assert prefill_num_splits(2048, 1, 12, 2048, num_sms=132) == 1  # 384 programs fill the GPU
+    assert prefill_num_splits(416, 4, 12, 4096, num_sms=132) == 1
+
+
 # --- the triton attention backend against the portable one -------------------------------------
 
 

@@ -17,7 +17,7 @@ import torch
 
 from llmserve.inference.engine.step_inputs import StepInputs
 from llmserve.inference.kernels.paged_decode import decode_num_splits, paged_decode_attention
-from llmserve.inference.kernels.paged_prefill import paged_prefill_attention
+from llmserve.inference.kernels.paged_prefill import paged_prefill_attention, prefill_num_splits
 from llmserve.inference.kernels.rope_kv import rope_and_write_kv
 from llmserve.inference.models.attention_backend import AttentionBackend, KVLayer, RopeTables
 from llmserve.inference.models.decoder_config import DecoderConfig
@@ -44,6 +44,7 @@ class TritonAttentionMetadata:
     prefill_query_lens: torch.Tensor | None = None  # [num_chunks]
     prefill_context_lens: torch.Tensor | None = None  # [num_chunks]: cached prefix + chunk
     prefill_max_query_len: int = 0  # sizes the prefill kernel's grid
+    prefill_num_splits: int = 1  # key splits of the prefill kernel
 
 
 class TritonAttention(AttentionBackend[TritonAttentionMetadata]):
@@ -73,6 +74,9 @@ class TritonAttention(AttentionBackend[TritonAttentionMetadata]):
             meta.prefill_query_lens = self._to_device(step.prefill_query_lens, torch.int32)
             meta.prefill_context_lens = self._to_device(step.prefill_context_lens, torch.int32)
             meta.prefill_max_query_len = max(step.prefill_query_lens)
+            meta.prefill_num_splits = self._prefill_num_splits(
+                meta.prefill_max_query_len, len(step.prefill_query_lens), max(step.prefill_context_lens)
+            )
         return meta
 
     def decode_graph_metadata(
@@ -101,6 +105,8 @@ class TritonAttention(AttentionBackend[TritonAttentionMetadata]):
             prefill_query_lens=query_lens,
             prefill_context_lens=context_lens,
             prefill_max_query_len=slot_mapping.shape[0],
+            # Fixed per graph: chosen for the longest context the block table can hold.
+            prefill_num_splits=self._prefill_num_splits(slot_mapping.shape[0], 1, block_tables.shape[1] * self.block_size),
         )
 
     def rope_tables(self, positions: torch.Tensor, inv_freq: torch.Tensor, dtype: torch.dtype) -> RopeTables:
@@ -122,8 +128,12 @@ class TritonAttention(AttentionBackend[TritonAttentionMetadata]):
             paged_prefill_attention(
                 q, k_cache, v_cache, meta.prefill_block_tables, meta.prefill_query_starts, meta.prefill_query_lens,
                 meta.prefill_context_lens, meta.prefill_max_query_len, scale, sliding_window=sliding_window, out=out,
+                num_splits=meta.prefill_num_splits, first_row=num_decodes,
             )
         return out
 
     def _decode_num_splits(self, num_decodes: int) -> int:
         return decode_num_splits(num_decodes, self.config.num_kv_heads, self.num_sms)
+
+    def _prefill_num_splits(self, max_query_len: int, num_chunks: int, max_context_len: int) -> int:
+        return prefill_num_splits(max_query_len, num_chunks, self.config.num_heads, max_context_len, self.num_sms)
