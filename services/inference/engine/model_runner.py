@@ -23,7 +23,7 @@ from collections.abc import Iterable
 import torch
 
 from llmserve.inference.engine.config import EngineConfig
-from llmserve.inference.engine.cuda_graphs import DecodeGraphs, GraphPool, graph_batch_sizes
+from llmserve.inference.engine.cuda_graphs import DecodeGraphs, graph_batch_sizes
 from llmserve.inference.engine.kv_cache import KVCache, KVCacheSpec, device_tensor, plan_num_blocks
 from llmserve.inference.engine.prefill_graphs import PrefillGraphs, prefill_graph_sizes
 from llmserve.inference.engine.scheduler import ScheduledBatch
@@ -85,10 +85,7 @@ class ModelRunner:
         self.prefill_graphs: PrefillGraphs | None = None
         if self.attention.supports_cuda_graphs and not config.enforce_eager:
             # Off CUDA (the Triton interpreter in tests) the static-buffer paths run uncaptured.
-            pool = torch.cuda.graph_pool_handle() if self.device.type == "cuda" else None
-            max_blocks_per_seq = -(-max_context_tokens // self.block_size)
-            self.decode_graphs = self._decode_graphs(config.max_num_seqs, max_blocks_per_seq, pool)
-            self.prefill_graphs = self._prefill_graphs(config.max_batched_tokens, max_blocks_per_seq, pool)
+            self.decode_graphs, self.prefill_graphs = self._cuda_graphs(config, max_context_tokens)
         log.info(
             "attention backend: %s; decode CUDA graphs (batch sizes): %s; prefill CUDA graphs (tokens): %s",
             self.attention.name, _sizes_text(self.decode_graphs), _sizes_text(self.prefill_graphs),
@@ -145,25 +142,15 @@ class ModelRunner:
 
     # --- CUDA graphs --------------------------------------------------------------------------
 
-    def _decode_graphs(self, max_num_seqs: int, max_blocks_per_seq: int, pool: GraphPool | None) -> DecodeGraphs:
-        return DecodeGraphs(
-            forward_logits=self._forward_logits,
-            sizes=graph_batch_sizes(max_num_seqs),
-            max_blocks_per_seq=max_blocks_per_seq,
-            metadata_for=self.attention.decode_graph_metadata,
-            device=self.device,
-            pool=pool,
-        )
-
-    def _prefill_graphs(self, max_batched_tokens: int, max_blocks_per_seq: int, pool: GraphPool | None) -> PrefillGraphs:
-        return PrefillGraphs(
-            forward_rows=self._forward_rows,
-            sizes=prefill_graph_sizes(max_batched_tokens),
-            max_blocks_per_seq=max_blocks_per_seq,
-            metadata_for=self.attention.prefill_graph_metadata,
-            device=self.device,
-            pool=pool,
-        )
+    def _cuda_graphs(self, config: EngineConfig, max_context_tokens: int) -> tuple[DecodeGraphs, PrefillGraphs]:
+        """Decode graphs, then prefill graphs, captured into one pool (on CUDA)."""
+        pool = torch.cuda.graph_pool_handle() if self.device.type == "cuda" else None
+        common = dict(max_blocks_per_seq=-(-max_context_tokens // self.block_size), device=self.device, pool=pool)
+        decode = DecodeGraphs(self._forward_logits, graph_batch_sizes(config.max_num_seqs),
+                              metadata_for=self.attention.decode_graph_metadata, **common)
+        prefill = PrefillGraphs(self._forward_rows, prefill_graph_sizes(config.max_batched_tokens),
+                                metadata_for=self.attention.prefill_graph_metadata, **common)
+        return decode, prefill
 
     def _forward_logits(self, input_ids: torch.Tensor, positions: torch.Tensor, meta) -> torch.Tensor:
         return self.model.compute_logits(self.model(input_ids, positions, self.kv_cache.layers, meta))

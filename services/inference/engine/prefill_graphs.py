@@ -39,7 +39,7 @@ from dataclasses import dataclass, fields
 
 import torch
 
-from llmserve.inference.engine.cuda_graphs import GraphPool, capture_graphs, graph_batch_sizes, graph_size_for
+from llmserve.inference.engine.cuda_graphs import GraphPool, GraphSet, graph_batch_sizes, graph_size_for
 from llmserve.inference.engine.static_inputs import StaticInputs
 from llmserve.inference.engine.step_inputs import StepInputs
 from llmserve.inference.models.attention_backend import PADDING_SLOT
@@ -88,22 +88,13 @@ def pad_prefill_step(step: StepInputs, size: int) -> PaddedPrefill:
     )
 
 
-class PrefillGraphs:
-    """Static single-chunk prefill inputs, and one captured graph per size (or eager runs, pool=None)."""
+class PrefillGraphs(GraphSet):
+    """Static single-chunk prefill inputs, and one graph per padded token count."""
 
-    def __init__(
-        self,
-        forward_rows: ForwardRows,
-        sizes: tuple[int, ...],
-        max_blocks_per_seq: int,
-        metadata_for: PrefillMetadataFor,
-        device: torch.device,
-        pool: GraphPool | None,
-    ):
+    def __init__(self, forward_rows: ForwardRows, sizes: tuple[int, ...], max_blocks_per_seq: int,
+                 metadata_for: PrefillMetadataFor, device: torch.device, pool: GraphPool | None):
+        super().__init__(sizes, max_blocks_per_seq, metadata_for)
         self.forward_rows = forward_rows
-        self.sizes = tuple(sorted(sizes))
-        self.max_blocks_per_seq = max_blocks_per_seq
-        self.metadata_for = metadata_for
         max_size = self.sizes[-1]
         self.inputs = StaticInputs(
             {"input_ids": max_size, "positions": max_size, "slot_mapping": max_size, "block_table": max_blocks_per_seq,
@@ -112,11 +103,7 @@ class PrefillGraphs:
         )  # fmt: skip
         # What the warm-up forward of every size reads: one token, block 0, nothing written.
         self.inputs.stage({"slot_mapping": [PADDING_SLOT] * max_size, "query_len": [1], "context_len": [1]})
-        self.num_steps = 0  # steps run on the static buffers (replayed when captured)
-        self._graphs: dict[int, torch.cuda.CUDAGraph] = {}
-        self._outputs: dict[int, torch.Tensor] = {}
-        if pool is not None:
-            self._graphs, self._outputs = capture_graphs("prefill", self.sizes, self._forward, pool, device)
+        self._capture("prefill", pool, device)
 
     def can_run(self, step: StepInputs) -> bool:
         return (
@@ -134,13 +121,7 @@ class PrefillGraphs:
         self.inputs.stage({field.name: getattr(padded, field.name) for field in fields(padded)})
         if fill_input_ids is not None:
             fill_input_ids(self.inputs.fields["input_ids"])
-        self.num_steps += 1
-        num_sampling = len(step.logits_indices)
-        graph = self._graphs.get(size)
-        if graph is None:
-            return self._forward(size)[:num_sampling]
-        graph.replay()
-        return self._outputs[size][:num_sampling]
+        return self._run(size, len(step.logits_indices))
 
     def _forward(self, size: int) -> torch.Tensor:
         static = self.inputs.fields
