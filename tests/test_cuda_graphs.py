@@ -100,9 +100,9 @@ def test_pad_decode_step_fills_spare_rows_with_no_op_tokens():
 
 
 def test_prefill_graph_sizes_stop_at_the_step_budget_and_at_1024_tokens():
-    assert prefill_graph_sizes(2048) == (16, 32, 64, 128, 256, 384, 512, 768, 1024)
-    assert prefill_graph_sizes(1024) == (16, 32, 64, 128, 256, 384, 512, 768, 1024)
-    assert prefill_graph_sizes(300) == (16, 32, 64, 128, 256, 300)
+    every = (16, 32, 64, 128, 192, 256, 320, 384, 448, 512, 640, 768, 896, 1024)
+    assert prefill_graph_sizes(2048) == prefill_graph_sizes(1024) == every
+    assert prefill_graph_sizes(300) == (16, 32, 64, 128, 192, 256, 300)
     assert prefill_graph_sizes(24) == (16, 24)
     assert prefill_graph_sizes(8) == (8,)
 
@@ -148,7 +148,8 @@ def test_prefill_num_splits_split_only_few_tiles_over_long_contexts():
 
     # 12 query heads on 132 SMs: (max query len, chunks, longest context) -> splits
     assert prefill_num_splits(416, 1, 12, 4096, num_sms=132) == 4  # 7 tiles x 12 heads: 84 programs
-    assert prefill_num_splits(512, 1, 12, 131072, num_sms=132) == 3  # a 512-token graph
+    assert prefill_num_splits(512, 1, 12, 131072, num_sms=132) == 2  # a 512-token graph: 3 -> a power of 2
+    assert prefill_num_splits(128, 1, 12, 131072, num_sms=132) == 8  # 11 -> 8
     assert prefill_num_splits(16, 1, 12, 4096, num_sms=132) == 16
     assert prefill_num_splits(16, 1, 12, 300, num_sms=132) == 1  # splits of < 256 keys do not pay
     assert prefill_num_splits(2048, 1, 12, 2048, num_sms=132) == 1  # 384 programs fill the GPU

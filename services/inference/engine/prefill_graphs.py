@@ -18,16 +18,19 @@ the chunk's end idle. Other steps (several chunks, decodes mixed in, more tokens
 
 Sizes (PREFILL_GRAPH_TOKEN_SIZES, cut at max_batched_tokens): a prefill step stops being
 host-bound near ~1k tokens on the 1.5B shape (its GPU time reaches the ~12 ms the launches
-take), so the largest graph is 1024 tokens. Steps of 1.5x above 256 keep the padded work under
-1.5x the real one where a step's GPU time starts to matter. The graphs share the decode graphs'
-memory pool and are captured largest first: their activations (the 1024-token graph's MLP
-intermediates, ~50 MB on the 1.5B shape) reuse each other's blocks; each capture is one
-warm-up forward and one captured forward (~tens of ms).
+take), so the largest graph is 1024 tokens. Between 64 and 512 the sizes step by 64, the
+prefill kernel's query tile, so padding adds at most one idle tile and under 64 rows to the
+GEMMs (416 new tokens -> 448: +8%, where 512 would add 23%); above 512, by 128. Fourteen
+graphs: each capture is one warm-up forward and one captured forward (the start-up log gives
+the total). They share the decode graphs' memory pool and are captured largest first, so their
+activations (at most the 1024-token graph's, ~60 MB of MLP intermediates on the 1.5B shape)
+reuse the same blocks; each keeps only its one row of logits.
 
-Not covered: one chunk plus a few decode rows (common under load). The decode rows would
-need a decode part of fixed size in every prefill graph (a graph per (decode size, token
-size) pair), or run through the prefill kernel as one-token chunks (a 64-row tile for one
-query, no GQA sharing of K/V loads); neither is free, so those steps run eagerly.
+Not covered: one chunk plus decode rows (common under load). The decode rows would need a
+decode part of fixed size in every prefill graph (a graph per (decode size, token size) pair),
+or run through the prefill kernel as one-token chunks of a fixed number of chunk slots (a
+64-row tile for one query, no GQA sharing of K/V loads: fine for a few decodes, far slower than
+the decode kernel for the tens to hundreds a loaded step has); so those steps run eagerly.
 
 `PrefillGraphs(pool=None)` runs the same static-buffer path uncaptured (CPU tests).
 """
@@ -44,7 +47,7 @@ from llmserve.inference.engine.static_inputs import StaticInputs
 from llmserve.inference.engine.step_inputs import StepInputs
 from llmserve.inference.models.attention_backend import PADDING_SLOT
 
-PREFILL_GRAPH_TOKEN_SIZES = (16, 32, 64, 128, 256, 384, 512, 768, 1024)
+PREFILL_GRAPH_TOKEN_SIZES = (16, 32, 64, 128, 192, 256, 320, 384, 448, 512, 640, 768, 896, 1024)
 
 # (input_ids, positions, attention metadata, rows [k] int32) -> float32 logits [k, vocab] of `rows`
 ForwardRows = Callable[[torch.Tensor, torch.Tensor, object, torch.Tensor], torch.Tensor]

@@ -39,9 +39,12 @@ MIN_KEYS_PER_SPLIT = 256
 def prefill_num_splits(max_query_len: int, num_chunks: int, num_heads: int, max_context_len: int, num_sms: int,
                        block_m: int = DEFAULT_CONFIG["block_m"]) -> int:
     """Key splits per (tile, chunk, head) program: enough programs for about two waves on
-    `num_sms`, each split at least MIN_KEYS_PER_SPLIT of the longest context."""
+    `num_sms`, each split at least MIN_KEYS_PER_SPLIT of the longest context, rounded down to a
+    power of two. NUM_SPLITS is a compile-time constant: with five possible values, the prefill
+    graph captures at start compile them all, rather than an eager step mid-request (~1 s each)."""
     num_programs = -(-max_query_len // block_m) * num_chunks * num_heads
-    return min(splits_to_fill(num_programs, num_sms), max(1, max_context_len // MIN_KEYS_PER_SPLIT))
+    splits = min(splits_to_fill(num_programs, num_sms), max(1, max_context_len // MIN_KEYS_PER_SPLIT))
+    return 1 << (splits.bit_length() - 1)
 
 
 @triton.jit(do_not_specialize=["sliding_window", "bt_stride", "first_row"])
