@@ -13,7 +13,8 @@ async scheduling hands the token out one step() later, as it would to the servic
            hits is cold / off).
 Ratios: warm / cold [target <= 0.2], cold / off [>= 0.99 as throughput, i.e. cold <= 1.01x off].
 For the warm path also the CUDA time of its steps (torch.profiler) and its top kernels, so the
-host share and the slowest kernel are named.
+host share and the slowest kernel are named, and how many of its steps ran a CUDA graph
+(prefill graphs: engine/prefill_graphs.py; none with --enforce-eager or off CUDA).
 
 Prints a table and writes --out-dir/prefix-ttft-<time>.json.
 """
@@ -37,6 +38,7 @@ import torch  # noqa: E402
 import bench_stack  # noqa: E402
 from bench_gpu import random_prompts, synchronize, top_kernels  # noqa: E402
 from llmserve.inference.engine.config import EngineConfig  # noqa: E402
+from llmserve.inference.engine.step_stats import StepStatsLog  # noqa: E402
 from llmserve.inference.engine.torch_engine import TorchEngineCore  # noqa: E402
 from llmserve.inference.engine.types import EngineRequest  # noqa: E402
 from llmserve.sampling import SamplingParams  # noqa: E402
@@ -52,6 +54,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--repeats", type=int, default=5, help="timed requests per kind (after one warm-up)")
     parser.add_argument("--engine-max-batched-tokens", type=int, default=None,
                         help="per-step token budget (default: the engine's)")
+    parser.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs (the eager warm path)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out-dir", type=Path, default=REPO_ROOT / "bench" / "results")
     parser.add_argument("--smoke", action="store_true", help="CPU, tiny model, short prompts")
@@ -66,6 +69,7 @@ def engine_for(args, model_dir: Path, prefix_caching: bool) -> TorchEngineCore:
         model_path=model_dir, model_name=model_dir.name, device=args.device,
         dtype="bfloat16" if args.device.startswith("cuda") else "float32",
         max_context_tokens=max(2 * args.prompt_tokens, 256), enable_prefix_caching=prefix_caching,
+        enforce_eager=args.enforce_eager,
     )
     if args.engine_max_batched_tokens:
         settings["max_batched_tokens"] = args.engine_max_batched_tokens
@@ -86,6 +90,22 @@ def time_to_first_token_ms(engine: TorchEngineCore, request_id: str, prompt: lis
     return elapsed_ms
 
 
+def graph_steps(engine: TorchEngineCore) -> dict[str, int]:
+    """Steps the runner has run on each CUDA-graph path so far (replays, on CUDA)."""
+    runner = engine.runner
+    graphs = {"prefill": runner.prefill_graphs, "decode": runner.decode_graphs}
+    return {kind: graph.num_steps if graph is not None else 0 for kind, graph in graphs.items()}
+
+
+def counted_ttft_ms(engine: TorchEngineCore, request_id: str, prompt: list[int]) -> tuple[float, dict[str, int]]:
+    """time_to_first_token_ms, and the request's forward steps: all, and those on each graph path."""
+    before, engine.step_stats = graph_steps(engine), StepStatsLog()
+    elapsed_ms = time_to_first_token_ms(engine, request_id, prompt)
+    after, steps, engine.step_stats = graph_steps(engine), engine.step_stats.steps, None
+    counts = {f"{kind}_graph_steps": after[kind] - before[kind] for kind in after}
+    return elapsed_ms, {"steps": sum(1 for step in steps if step.num_tokens), **counts}
+
+
 def warm_prompt(cold: list[int], args, fresh: list[int]) -> list[int]:
     num_cached = int(args.prompt_tokens * args.cached_fraction)
     return cold[:num_cached] + fresh[: args.prompt_tokens - num_cached]
@@ -94,22 +114,24 @@ def warm_prompt(cold: list[int], args, fresh: list[int]) -> list[int]:
 def measure_cached_engine(args, model_dir: Path, vocab_size: int) -> dict:
     engine = engine_for(args, model_dir, prefix_caching=True)
     prompts = random_prompts(2 * (args.repeats + 1), args.prompt_tokens, vocab_size, seed=args.seed + 1)
-    cold_ms, warm_ms, hits = [], [], []
+    cold_ms, warm_ms, hits, warm_steps = [], [], [], []
     for i in range(args.repeats + 1):
         cold, fresh = prompts[2 * i], prompts[2 * i + 1]
         cold_time = time_to_first_token_ms(engine, f"cold{i}", cold)
         before = engine.load().prefix_cache_hit_tokens_total
-        warm_time = time_to_first_token_ms(engine, f"warm{i}", warm_prompt(cold, args, fresh))
+        warm_time, steps = counted_ttft_ms(engine, f"warm{i}", warm_prompt(cold, args, fresh))
         if i:  # the first pair warms up the shapes
             cold_ms.append(cold_time)
             warm_ms.append(warm_time)
             hits.append(engine.load().prefix_cache_hit_tokens_total - before)
+            warm_steps.append(steps)
     # One more pair, profiled: the warm request's steps only.
     cold, fresh = random_prompts(2, args.prompt_tokens, vocab_size, seed=args.seed + 99)
     time_to_first_token_ms(engine, "cold-profiled", cold)
     kernels = top_kernels(lambda: time_to_first_token_ms(engine, "warm-profiled", warm_prompt(cold, args, fresh)),
                           engine.runner.device, num_rows=8)
-    return {"cold_ms": cold_ms, "warm_ms": warm_ms, "cached_tokens": hits, "warm_top_kernels": kernels}
+    return {"cold_ms": cold_ms, "warm_ms": warm_ms, "cached_tokens": hits, "warm_steps": warm_steps,
+            "warm_top_kernels": kernels}
 
 
 def measure_uncached_engine(args, model_dir: Path, vocab_size: int) -> dict:
@@ -137,11 +159,15 @@ def main(argv: list[str] | None = None) -> int:
         "cold_ms": round(cold, 3), "warm_ms": round(warm, 3), "off_ms": round(off, 3),
         "warm_over_cold": round(warm / cold, 3), "cold_over_off": round(cold / off, 3),
         "warm_top_kernels_us": round(kernel_us, 1),
+        # over the timed warm requests: forward steps, and those that ran a prefill / decode graph
+        **{f"warm_{key}": sum(steps[key] for steps in result["warm_steps"]) for key in result["warm_steps"][0]},
     }
     print("| shape | prompt | cached | cold ms | warm ms | warm/cold | caching off ms | cold/off |")
     print("| --- | --- | --- | --- | --- | --- | --- | --- |")
     print(f"| {args.shape} | {args.prompt_tokens} | {summary['cached_tokens_median']} | {cold:.2f} | {warm:.2f} | "
           f"{warm / cold:.3f} | {off:.2f} | {cold / off:.3f} |")
+    print(f"  warm requests: {summary['warm_steps']} forward steps, {summary['warm_prefill_graph_steps']} on a "
+          f"prefill graph, {summary['warm_decode_graph_steps']} on a decode graph")
     for row in result["warm_top_kernels"]:
         print(f"  warm kernel: {row}")
     args.out_dir.mkdir(parents=True, exist_ok=True)

@@ -1,9 +1,9 @@
-"""Decode CUDA graphs: graph size selection and padding (pure, CPU), and the engine on the
-triton attention backend against the portable one.
+"""Decode and prefill CUDA graphs: graph size selection and padding (pure, CPU), the static
+input buffers, and the engine on the triton attention backend against the portable one.
 
 The engine-level tests run everywhere triton is installed: on CPU the Triton interpreter runs
-the kernels and the static-buffer decode path runs uncaptured (the same padding and buffers as
-a graph replay); on CUDA (`gpu` marker) the graphs are captured and replayed for real.
+the kernels and the static-buffer decode and prefill paths run uncaptured (the same padding and
+buffers as a graph replay); on CUDA (`gpu` marker) the graphs are captured and replayed for real.
 """
 
 from __future__ import annotations
@@ -18,8 +18,10 @@ import torch
 from llmserve.buckets import DECODE_GRAPH_BATCH_SIZES
 from llmserve.inference.engine.config import ATTENTION_BACKENDS
 from llmserve.inference.engine.cuda_graphs import graph_batch_sizes, graph_size_for, pad_decode_step
+from llmserve.inference.engine.prefill_graphs import pad_prefill_step, prefill_graph_sizes
 from llmserve.inference.engine.scheduler import ScheduledBatch
 from llmserve.inference.engine.sequence import Sequence
+from llmserve.inference.engine.static_inputs import StaticInputs
 from llmserve.inference.engine.step_inputs import build_step_inputs
 from llmserve.inference.models.attention_backend import (
     BACKENDS,
@@ -97,6 +99,39 @@ def test_pad_decode_step_fills_spare_rows_with_no_op_tokens():
     assert padded.block_tables == [[3, 0, 0], [1, 2, 6], [0, 0, 0], [0, 0, 0]]
 
 
+def test_prefill_graph_sizes_stop_at_the_step_budget_and_at_1024_tokens():
+    every = (16, 32, 64, 128, 192, 256, 320, 384, 448, 512, 640, 768, 896, 1024)
+    assert prefill_graph_sizes(2048) == prefill_graph_sizes(1024) == every
+    assert prefill_graph_sizes(300) == (16, 32, 64, 128, 192, 256, 300)
+    assert prefill_graph_sizes(24) == (16, 24)
+    assert prefill_graph_sizes(8) == (8,)
+
+
+def test_pad_prefill_step_fills_spare_rows_with_no_op_tokens():
+    batch = ScheduledBatch()
+    batch.add(make_seq(1, list(range(100, 140)), 35, [4, 9, 2]), 5)  # 35 cached, computes 35..39
+    step = build_step_inputs(batch, block_size=16)
+
+    padded = pad_prefill_step(step, 8)
+
+    assert padded.input_ids == [135, 136, 137, 138, 139, 0, 0, 0]
+    assert padded.positions == [35, 36, 37, 38, 39, 0, 0, 0]
+    assert padded.slot_mapping == [2 * 16 + 3, 2 * 16 + 4, 2 * 16 + 5, 2 * 16 + 6, 2 * 16 + 7] + [PADDING_SLOT] * 3
+    assert padded.block_table == [4, 9, 2]
+    assert (padded.query_len, padded.context_len, padded.logits_index) == ([5], [40], [4])
+
+
+def test_static_inputs_write_the_staged_prefix_of_each_field_and_keep_the_rest():
+    inputs = StaticInputs({"ids": 4, "table": 3, "length": 1}, torch.device("cpu"))
+    inputs.stage({"ids": [1, 2, 3, 4], "table": [7, 8, 9], "length": [4]})
+    inputs.stage({"ids": [5, 6], "length": [2]})  # the other staging buffer: still all zeros
+    assert inputs.fields["ids"].tolist() == [5, 6, 0, 0]
+    assert inputs.fields["table"].tolist() == [0, 0, 0]
+    assert inputs.fields["length"].tolist() == [2]
+    inputs.stage({"table": [3]})  # the first staging buffer again: its older values come back
+    assert [inputs.fields[name].tolist() for name in ("ids", "table", "length")] == [[1, 2, 3, 4], [3, 8, 9], [4]]
+
+
 def test_decode_num_splits_fills_the_gpu_only_when_batches_are_small():
     pytest.importorskip("triton")
     from llmserve.inference.kernels.paged_decode import MAX_SPLITS, decode_num_splits
@@ -107,19 +142,36 @@ def test_decode_num_splits_fills_the_gpu_only_when_batches_are_small():
     assert decode_num_splits(256, 8, num_sms=132) == 1
 
 
+def test_prefill_num_splits_split_only_few_tiles_over_long_contexts():
+    pytest.importorskip("triton")
+    from llmserve.inference.kernels.paged_prefill import prefill_num_splits
+
+    # 12 query heads on 132 SMs: (max query len, chunks, longest context) -> splits
+    assert prefill_num_splits(416, 1, 12, 4096, num_sms=132) == 4  # 7 tiles x 12 heads: 84 programs
+    assert prefill_num_splits(512, 1, 12, 131072, num_sms=132) == 2  # a 512-token graph: 3 -> a power of 2
+    assert prefill_num_splits(128, 1, 12, 131072, num_sms=132) == 8  # 11 -> 8
+    assert prefill_num_splits(16, 1, 12, 4096, num_sms=132) == 16
+    assert prefill_num_splits(16, 1, 12, 300, num_sms=132) == 1  # splits of < 256 keys do not pay
+    assert prefill_num_splits(2048, 1, 12, 2048, num_sms=132) == 1  # 384 programs fill the GPU
+    assert prefill_num_splits(416, 4, 12, 4096, num_sms=132) == 1
+
+
 # --- the triton attention backend against the portable one -------------------------------------
 
 
-def run_scenario(model_dir, device: str, **overrides) -> dict:
+def run_scenario(engine) -> dict:
     """Mixed prompt lengths (3 decodes pad to a graph of 4), chunked prefill, a prefix-cache hit
-    and an n=2 request (copy-on-fork of a partial block)."""
-    engine = make_engine(model_dir, device=device, max_batched_tokens=24, **overrides)
+    (one 3-token chunk: a prefill graph of 16) and an n=2 request (copy-on-fork of a partial block)."""
     prompts = [make_prompt(n, seed=n) for n in (5, 34, 17)]
     results = run(engine, [request(f"r{i}", p, greedy(6)) for i, p in enumerate(prompts)])
     results |= run(engine, [request("cached", prompts[1][:33] + [7, 8], greedy(4))])
     results |= run(engine, [request("forked", prompts[2], greedy(4, n=2))])
     assert engine.load().kv_blocks_used == 0
     return results
+
+
+def scenario_engine(model_dir, device: str, **overrides):
+    return make_engine(model_dir, device=device, max_batched_tokens=24, **overrides)
 
 
 def assert_same_generations(results: dict, expected: dict, tolerance: float) -> None:
@@ -145,10 +197,41 @@ def test_every_attention_backend_choice_has_an_implementation(name, tiny_model_d
 @needs_triton
 @pytest.mark.parametrize("arch", ["llama", "qwen3"])
 def test_triton_backend_matches_portable_backend(arch, tiny_model_dirs):
-    expected = run_scenario(tiny_model_dirs[arch], "cpu", attention_backend="portable")
-    device = "cuda" if HAS_CUDA else "cpu"
-    results = run_scenario(tiny_model_dirs[arch], device, attention_backend="triton")
+    expected = run_scenario(scenario_engine(tiny_model_dirs[arch], "cpu", attention_backend="portable"))
+    engine = scenario_engine(tiny_model_dirs[arch], "cuda" if HAS_CUDA else "cpu", attention_backend="triton")
+    results = run_scenario(engine)
     assert_same_generations(results, expected, tolerance=1e-4)
+    assert engine.runner.prefill_graphs.sizes == (16, 24)
+    assert engine.runner.prefill_graphs.num_steps >= 1  # the prefix-cache hit
+    assert engine.runner.decode_graphs.num_steps >= 1
+
+
+@needs_triton
+def test_prefill_graph_steps_match_the_portable_backend(tiny_model_dirs):
+    """Single-chunk prefills through the prefill graph path: a fresh prompt (padded 21 -> 32),
+    then a 53-token prompt behind its 16 cached tokens (37 new, padded to 64, reading the cached
+    block through the static block table), then a 3-token chunk after a 2-block hit."""
+    model_dir = tiny_model_dirs["llama"]
+    prompt = make_prompt(21, seed=5)
+    requests = [[request("fresh", prompt, greedy(3))],
+                [request("hit", prompt[:16] + make_prompt(37, seed=6), greedy(3))],
+                [request("tail", prompt[:16] + make_prompt(19, seed=6), greedy(3))]]
+    portable = make_engine(model_dir, attention_backend="portable")
+    expected = {k: v for batch in requests for k, v in run(portable, batch).items()}
+    engine = make_engine(model_dir, device="cuda" if HAS_CUDA else "cpu", attention_backend="triton")
+    graphs = engine.runner.prefill_graphs
+    results = {}
+    for batch in requests:
+        before = graphs.num_steps
+        results |= run(engine, batch)
+        assert graphs.num_steps == before + 1, batch[0].request_id
+    assert_same_generations(results, expected, tolerance=1e-4)
+
+
+@needs_triton
+def test_enforce_eager_builds_no_graphs(tiny_model_dirs):
+    runner = make_engine(tiny_model_dirs["llama"], attention_backend="triton", enforce_eager=True).runner
+    assert runner.decode_graphs is None and runner.prefill_graphs is None
 
 
 def test_float8_kv_cache_needs_the_triton_backend(tiny_model_dirs):
@@ -175,16 +258,19 @@ def test_float8_kv_cache_generates_close_to_the_full_precision_cache(tiny_model_
 @needs_cuda
 def test_captured_graphs_match_eager_kernels_and_are_used(tiny_model_dirs):
     model_dir = tiny_model_dirs["llama"]
-    eager = run_scenario(model_dir, "cuda", attention_backend="triton", enforce_eager=True)
-    engine = make_engine(model_dir, device="cuda", attention_backend="triton")
-    graphs = engine.runner.decode_graphs
-    assert graphs is not None and set(graphs._graphs) == set(graphs.sizes)
+    eager = run_scenario(scenario_engine(model_dir, "cuda", attention_backend="triton", enforce_eager=True))
+    engine = scenario_engine(model_dir, "cuda", attention_backend="triton")
+    for graphs in (engine.runner.decode_graphs, engine.runner.prefill_graphs):
+        assert set(graphs._graphs) == set(graphs.sizes)
+    captured = {*engine.runner.decode_graphs._graphs.values(), *engine.runner.prefill_graphs._graphs.values()}
     replays = []
     replay = torch.cuda.CUDAGraph.replay
     torch.cuda.CUDAGraph.replay = lambda self: (replays.append(self), replay(self))[1]
     try:
-        results = run_scenario(model_dir, "cuda", attention_backend="triton")
+        results = run_scenario(engine)
     finally:
         torch.cuda.CUDAGraph.replay = replay
-    assert replays, "no decode step replayed a graph"
+    assert set(replays) <= captured
+    assert engine.runner.prefill_graphs.num_steps >= 1 and engine.runner.decode_graphs.num_steps >= 1
+    assert len(replays) == engine.runner.prefill_graphs.num_steps + engine.runner.decode_graphs.num_steps
     assert_same_generations(results, eager, tolerance=1e-4)

@@ -118,31 +118,72 @@ def test_rope_and_write_kv_saturates_a_float8_cache():
     assert v_cache[0, 5, 0].float().tolist() == [-FP8_E4M3_MAX, 2.0, 448.0, 7.0]
 
 
-@pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize(("num_heads", "num_kv_heads", "head_dim"), [(8, 2, 64), (4, 4, 32)])
-@pytest.mark.parametrize("window", [None, 24])
-def test_paged_prefill_matches_reference(dtype, num_heads, num_kv_heads, head_dim, window):
+def run_paged_prefill(q, k_cache, v_cache, tables, chunks, first_row, window, num_splits, max_query_len=None):
+    """The chunks [(query_len, context_len)] back to back from row `first_row` of q; `out` poisoned."""
     from llmserve.inference.kernels.paged_prefill import paged_prefill_attention
 
-    # (query_len, context_len): a chunk after a cached prefix, a fresh prompt, one over a tile.
-    chunks = [(20, 50), (33, 33), (70, 90)]
-    k_cache, v_cache = random_cache(48, num_kv_heads, head_dim, dtype, seed=7)
-    tables = random_tables(len(chunks), 6, 48, seed=8)
-    starts = [sum(n for n, _ in chunks[:i]) for i in range(len(chunks))]
-    num_rows = sum(n for n, _ in chunks) + 5  # 5 rows outside any chunk must stay untouched
-    q = torch.randn(num_rows, num_heads, head_dim, generator=torch.Generator().manual_seed(9)).to(KERNEL_DEVICE, dtype)
+    starts = [first_row + sum(n for n, _ in chunks[:i]) for i in range(len(chunks))]
     out = torch.full_like(q, float("nan"))
     as_tensor = lambda values: torch.tensor(values, dtype=torch.int32, device=KERNEL_DEVICE)  # noqa: E731
+    head_dim = q.shape[-1]
     paged_prefill_attention(
         q, k_cache, v_cache, tables, as_tensor(starts), as_tensor([n for n, _ in chunks]),
-        as_tensor([c for _, c in chunks]), max(n for n, _ in chunks), head_dim**-0.5, sliding_window=window, out=out,
+        as_tensor([c for _, c in chunks]), max_query_len or max(n for n, _ in chunks), head_dim**-0.5,
+        sliding_window=window, out=out, num_splits=num_splits, first_row=first_row,
     )
+    return out, starts
+
+
+def assert_prefill_matches_reference(out, starts, q, k_cache, v_cache, tables, chunks, window, dtype):
+    head_dim = q.shape[-1]
     for i, (query_len, context_len) in enumerate(chunks):
         rows = slice(starts[i], starts[i] + query_len)
         positions = torch.arange(context_len - query_len, context_len, device=KERNEL_DEVICE)
         ref = reference_attention(q[rows], k_cache, v_cache, tables[i], context_len, positions, head_dim**-0.5, window)
         assert rel_error(out[rows], ref) < REL_TOLERANCE[dtype], i
-    assert torch.isnan(out[-5:]).all()
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(("num_heads", "num_kv_heads", "head_dim"), [(8, 2, 64), (4, 4, 32)])
+@pytest.mark.parametrize("window", [None, 24])
+@pytest.mark.parametrize("num_splits", [1, 3])
+def test_paged_prefill_matches_reference(dtype, num_heads, num_kv_heads, head_dim, window, num_splits):
+    # (query_len, context_len): a chunk after a cached prefix, a fresh prompt, one over a tile,
+    # and a short chunk after a long prefix (3 splits of 128, 128 and 44 keys).
+    chunks = [(20, 50), (33, 33), (70, 90), (16, 300)]
+    k_cache, v_cache = random_cache(96, num_kv_heads, head_dim, dtype, seed=7)
+    tables = random_tables(len(chunks), 19, 96, seed=8)
+    first_row = 5  # 5 rows before the chunks (decodes) must stay untouched
+    num_rows = first_row + sum(n for n, _ in chunks)
+    q = torch.randn(num_rows, num_heads, head_dim, generator=torch.Generator().manual_seed(9)).to(KERNEL_DEVICE, dtype)
+    out, starts = run_paged_prefill(q, k_cache, v_cache, tables, chunks, first_row, window, num_splits)
+    assert_prefill_matches_reference(out, starts, q, k_cache, v_cache, tables, chunks, window, dtype)
+    assert torch.isnan(out[:first_row]).all()
+
+
+def test_paged_prefill_splits_over_a_padded_graph_grid():
+    """A prefill graph's launch: one chunk of 20 rows over 180 cached tokens in a grid sized for
+    64 rows (max_query_len = the padded size), 4 splits; the padding rows' tiles do no work."""
+    chunks = [(20, 200)]
+    k_cache, v_cache = random_cache(16, 2, 32, torch.float32, seed=21)
+    tables = random_tables(1, 13, 16, seed=22)
+    q = torch.randn(64, 4, 32, generator=torch.Generator().manual_seed(23)).to(KERNEL_DEVICE)
+    out, starts = run_paged_prefill(q, k_cache, v_cache, tables, chunks, 0, None, num_splits=4, max_query_len=64)
+    assert_prefill_matches_reference(out, starts, q, k_cache, v_cache, tables, chunks, None, torch.float32)
+
+
+def test_paged_prefill_splits_read_a_float8_cache_and_leave_splits_with_no_keys_empty():
+    """float8 K/V, and 5 splits over contexts where some splits have no key (a 40-token fresh
+    prompt) or see only keys outside the window: the merge weights those to zero."""
+    chunks = [(40, 40), (24, 200)]
+    k_cache, v_cache = random_cache(32, 2, 64, torch.float32, seed=17)
+    k8, v8 = k_cache.to(torch.float8_e4m3fn), v_cache.to(torch.float8_e4m3fn)
+    tables = random_tables(len(chunks), 13, 32, seed=18)
+    dtype = torch.bfloat16 if HAS_CUDA else torch.float32
+    q = torch.randn(64, 8, 64, generator=torch.Generator().manual_seed(19)).to(KERNEL_DEVICE, dtype)
+    for window in (None, 30):
+        out, starts = run_paged_prefill(q, k8, v8, tables, chunks, 0, window, num_splits=5)
+        assert_prefill_matches_reference(out, starts, q, k8.float(), v8.float(), tables, chunks, window, dtype)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

@@ -152,7 +152,8 @@ class EngineConfig:
     )  # fmt: skip
     attention_backend: str = _flagged(
         "auto", "--attention-backend", "attention and the small fused ops: triton = Triton kernels "
-        "reading the paged KV cache in place, decode steps replayed as CUDA graphs unless "
+        "reading the paged KV cache in place, decode and small one-chunk prefill steps replayed as "
+        "CUDA graphs unless "
         "--enforce-eager (CUDA; needs the triton package); portable = the portable path, any device; "
         "auto = triton on CUDA when triton imports, portable otherwise (always portable on CPU)",
         group=KERNELS_GROUP, choices=ATTENTION_BACKENDS,

@@ -12,10 +12,12 @@ built over views of the static buffers: a replay reads each step's values throug
 Why: a decode step launches ~10 kernels per layer, most of them tiny at small batches; replayed
 as one graph they run back to back without Python or launch gaps.
 
-Graphs share one memory pool and are captured largest first, so the smaller ones reuse its
-blocks. Capture happens at engine start, before the service reports SERVING. The host-side
-padding is pure (pad_decode_step); `DecodeGraphs(capture=False)` runs the same static-buffer
-path eagerly, which is how the CPU tests exercise it.
+Graphs share one memory pool (with the prefill graphs too, engine/prefill_graphs.py) and are
+captured largest first, so the smaller ones reuse its blocks (capture_graphs). Capture happens
+at engine start, before the service reports SERVING. The host-side padding is pure
+(pad_decode_step); `DecodeGraphs(pool=None)` runs the same static-buffer path eagerly, which is
+how the CPU tests exercise it. GraphSet (graphs by size, replay or uncaptured run) and
+capture_graphs are shared with the prefill graphs.
 """
 
 from __future__ import annotations
@@ -38,6 +40,7 @@ log = logging.getLogger(__name__)
 ForwardLogits = Callable[[torch.Tensor, torch.Tensor, object], torch.Tensor]
 # (slot_mapping, block_tables, context_lens) over the static buffers -> attention metadata
 DecodeMetadataFor = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], object]
+GraphPool = tuple  # torch.cuda.graph_pool_handle(): graphs captured into one pool share its memory
 
 
 def graph_batch_sizes(max_num_seqs: int, sizes: tuple[int, ...] = DECODE_GRAPH_BATCH_SIZES) -> tuple[int, ...]:
@@ -75,8 +78,37 @@ def pad_decode_step(step: StepInputs, size: int) -> PaddedDecode:
     )
 
 
-class DecodeGraphs:
-    """Static decode inputs, and one captured graph per size (or eager runs, capture=False)."""
+class GraphSet:
+    """One graph per size of `_forward(size)` over static inputs (the subclass's), captured into
+    `pool`, or run uncaptured (pool=None: CPU tests, the same buffers and padding)."""
+
+    def __init__(self, sizes: tuple[int, ...], max_blocks_per_seq: int, metadata_for: Callable[..., object]):
+        self.sizes = tuple(sorted(sizes))
+        self.max_blocks_per_seq = max_blocks_per_seq  # block-table width: the longest context a step may have
+        self.metadata_for = metadata_for  # the attention backend's graph metadata over the static inputs
+        self.num_steps = 0  # steps run on the static inputs (replays when captured)
+        self._graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self._outputs: dict[int, torch.Tensor] = {}
+
+    def _forward(self, size: int) -> torch.Tensor:
+        raise NotImplementedError
+
+    def _capture(self, kind: str, pool: GraphPool | None, device: torch.device) -> None:
+        if pool is not None:
+            self._graphs, self._outputs = capture_graphs(kind, self.sizes, self._forward, pool, device)
+
+    def _run(self, size: int, num_rows: int) -> torch.Tensor:
+        """The first num_rows rows of the size's output, once the static inputs hold the step."""
+        self.num_steps += 1
+        graph = self._graphs.get(size)
+        if graph is None:
+            return self._forward(size)[:num_rows]
+        graph.replay()
+        return self._outputs[size][:num_rows]
+
+
+class DecodeGraphs(GraphSet):
+    """Static decode inputs, and one graph per decode batch size."""
 
     def __init__(
         self,
@@ -85,12 +117,10 @@ class DecodeGraphs:
         max_blocks_per_seq: int,
         metadata_for: DecodeMetadataFor,
         device: torch.device,
-        capture: bool,
+        pool: GraphPool | None,
     ):
+        super().__init__(sizes, max_blocks_per_seq, metadata_for)
         self.forward_logits = forward_logits
-        self.sizes = tuple(sorted(sizes))
-        self.max_blocks_per_seq = max_blocks_per_seq
-        self.metadata_for = metadata_for
         self.device = device
         max_size = self.sizes[-1]
         # Static device inputs; a graph of size b reads rows [:b] (row slices stay contiguous).
@@ -108,10 +138,7 @@ class DecodeGraphs:
             torch.zeros(max_size * max_blocks_per_seq, dtype=torch.int32, pin_memory=pin) for _ in range(2)
         ]
         self._num_staged = 0
-        self._graphs: dict[int, torch.cuda.CUDAGraph] = {}
-        self._outputs: dict[int, torch.Tensor] = {}
-        if capture:
-            self._capture_all()
+        self._capture("decode", pool, device)
 
     def can_run(self, step: StepInputs) -> bool:
         return (
@@ -128,11 +155,7 @@ class DecodeGraphs:
         self._stage(pad_decode_step(step, size))
         if fill_input_ids is not None:
             fill_input_ids(self.input_ids)
-        graph = self._graphs.get(size)
-        if graph is None:
-            return self._forward(size)[: step.num_decodes]
-        graph.replay()
-        return self._outputs[size][: step.num_decodes]
+        return self._run(size, step.num_decodes)
 
     def _stage(self, padded: PaddedDecode) -> None:
         size, width = len(padded.input_ids), len(padded.block_tables[0])
@@ -153,18 +176,23 @@ class DecodeGraphs:
         meta = self.metadata_for(self.slot_mapping[:size], self.block_tables[:size], self.context_lens[:size])
         return self.forward_logits(self.input_ids[:size], self.positions[:size], meta)
 
-    def _capture_all(self) -> None:
-        start = time.perf_counter()
-        pool = torch.cuda.graph_pool_handle()
-        for size in reversed(self.sizes):
-            self._forward(size)  # warm-up: compiles the kernels, sets up cuBLAS for this shape
-            torch.cuda.synchronize(self.device)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=pool):
-                self._outputs[size] = self._forward(size)
-            self._graphs[size] = graph
-        torch.cuda.synchronize(self.device)
-        log.info(
-            "captured %d decode CUDA graphs (batch sizes %s) in %.1f s",
-            len(self._graphs), ",".join(map(str, self.sizes)), time.perf_counter() - start,
-        )
+
+@torch.no_grad()  # nothing of the captured forward is kept for a backward
+def capture_graphs(
+    kind: str, sizes: tuple[int, ...], forward: Callable[[int], torch.Tensor], pool: GraphPool, device: torch.device
+) -> tuple[dict[int, torch.cuda.CUDAGraph], dict[int, torch.Tensor]]:
+    """One graph of `forward(size)` per size, largest first, into `pool`; (graphs, outputs) by
+    size. The static inputs must hold values `forward` can run on eagerly (the warm-up)."""
+    start = time.perf_counter()
+    graphs, outputs = {}, {}
+    for size in sorted(sizes, reverse=True):
+        forward(size)  # warm-up: compiles the kernels, sets up cuBLAS for this shape
+        torch.cuda.synchronize(device)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=pool):
+            outputs[size] = forward(size)
+        graphs[size] = graph
+    torch.cuda.synchronize(device)
+    log.info("captured %d %s CUDA graphs (sizes %s) in %.1f s", len(graphs), kind, ",".join(map(str, sorted(sizes))),
+             time.perf_counter() - start)
+    return graphs, outputs

@@ -10,7 +10,9 @@ Inputs for a step (engine/step_inputs.py builds them on the host; copied to the 
 The attention backend (models/attention_backend.py) is chosen once, from
 EngineConfig.attention_backend, and handed to the model; each step the runner asks it for the
 step's attention metadata. Where the backend supports them (triton), decode-only steps replay a
-CUDA graph per decode batch size (engine/cuda_graphs.py) unless enforce_eager.
+CUDA graph per decode batch size (engine/cuda_graphs.py) and small single-chunk prefill steps
+one per padded token count (engine/prefill_graphs.py), all in one memory pool, unless
+enforce_eager; other steps run eagerly.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ import torch
 from llmserve.inference.engine.config import EngineConfig
 from llmserve.inference.engine.cuda_graphs import DecodeGraphs, graph_batch_sizes
 from llmserve.inference.engine.kv_cache import KVCache, KVCacheSpec, device_tensor, plan_num_blocks
+from llmserve.inference.engine.prefill_graphs import PrefillGraphs, prefill_graph_sizes
 from llmserve.inference.engine.scheduler import ScheduledBatch
 from llmserve.inference.engine.step_inputs import StepInputs, build_step_inputs
 from llmserve.inference.models.attention_backend import (
@@ -79,13 +82,13 @@ class ModelRunner:
         if self.attention.needs_warm_up:
             self._warm_up_prefill()
         self.decode_graphs: DecodeGraphs | None = None
-        if self.attention.supports_decode_graphs and not config.enforce_eager:
-            # Off CUDA (the Triton interpreter in tests) the static-buffer path runs uncaptured.
-            is_cuda = self.device.type == "cuda"
-            self.decode_graphs = self._decode_graphs(config.max_num_seqs, max_context_tokens, capture=is_cuda)
+        self.prefill_graphs: PrefillGraphs | None = None
+        if self.attention.supports_cuda_graphs and not config.enforce_eager:
+            # Off CUDA (the Triton interpreter in tests) the static-buffer paths run uncaptured.
+            self.decode_graphs, self.prefill_graphs = self._cuda_graphs(config, max_context_tokens)
         log.info(
-            "attention backend: %s; decode CUDA graphs: %s", self.attention.name,
-            "off" if self.decode_graphs is None else ",".join(map(str, self.decode_graphs.sizes)),
+            "attention backend: %s; decode CUDA graphs (batch sizes): %s; prefill CUDA graphs (tokens): %s",
+            self.attention.name, _sizes_text(self.decode_graphs), _sizes_text(self.prefill_graphs),
         )
 
     @property
@@ -102,6 +105,8 @@ class ModelRunner:
         fill = self._pending_filler(step, pending_tokens)
         if self.decode_graphs is not None and self.decode_graphs.can_run(step):
             return self._sampled_rows(self.decode_graphs.run(step, fill), step.logits_indices)
+        if self.prefill_graphs is not None and self.prefill_graphs.can_run(step):
+            return self.prefill_graphs.run(step, fill)
         meta = self.attention.build_metadata(step)
         input_ids = self._to_device(step.input_ids)
         if fill is not None:
@@ -135,20 +140,24 @@ class ModelRunner:
                             self.attention.build_metadata(step))
         self.model.compute_logits(hidden[-1:])
 
-    # --- decode graphs -----------------------------------------------------------------------
+    # --- CUDA graphs --------------------------------------------------------------------------
 
-    def _decode_graphs(self, max_num_seqs: int, max_context_tokens: int, capture: bool) -> DecodeGraphs:
-        return DecodeGraphs(
-            forward_logits=self._forward_logits,
-            sizes=graph_batch_sizes(max_num_seqs),
-            max_blocks_per_seq=-(-max_context_tokens // self.block_size),
-            metadata_for=self.attention.decode_graph_metadata,
-            device=self.device,
-            capture=capture,
-        )
+    def _cuda_graphs(self, config: EngineConfig, max_context_tokens: int) -> tuple[DecodeGraphs, PrefillGraphs]:
+        """Decode graphs, then prefill graphs, captured into one pool (on CUDA)."""
+        pool = torch.cuda.graph_pool_handle() if self.device.type == "cuda" else None
+        common = dict(max_blocks_per_seq=-(-max_context_tokens // self.block_size), device=self.device, pool=pool)
+        decode = DecodeGraphs(self._forward_logits, graph_batch_sizes(config.max_num_seqs),
+                              metadata_for=self.attention.decode_graph_metadata, **common)
+        prefill = PrefillGraphs(self._forward_rows, prefill_graph_sizes(config.max_batched_tokens),
+                                metadata_for=self.attention.prefill_graph_metadata, **common)
+        return decode, prefill
 
     def _forward_logits(self, input_ids: torch.Tensor, positions: torch.Tensor, meta) -> torch.Tensor:
         return self.model.compute_logits(self.model(input_ids, positions, self.kv_cache.layers, meta))
+
+    def _forward_rows(self, input_ids: torch.Tensor, positions: torch.Tensor, meta, rows: torch.Tensor) -> torch.Tensor:
+        hidden = self.model(input_ids, positions, self.kv_cache.layers, meta)
+        return self.model.compute_logits(hidden.index_select(0, rows))
 
     def _sampled_rows(self, logits: torch.Tensor, logits_indices: list[int]) -> torch.Tensor:
         """A decode-only step's rows are its sequences in batch order; a single-token prefill
@@ -159,3 +168,7 @@ class ModelRunner:
 
     def _to_device(self, values: list) -> torch.Tensor:
         return device_tensor(values, self.device)
+
+
+def _sizes_text(graphs: DecodeGraphs | PrefillGraphs | None) -> str:
+    return "off" if graphs is None else ",".join(map(str, graphs.sizes))

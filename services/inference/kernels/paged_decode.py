@@ -7,11 +7,9 @@ the context in tiles of BLOCK_N tokens with an online softmax, so every K/V byte
 per step for the whole group.
 
 Split-K: with few sequences (batch 1 has only num_kv_heads programs) the context is cut into
-`num_splits` pieces whose partial results (unnormalized output, running max, running sum) are
-merged by a second small kernel. The split count is a launch constant (it is part of a captured
-CUDA graph), so each split derives its range from the context length at run time; a split with
-nothing to do leaves max = -inf and sum = 0, which the merge weights to zero. A sequence with
-context length 0 (a padding row of a decode graph) gets a zero output.
+`num_splits` pieces whose partial results are merged by a second small kernel (kernels/split_kv.py,
+shared with paged prefill); each split derives its range from the context length at run time. A
+sequence with context length 0 (a padding row of a decode graph) gets a zero output.
 
 The cache may hold float8 (e4m3, scale 1): tiles are widened to the query dtype after loading,
 so the kernel reads half the bytes, but measured on an H200 it reaches only ~2.1 TB/s of
@@ -29,6 +27,7 @@ import triton.language as tl
 
 from llmserve.inference.kernels.common import dot_is_ieee, next_power_of_2
 from llmserve.inference.kernels.paged_kv import load_kv_tile, tile_dot
+from llmserve.inference.kernels.split_kv import MAX_SPLITS, merge_splits, split_scratch, splits_to_fill
 
 # Launch configuration: tokens per K/V tile, warps, software-pipeline depth (bench/bench_gpu.py
 # sweeps these on the GPU before its kernels and throughput scenarios: decode_config_sweep).
@@ -36,15 +35,12 @@ DEFAULT_CONFIG = {"block_n": 64, "num_warps": 4, "num_stages": 3}  # 0.528 ms at
 # float8 cache: the fastest of the swept configs on an H200, 0.502 ms at batch 256 x 2048 (bf16
 # cache with DEFAULT_CONFIG: 0.528 ms).
 FP8_CONFIG = {"block_n": 128, "num_warps": 4, "num_stages": 2}
-MAX_SPLITS = 16
 MIN_GROUP_ROWS = 16  # tl.dot needs at least 16 rows
 
 
 def decode_num_splits(num_seqs: int, num_kv_heads: int, num_sms: int, max_splits: int = MAX_SPLITS) -> int:
     """Context splits per (sequence, kv head) so that about two waves of programs fill the GPU."""
-    programs = num_seqs * num_kv_heads
-    wanted = -(-2 * num_sms // max(1, programs))
-    return max(1, min(max_splits, wanted))
+    return splits_to_fill(num_seqs * num_kv_heads, num_sms, max_splits)
 
 
 @triton.jit(do_not_specialize=["sliding_window", "bt_stride"])
@@ -111,29 +107,6 @@ def _paged_decode_kernel(
         tl.store(part_stats_ptr + row * 2 + 1, l_i, mask=head_mask)
 
 
-@triton.jit
-def _merge_splits_kernel(
-    part_acc_ptr, part_stats_ptr, out_ptr, out_stride_t, out_stride_h,
-    NUM_HEADS: tl.constexpr, NUM_SPLITS: tl.constexpr, SPLITS_PAD: tl.constexpr,
-    HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
-):
-    seq = tl.program_id(0)
-    head = tl.program_id(1)
-    s = tl.arange(0, SPLITS_PAD)
-    d = tl.arange(0, HEAD_DIM_PAD)
-    split_mask = s < NUM_SPLITS
-    row = (seq * NUM_HEADS + head) * NUM_SPLITS + s
-    m = tl.load(part_stats_ptr + row * 2, mask=split_mask, other=float("-inf"))
-    l = tl.load(part_stats_ptr + row * 2 + 1, mask=split_mask, other=0.0)
-    m_max = tl.max(m, 0)
-    m_max = tl.where(m_max == float("-inf"), 0.0, m_max)
-    weight = tl.exp2(m - m_max)  # empty splits: exp2(-inf) = 0
-    total = tl.sum(weight * l, 0)
-    acc = tl.load(part_acc_ptr + row[:, None] * HEAD_DIM_PAD + d[None, :], mask=split_mask[:, None], other=0.0)
-    out = tl.sum(acc * weight[:, None], 0) / tl.where(total == 0.0, 1.0, total)
-    tl.store(out_ptr + seq * out_stride_t + head * out_stride_h + d, out.to(out_ptr.dtype.element_ty), mask=d < HEAD_DIM)
-
-
 def paged_decode_attention(
     q: torch.Tensor,  # [num_seqs, num_heads, head_dim]
     k_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim], contiguous
@@ -160,8 +133,7 @@ def paged_decode_attention(
     if num_seqs == 0:
         return out
     if num_splits > 1:
-        part_acc = torch.empty(num_seqs * num_heads * num_splits, head_dim_pad, dtype=torch.float32, device=q.device)
-        part_stats = torch.empty(num_seqs * num_heads * num_splits, 2, dtype=torch.float32, device=q.device)
+        part_acc, part_stats = split_scratch(num_seqs, num_heads, num_splits, head_dim, q.device)
     else:
         part_acc = part_stats = out  # unused
     _paged_decode_kernel[(num_seqs, num_kv_heads, num_splits)](
@@ -175,10 +147,5 @@ def paged_decode_attention(
         IEEE=dot_is_ieee(q.dtype), num_warps=config["num_warps"], num_stages=config["num_stages"],
     )
     if num_splits > 1:
-        _merge_splits_kernel[(num_seqs, num_heads)](
-            part_acc, part_stats, out, out.stride(0), out.stride(1),
-            NUM_HEADS=num_heads, NUM_SPLITS=num_splits, SPLITS_PAD=next_power_of_2(num_splits),
-            HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad,
-            num_warps=4,
-        )
+        merge_splits(part_acc, part_stats, out, num_splits)
     return out

@@ -8,14 +8,14 @@ A backend owns everything that differs between attention implementations:
                           write the new k/v to their cache slots, attend;
   ops                     the small ops (models/layer_ops.LayerOps): its fused kernels, or
                           REFERENCE_OPS where it has none;
-  decode_graph_metadata   (supports_decode_graphs) metadata over static device buffers, for the
-                          decode CUDA graphs (engine/cuda_graphs.py).
+  decode_graph_metadata,  (supports_cuda_graphs) metadata over static device buffers, for the
+  prefill_graph_metadata  decode and prefill CUDA graphs (engine/cuda_graphs.py, prefill_graphs.py).
 
 Implementations, one file each, named in BACKENDS:
   portable  models/portable_attention.py: any device; keys/values gathered through slot tables,
             torch SDPA, the small ops as transformers runs them (the reference);
   triton    models/triton_attention.py: CUDA (or Triton's interpreter); paged kernels reading the
-            blocks in place, RoPE fused with the KV write, fused small ops, decode CUDA graphs,
+            blocks in place, RoPE fused with the KV write, fused small ops, CUDA graphs,
             float8 KV cache.
 
 Adding one (FlashInfer, an FA3-style fp8 kernel) is a new file with an AttentionBackend
@@ -38,8 +38,8 @@ from llmserve.inference.engine.step_inputs import StepInputs, pad_rows
 from llmserve.inference.models.decoder_config import DecoderConfig
 from llmserve.inference.models.layer_ops import LayerOps
 
-# The slot of a padding row (decode-graph spare rows, the warm-up prefill): a backend that takes
-# them (supports_decode_graphs, needs_warm_up) writes nothing to the cache for it.
+# The slot of a padding row (CUDA-graph spare rows, the warm-up prefill): a backend that takes
+# them (supports_cuda_graphs, needs_warm_up) writes nothing to the cache for it.
 PADDING_SLOT = -1
 MetadataT = TypeVar("MetadataT")
 RopeTables = tuple[torch.Tensor, torch.Tensor]  # (cos, sin) of the step's positions
@@ -56,7 +56,7 @@ class AttentionBackend(ABC, Generic[MetadataT]):
     # Its kernels compile on first launch: the runner runs one prefill at start whose slots
     # are all PADDING_SLOT, which the backend must then skip when writing the cache.
     needs_warm_up: ClassVar[bool] = False
-    supports_decode_graphs: ClassVar[bool] = False
+    supports_cuda_graphs: ClassVar[bool] = False
 
     def __init__(self, config: DecoderConfig, block_size: int, device: torch.device):
         self.config = config
@@ -92,8 +92,18 @@ class AttentionBackend(ABC, Generic[MetadataT]):
         context_lens [size], block_tables [size, max_blocks]; padding rows: PADDING_SLOT and
         context length 0),
         captured in a CUDA graph: nothing in it may depend on a host value that changes
-        between replays. Only where supports_decode_graphs."""
-        raise NotImplementedError(f"the {self.name} attention backend has no decode CUDA graphs")
+        between replays. Only where supports_cuda_graphs."""
+        raise NotImplementedError(f"the {self.name} attention backend has no CUDA graphs")
+
+    def prefill_graph_metadata(
+        self, slot_mapping: torch.Tensor, block_tables: torch.Tensor, query_starts: torch.Tensor,
+        query_lens: torch.Tensor, context_lens: torch.Tensor,
+    ) -> MetadataT:
+        """Metadata of a one-chunk prefill step over static int32 device buffers, captured in a
+        CUDA graph: slot_mapping [size] (the chunk's rows, then PADDING_SLOT rows), block_tables
+        [1, max_blocks], query_starts/query_lens/context_lens [1] (any context length up to
+        max_blocks * block_size). Only where supports_cuda_graphs."""
+        raise NotImplementedError(f"the {self.name} attention backend has no CUDA graphs")
 
     def _to_device(self, values: list, dtype: torch.dtype = torch.long) -> torch.Tensor:
         return device_tensor(values, self.device, dtype)

@@ -4,8 +4,9 @@ the chunks, both reading K/V in place through the block tables (kernels/); the s
 the Triton ones (models/triton_ops.py).
 
 It also serves a float8 (e4m3) KV cache, skips negative (padding) slots when writing, and
-builds its decode metadata over static buffers, so decode steps replay as CUDA graphs
-(engine/cuda_graphs.py). Imports triton: imported only when chosen.
+builds its decode and one-chunk prefill metadata over static buffers, so those steps replay as
+CUDA graphs (engine/cuda_graphs.py, engine/prefill_graphs.py). Imports triton: imported only
+when chosen.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ import torch
 
 from llmserve.inference.engine.step_inputs import StepInputs
 from llmserve.inference.kernels.paged_decode import decode_num_splits, paged_decode_attention
-from llmserve.inference.kernels.paged_prefill import paged_prefill_attention
+from llmserve.inference.kernels.paged_prefill import paged_prefill_attention, prefill_num_splits
 from llmserve.inference.kernels.rope_kv import rope_and_write_kv
 from llmserve.inference.models.attention_backend import AttentionBackend, KVLayer, RopeTables
 from llmserve.inference.models.decoder_config import DecoderConfig
@@ -29,8 +30,9 @@ CPU_NUM_SMS = 4  # the Triton interpreter (CPU tests): a few decode splits still
 @dataclass(slots=True)
 class TritonAttentionMetadata:
     """What the Triton kernels read for one step. Tensors are int32 on the device; the same
-    object, built over static buffers, is captured in a decode CUDA graph, so nothing here may
-    need a host value that changes between replays (the host ints are fixed per graph)."""
+    object, built over static buffers, is captured in a CUDA graph, so nothing here may
+    need a host value that changes between replays (the host ints are fixed per graph: a
+    prefill graph's max query length is its padded size)."""
 
     slot_mapping: torch.Tensor  # [num_tokens]: cache slot of each new token, -1 = padding row
     num_decode_tokens: int  # the leading tokens, one per single-token sequence
@@ -41,8 +43,8 @@ class TritonAttentionMetadata:
     prefill_query_starts: torch.Tensor | None = None  # [num_chunks]: first row in the flat batch
     prefill_query_lens: torch.Tensor | None = None  # [num_chunks]
     prefill_context_lens: torch.Tensor | None = None  # [num_chunks]: cached prefix + chunk
-    prefill_max_query_len: int = 0
-
+    prefill_max_query_len: int = 0  # sizes the prefill kernel's grid
+    prefill_num_splits: int = 1  # key splits of the prefill kernel
 
 
 class TritonAttention(AttentionBackend[TritonAttentionMetadata]):
@@ -50,7 +52,7 @@ class TritonAttention(AttentionBackend[TritonAttentionMetadata]):
     ops = TRITON_OPS
     supports_fp8_kv_cache = True
     needs_warm_up = True
-    supports_decode_graphs = True
+    supports_cuda_graphs = True
 
     def __init__(self, config: DecoderConfig, block_size: int, device: torch.device):
         super().__init__(config, block_size, device)
@@ -72,6 +74,9 @@ class TritonAttention(AttentionBackend[TritonAttentionMetadata]):
             meta.prefill_query_lens = self._to_device(step.prefill_query_lens, torch.int32)
             meta.prefill_context_lens = self._to_device(step.prefill_context_lens, torch.int32)
             meta.prefill_max_query_len = max(step.prefill_query_lens)
+            meta.prefill_num_splits = self._prefill_num_splits(
+                meta.prefill_max_query_len, len(step.prefill_query_lens), max(step.prefill_context_lens)
+            )
         return meta
 
     def decode_graph_metadata(
@@ -84,6 +89,24 @@ class TritonAttention(AttentionBackend[TritonAttentionMetadata]):
             decode_block_tables=block_tables,
             decode_context_lens=context_lens,
             decode_num_splits=self._decode_num_splits(size),
+        )
+
+    def prefill_graph_metadata(
+        self, slot_mapping: torch.Tensor, block_tables: torch.Tensor, query_starts: torch.Tensor,
+        query_lens: torch.Tensor, context_lens: torch.Tensor,
+    ) -> TritonAttentionMetadata:
+        return TritonAttentionMetadata(
+            slot_mapping=slot_mapping,
+            num_decode_tokens=0,
+            decode_block_tables=None,
+            decode_context_lens=None,
+            prefill_block_tables=block_tables,
+            prefill_query_starts=query_starts,
+            prefill_query_lens=query_lens,
+            prefill_context_lens=context_lens,
+            prefill_max_query_len=slot_mapping.shape[0],
+            # Fixed per graph: chosen for the longest context the block table can hold.
+            prefill_num_splits=self._prefill_num_splits(slot_mapping.shape[0], 1, block_tables.shape[1] * self.block_size),
         )
 
     def rope_tables(self, positions: torch.Tensor, inv_freq: torch.Tensor, dtype: torch.dtype) -> RopeTables:
@@ -105,8 +128,12 @@ class TritonAttention(AttentionBackend[TritonAttentionMetadata]):
             paged_prefill_attention(
                 q, k_cache, v_cache, meta.prefill_block_tables, meta.prefill_query_starts, meta.prefill_query_lens,
                 meta.prefill_context_lens, meta.prefill_max_query_len, scale, sliding_window=sliding_window, out=out,
+                num_splits=meta.prefill_num_splits, first_row=num_decodes,
             )
         return out
 
     def _decode_num_splits(self, num_decodes: int) -> int:
         return decode_num_splits(num_decodes, self.config.num_kv_heads, self.num_sms)
+
+    def _prefill_num_splits(self, max_query_len: int, num_chunks: int, max_context_len: int) -> int:
+        return prefill_num_splits(max_query_len, num_chunks, self.config.num_heads, max_context_len, self.num_sms)
