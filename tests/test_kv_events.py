@@ -16,6 +16,7 @@ import pytest
 
 from llmserve.block_hash import chain_block_hashes
 from llmserve.inference.engine.async_engine import AsyncEngine
+from llmserve.inference.engine.block_manager import BlockManager
 from llmserve.inference.engine.config import EngineConfig
 from llmserve.inference.engine.engine_process import EngineProcess
 from llmserve.inference.engine.engine_thread import EngineThread
@@ -28,6 +29,8 @@ from llmserve.message_limits import token_ids_request_bytes
 from llmserve.server import CHANNEL_OPTIONS, RunningServer, create_server
 from llmserve.v1 import common_pb2, inference_pb2, inference_pb2_grpc
 from tests.procs import start_service
+from tests.test_block_manager import BLOCK_SIZE as SMALL_BLOCK
+from tests.test_block_manager import compute, make_seq
 
 pytestmark = pytest.mark.asyncio(loop_scope="session")
 
@@ -159,6 +162,55 @@ async def late_snapshot(stub) -> Watcher:
     watcher = Watcher(stub)
     await watcher.read()
     return watcher
+
+
+# --- the engine's record, and the log on its own -------------------------------------------
+
+
+async def test_the_block_manager_records_runs_of_stored_blocks_and_evictions():
+    manager = BlockManager(num_blocks=8, block_size=SMALL_BLOCK)
+    first = make_seq(range(10), seq_id=1)  # two full blocks, computed in one step
+    compute(manager, first)
+    hashes = chain_block_hashes(list(range(10)), SMALL_BLOCK)
+    assert manager.take_events() == [(None, hashes)]
+    assert manager.take_events() == []
+    second = make_seq([0, 1, 2, 3, 9, 9, 9, 9, 9], seq_id=2)  # shares the first block: stores one
+    compute(manager, second)
+    second_hashes = chain_block_hashes(second.token_ids, SMALL_BLOCK)
+    assert manager.take_events() == [(hashes[0], [second_hashes[1]])]
+    manager.free(first)
+    manager.free(second)
+    assert manager.take_events() == []  # freed blocks stay findable
+    third = make_seq(range(100, 132), seq_id=3)  # the whole pool: every cached block is evicted
+    compute(manager, third)
+    events = manager.take_events()
+    assert sorted(events[:3]) == sorted([*hashes, second_hashes[1]])  # evicted before the store
+    assert events[3:] == [(None, chain_block_hashes(third.token_ids, SMALL_BLOCK))]
+
+
+async def test_the_log_keeps_the_order_of_a_batch_and_snapshots_parents_first():
+    log = KvEventLog(BLOCK, lambda: EngineLoad(0, 0, POOL_BLOCKS, 0))
+    live = log.subscribe(load_only=False, heartbeat_interval_s=60.0)
+    await anext(live)
+    log.record([(None, [1, 2]), 2, 1, (None, [1])])  # block 1 evicted, then stored again
+    log.record([(1, [2])])
+    assert (await anext(live)).events == (
+        BlocksStored((1, 2), None, BLOCK), BlocksRemoved((2, 1)), BlocksStored((1,), None, BLOCK),
+    )
+    assert (await anext(live)).events == (BlocksStored((2,), 1, BLOCK),)
+    log.record([(None, [5])])
+    log.record([(None, [3]), (3, [4]), 3])  # 4 outlives its parent: sent after what it extends
+    log.record([(None, [3])])
+    snapshot = await anext(log.subscribe(load_only=False, heartbeat_interval_s=60.0))
+    assert snapshot.sequence_number == 5
+    assert snapshot.events == (
+        AllCleared(), BlocksStored((1, 2), None, BLOCK), BlocksStored((5,), None, BLOCK),
+        BlocksStored((3, 4), None, BLOCK),
+    )
+    log.close()
+
+
+# --- a real server --------------------------------------------------------------------------
 
 
 @pytest.mark.parametrize("core_process", [True, False], ids=["engine-process", "engine-thread"])

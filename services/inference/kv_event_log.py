@@ -5,9 +5,11 @@
     subscribe(load_only, heartbeat_interval_s) ──▶ snapshot (numbered N), N+1, N+2, ...,
                                                    a heartbeat after each quiet interval
 
-Batches are numbered 1, 2, ... per incarnation (a new uuid per process start). Everything runs
-on the event loop, so record() never interleaves with a snapshot: a snapshot numbered N holds
-exactly the changes of batches 1..N, and its subscription's queue starts at N+1.
+subscribe() serves InferenceService.WatchKvEvents (servicer.py) and the Redis publisher
+(llmserve/prefix_index/) alike. Batches are numbered 1, 2, ... per incarnation (a new uuid per
+process start). Everything runs on the event loop, so record() never interleaves with a
+snapshot: a snapshot numbered N holds exactly the changes of batches 1..N, and its
+subscription's queue starts at N+1.
 
 Why a mirror of the cache here: a snapshot (each new subscriber, each resubscribe after a gap)
 needs no round trip to the engine core, which may be in another process, busy in a step.
@@ -30,6 +32,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, AsyncIterator
 
 from llmserve.errors import ResourceExhausted
+from llmserve.inference.config import DEFAULT_KV_EVENTS_HEARTBEAT_MS
 from llmserve.inference.engine.types import CacheEvent, EngineLoad
 from llmserve.kv_events import AllCleared, BlocksRemoved, BlocksStored, KvEvent, KvEventBatch, ReplicaLoad
 
@@ -83,7 +86,7 @@ class KvEventLog:
         load: Callable[[], EngineLoad],
         *,
         replica_id: str = "",
-        default_heartbeat_interval_s: float = 0.5,
+        default_heartbeat_interval_s: float = DEFAULT_KV_EVENTS_HEARTBEAT_MS / 1000,
         max_queued_batches: int = DEFAULT_MAX_QUEUED_BATCHES,
     ):
         """`load`: the engine's latest load, cheap (no call into the core)."""
