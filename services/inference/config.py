@@ -21,7 +21,7 @@ class InferenceConfig:
     port_file: str | None = None  # written with the bound port once the engine is loaded
     grace_period_s: float = DEFAULT_GRACE_PERIOD_S
     # Stable routing key of this replica. None: "<hostname>-<bound port>", resolved at start-up
-    # (the bound port is only known then), so it is passed to the servicer, not stored here.
+    # (the bound port is only known then), so it is set on the KvEventLog, not stored here.
     replica_id: str | None = None
     # WatchKvEvents heartbeat interval for subscribers that ask for none.
     kv_events_heartbeat_ms: int = DEFAULT_KV_EVENTS_HEARTBEAT_MS

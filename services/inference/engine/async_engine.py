@@ -187,6 +187,8 @@ class AsyncEngine:
                 self._kv_event_sink(kv_events)
             except Exception:  # noqa: BLE001 — routing's view may suffer, the requests must not
                 log.exception("the kv-event sink failed")
+        if not outputs:
+            return  # admission measures its rates per delivery of outputs
         self._admission.observe(outputs)
         for output in outputs:
             stream = self._streams.get(output.request_id)
