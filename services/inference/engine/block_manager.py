@@ -28,6 +28,10 @@ step that names the duplicate is launched by then (their block tables were copie
 so a new owner of the duplicate (given it by a later schedule) writes only after those steps
 read it; and the twin was computed by a step launched no later, so the sequence's next step
 reads it complete. Nothing enters or leaves the cache in a swap.
+
+Every change to the prefix cache is recorded as a CacheEvent (engine/types.py) until
+take_events(): a registration as stored, an eviction as removed. Freeing sends nothing: a freed
+block stays findable.
 """
 
 from __future__ import annotations
@@ -36,6 +40,7 @@ from collections import OrderedDict
 from dataclasses import dataclass
 
 from llmserve.inference.engine.sequence import Sequence
+from llmserve.inference.engine.types import CacheEvent
 
 
 @dataclass(slots=True)
@@ -69,6 +74,7 @@ class BlockManager:
         self._next_registration_id = 1
         self._num_queried_tokens = 0
         self._num_hit_tokens = 0
+        self._events: list[CacheEvent] = []
 
     # --- queries ---------------------------------------------------------------------------
 
@@ -187,12 +193,18 @@ class BlockManager:
                 token_ids = seq.block_token_ids(index, self.block_size)
                 cached_id = self._cached.get(block_hash)
                 if cached_id is None:
-                    self._register(block, block_hash, token_ids, parent_registration_id)
+                    parent_hash = self.blocks[seq.block_ids[index - 1]].block_hash if index else None
+                    self._register(block, block_hash, token_ids, parent_registration_id, parent_hash)
                 elif _holds(self.blocks[cached_id], token_ids, parent_registration_id):
                     self._swap(seq, index, cached_id)
                 else:
                     break  # a hash collision: the cached block holds another prefix
             seq.num_registered_blocks = index + 1
+
+    def take_events(self) -> list[CacheEvent]:
+        """The prefix-cache changes since the previous call, in the order they happened."""
+        events, self._events = self._events, []
+        return events
 
     def count_prefix_lookup(self, num_queried_tokens: int, num_hit_tokens: int) -> None:
         self._num_queried_tokens += num_queried_tokens
@@ -243,15 +255,24 @@ class BlockManager:
         block.ref_count = 1
         return block_id
 
-    def _register(self, block: Block, block_hash: int, token_ids: tuple[int, ...], parent_registration_id: int) -> None:
+    def _register(
+        self, block: Block, block_hash: int, token_ids: tuple[int, ...], parent_registration_id: int,
+        parent_hash: int | None,
+    ) -> None:
         block.block_hash = block_hash
         block.token_ids = token_ids
         block.registration_id = self._next_registration_id
         block.parent_registration_id = parent_registration_id
         self._next_registration_id += 1
         self._cached[block_hash] = block.block_id
+        last = self._events[-1] if self._events else None
+        if isinstance(last, tuple) and last[1][-1] == parent_hash:
+            last[1].append(block_hash)  # the chain goes on: one event for the run
+        else:
+            self._events.append((parent_hash, [block_hash]))
 
     def _evict(self, block: Block) -> None:
+        self._events.append(block.block_hash)
         del self._cached[block.block_hash]
         block.block_hash = None
         block.token_ids = ()
