@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import grpc
 import pytest
 
-from llmserve.block_hash import chain_block_hashes
+from llmserve.block_hash import HashNamespace, chain_block_hashes
 from llmserve.inference.engine.async_engine import AsyncEngine
 from llmserve.inference.engine.block_manager import BlockManager
 from llmserve.inference.engine.config import EngineConfig
@@ -30,7 +30,7 @@ from llmserve.server import CHANNEL_OPTIONS, RunningServer, create_server
 from llmserve.v1 import common_pb2, inference_pb2, inference_pb2_grpc
 from tests.procs import start_service
 from tests.test_block_manager import BLOCK_SIZE as SMALL_BLOCK
-from tests.test_block_manager import compute, make_seq
+from tests.test_block_manager import HASH_SEED, compute, make_seq
 
 pytestmark = pytest.mark.asyncio(loop_scope="session")
 
@@ -50,6 +50,11 @@ class Replica:
     channel: grpc.aio.Channel
     stub: inference_pb2_grpc.InferenceServiceStub
     core: TorchEngineCore | None  # the thread path's core, whose block manager the test reads
+
+
+def replica_hashes(model_dir, prompt: list[int]) -> list[int]:
+    """The chained block hashes a replica of `model_dir` gives `prompt` (no cache salt)."""
+    return HashNamespace.of_model_dir(model_dir, BLOCK).block_hashes(prompt)
 
 
 async def start_replica(
@@ -171,12 +176,12 @@ async def test_the_block_manager_records_runs_of_stored_blocks_and_evictions():
     manager = BlockManager(num_blocks=8, block_size=SMALL_BLOCK)
     first = make_seq(range(10), seq_id=1)  # two full blocks, computed in one step
     compute(manager, first)
-    hashes = chain_block_hashes(list(range(10)), SMALL_BLOCK)
+    hashes = chain_block_hashes(list(range(10)), SMALL_BLOCK, HASH_SEED)
     assert manager.take_events() == [(None, hashes)]
     assert manager.take_events() == []
     second = make_seq([0, 1, 2, 3, 9, 9, 9, 9, 9], seq_id=2)  # shares the first block: stores one
     compute(manager, second)
-    second_hashes = chain_block_hashes(second.token_ids, SMALL_BLOCK)
+    second_hashes = chain_block_hashes(second.token_ids, SMALL_BLOCK, HASH_SEED)
     assert manager.take_events() == [(hashes[0], [second_hashes[1]])]
     manager.free(first)
     manager.free(second)
@@ -185,7 +190,7 @@ async def test_the_block_manager_records_runs_of_stored_blocks_and_evictions():
     compute(manager, third)
     events = manager.take_events()
     assert sorted(events[:3]) == sorted([*hashes, second_hashes[1]])  # evicted before the store
-    assert events[3:] == [(None, chain_block_hashes(third.token_ids, SMALL_BLOCK))]
+    assert events[3:] == [(None, chain_block_hashes(third.token_ids, SMALL_BLOCK, HASH_SEED))]
 
 
 async def test_the_log_keeps_the_order_of_a_batch_and_snapshots_parents_first():
@@ -223,13 +228,13 @@ async def test_stored_blocks_are_the_prompts_chained_hashes(tiny_model_dir, core
         assert (snapshot.replica_id, len(snapshot.incarnation)) == ("kv-replica", 32)
 
         prompt_a = SHARED + list(range(100, 120))  # 52 tokens: three full blocks
-        hashes_a = chain_block_hashes(prompt_a, BLOCK)
+        hashes_a = replica_hashes(tiny_model_dir, prompt_a)
         await generate(replica.stub, prompt_a)
         await watcher.read_until(lambda: watcher.stored)
         assert watcher.stored == [BlocksStored(tuple(hashes_a), None, BLOCK)]
 
         prompt_b = SHARED + list(range(200, 220))  # the same first two blocks: only its third is new
-        hashes_b = chain_block_hashes(prompt_b, BLOCK)
+        hashes_b = replica_hashes(tiny_model_dir, prompt_b)
         await generate(replica.stub, prompt_b)
         await watcher.read_until(lambda: len(watcher.stored) == 2)
         assert watcher.stored[1] == BlocksStored((hashes_b[2],), hashes_a[1], BLOCK)
@@ -263,12 +268,12 @@ async def test_eviction_removes_blocks_and_the_snapshot_shrinks(tiny_model_dir):
         late = await late_snapshot(replica.stub)
         await watcher.read_until(lambda: watcher.sequence_number == late.sequence_number)
         stored = [block_hash for event in watcher.stored for block_hash in event.block_hashes]
-        assert stored == [block_hash for prompt in prompts for block_hash in chain_block_hashes(prompt, BLOCK)]
+        assert stored == [block_hash for prompt in prompts for block_hash in replica_hashes(tiny_model_dir, prompt)]
         assert watcher.removed and set(watcher.removed) <= set(stored)
         assert late.parents == watcher.parents
         assert set(late.parents) == registered_hashes(replica.core) == set(stored) - set(watcher.removed)
         assert len(late.parents) <= pool_blocks
-        assert not set(chain_block_hashes(prompts[0], BLOCK)) & set(late.parents)  # least recently used first
+        assert not set(replica_hashes(tiny_model_dir, prompts[0])) & set(late.parents)  # least recently used first
         watcher.call.cancel()
     finally:
         await stop_replica(replica)
@@ -313,14 +318,14 @@ async def test_load_only_gets_heartbeats_and_no_events(replica):
     watcher.call.cancel()
 
 
-async def test_a_watcher_that_does_not_read_holds_nothing_back(replica):
+async def test_a_watcher_that_does_not_read_holds_nothing_back(replica, tiny_model_dir):
     stalled = replica.stub.WatchKvEvents(inference_pb2.WatchKvEventsRequest(heartbeat_interval_ms=10))
     watcher = Watcher(replica.stub)
     await watcher.read()
     prompts = [distinct_prompt(40) for _ in range(10)]
     for prompt in prompts:
         await generate(replica.stub, prompt)
-    wanted = {block_hash for prompt in prompts for block_hash in chain_block_hashes(prompt, BLOCK)}
+    wanted = {block_hash for prompt in prompts for block_hash in replica_hashes(tiny_model_dir, prompt)}
     await watcher.read_until(lambda: wanted <= watcher.parents.keys())
     stalled.cancel()
     watcher.call.cancel()
