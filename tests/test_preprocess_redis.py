@@ -87,7 +87,10 @@ def _chat(system: str, user: str) -> preprocess_pb2.TokenizeRequest:
 
 @contextlib.asynccontextmanager
 async def _server(model_dir: Path, redis_url: str, **overrides):
-    config = PreprocessConfig(model_path=model_dir, model_name="tiny", port=0, redis_url=redis_url, **overrides)
+    # A generous timeout: on a loaded machine a 20 ms one can expire, which reads as a miss (the
+    # timeout itself is the subject of the last test).
+    settings = dict(model_path=model_dir, model_name="tiny", port=0, redis_url=redis_url, redis_timeout_ms=2000)
+    config = PreprocessConfig(**{**settings, **overrides})
     server = await start_server(config)
     channel = grpc.aio.insecure_channel(f"127.0.0.1:{server.port}", options=CHANNEL_OPTIONS)
     try:
@@ -156,7 +159,7 @@ def _tokenize_timed(address: str, request, reference) -> float:
 
 def test_a_redis_that_hangs_or_dies_mid_run_only_means_tokenizing_locally(tiny_model_dir, tmp_path, reference):
     with redis_server(tmp_path) as (process, client, url):
-        flags = ["--model", str(tiny_model_dir), "--redis-url", url, "--redis-timeout-ms", "50"]
+        flags = ["--model", str(tiny_model_dir), "--redis-url", url, "--redis-timeout-ms", "300"]
         with running_service("preprocess", flags, tmp_path) as service:
             for i in range(5):  # each system prompt is new: Redis is asked every time
                 _tokenize_timed(service.address, _chat(f"System prompt {i}.", "Hello"), reference)
@@ -172,5 +175,5 @@ def test_a_redis_that_hangs_or_dies_mid_run_only_means_tokenizing_locally(tiny_m
             # The prompts stored before the kill are still found in process.
             _tokenize_timed(service.address, _chat("System prompt 0.", "Again"), reference)
         log = (tmp_path / "preprocess.log").read_text()
-    assert max(slow) < 1.0 and max(dead) < 1.0, (slow, dead)
+    assert max(slow) < 2.0 and max(dead) < 2.0, (slow, dead)  # one timeout at most, then paused
     assert "redis get failed" in log and "Traceback" not in log
