@@ -9,8 +9,8 @@ Per batch:
   3. windows are spliced onto their prefix's ids; a splice that is refused is tokenized in
      full (a second `encode_batch`, for those only);
   4. each job's `finish` runs on its ids (the pipeline's steps after tokenization).
-A job that fails (a template that rejects the chat, a rendered chat over the cap) gets its own
-exception; the others in the batch are not affected.
+A job that fails (a template that rejects the chat, a rendered chat over the cap, a prompt over
+the context) gets its own exception; the others in the batch are not affected.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable, Generic, Sequence, TypeVar
 
-from llmserve.errors import InvalidArgument, ServiceError
+from llmserve.errors import InvalidArgument
 from llmserve.preprocess import validation
 from llmserve.preprocess.chat_template import ChatTemplate
 from llmserve.preprocess.inputs import Chat, TextOrChat
@@ -79,11 +79,13 @@ class BatchEncoder:
         self._tail = tail
 
     def encode_batch(self, jobs: Sequence[EncodeJob]) -> list[Encoded | Exception]:
+        # A job's own failure (ServiceError, or a template that fails in another way, which the
+        # interceptor reports as INTERNAL) stays that job's: its batch-mates are answered.
         plans: list[_Plan | Exception] = []
         for job in jobs:
             try:
                 plans.append(self._plan(job))
-            except ServiceError as exc:
+            except Exception as exc:
                 plans.append(exc)
         live = [plan for plan in plans if isinstance(plan, _Plan)]
         self._tokenize(live)
@@ -92,7 +94,7 @@ class BatchEncoder:
         for job, plan in zip(jobs, plans, strict=True):
             try:
                 outcomes.append(plan if isinstance(plan, Exception) else self._finish(job, plan))
-            except ServiceError as exc:
+            except Exception as exc:
                 outcomes.append(exc)
         return outcomes
 
