@@ -9,7 +9,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
-import os
 import sys
 from pathlib import Path
 
@@ -164,11 +163,6 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     configure_logging("preprocess", args.log_level)
     exit_with_parent()
-    # The --workers threads are this process's parallelism: `encode_batch` then runs serially on
-    # the thread that calls it, instead of handing each batch to the tokenizer's own rayon pool,
-    # whose idle threads spin-wait between the small batches of a serving process (measured:
-    # bench/bench_preprocess.py). An explicit setting in the environment wins.
-    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     try:
         config = config_from_args(args)
     except ValueError as exc:
