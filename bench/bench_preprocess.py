@@ -41,7 +41,7 @@ import tokenizers
 REPO_ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO_ROOT))
 
-from bench.proc_cpu import CLOCK_TICKS_PER_S, cpu_usage, snapshot  # noqa: E402
+from bench.proc_cpu import CLOCK_TICKS_PER_S, snapshot  # noqa: E402
 from llmserve.service_process import ServiceProcess, stop_services  # noqa: E402
 from llmserve.v1 import preprocess_pb2  # noqa: E402
 
