@@ -16,7 +16,7 @@ import pytest
 
 from llmserve.inference.engine.torch_engine import TorchEngineCore
 from llmserve.preprocess.config import PreprocessConfig
-from llmserve.preprocess.preprocessor import Preprocessor, PromptTokenIds
+from llmserve.preprocess.preprocessor import TOKEN_IDS_FIELD, Preprocessor
 from tests.test_torch_engine import Result, assert_pool_full, drain, greedy, make_engine, make_prompt, request, run
 
 NUM_NEW_TOKENS = 4
@@ -139,7 +139,7 @@ def test_preprocess_hashes_like_the_engine_for_the_same_prompt_and_salt(tiny_mod
     def preprocessed(cache_salt: str) -> dict:
         """The EngineRequest fields the gateway sends for `prompt` with `cache_salt`."""
         return dict(
-            block_hashes=preprocessor.preprocess(PromptTokenIds(prompt), NUM_NEW_TOKENS, cache_salt).block_hashes,
+            block_hashes=preprocessor.finish(list(prompt), TOKEN_IDS_FIELD, NUM_NEW_TOKENS, cache_salt).block_hashes,
             block_size_tokens=preprocessor.info.block_size_tokens,
             block_hash_version=preprocessor.info.block_hash_version,
             cache_salt=cache_salt,

@@ -95,7 +95,7 @@ async def stubs(tiny_model_dir, tmp_path_factory):
         await channel.close()
     for server in servers:
         await server.running.server.stop(1.0)
-        server.close()
+        await server.close()
 
 
 @pytest.fixture(scope="module")

@@ -15,10 +15,14 @@ from pathlib import Path
 from llmserve.block_hash import DEFAULT_BLOCK_SIZE
 from llmserve.buckets import DEFAULT_BUCKET_BOUNDS, BucketConfig
 from llmserve.preprocess.config import (
+    DEFAULT_MAX_BATCH_PROMPTS,
     DEFAULT_MAX_IN_FLIGHT_PROMPT_BYTES,
     DEFAULT_MAX_OUTPUT_TOKENS,
-    DEFAULT_NUM_WORKERS,
+    DEFAULT_PROMPT_CACHE_BYTES,
+    DEFAULT_REDIS_TIMEOUT_MS,
+    DEFAULT_REDIS_TTL_S,
     PreprocessConfig,
+    available_cores,
 )
 from llmserve.preprocess.server import start_server
 from llmserve.server import configure_logging, exit_with_parent, serve_until_signal
@@ -81,8 +85,35 @@ def build_parser() -> argparse.ArgumentParser:
         "a message over it plus 64 KiB (or the context as token ids, if larger) is refused unparsed",
     )
     parser.add_argument(
-        "--workers", type=_positive_int, default=DEFAULT_NUM_WORKERS, metavar="N",
-        help="threads that tokenize concurrently off the event loop (default: %(default)s)",
+        "--workers", type=_positive_int, default=available_cores(), metavar="N",
+        help="threads that tokenize off the event loop, one micro-batch each at a time (default: the "
+        "cores this process may use, from its cgroup CPU quota or CPU affinity: %(default)s)",
+    )
+    parser.add_argument(
+        "--max-batch-prompts", type=_positive_int, default=DEFAULT_MAX_BATCH_PROMPTS, metavar="N",
+        help="prompts tokenized in one call at most; requests that arrive while every worker is busy "
+        "are tokenized together (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--prompt-cache-bytes", type=int, default=DEFAULT_PROMPT_CACHE_BYTES, metavar="BYTES",
+        help="tokenized chat prefixes kept in process (an LRU), so that a chat's next turn and "
+        "conversations with a known system prompt tokenize only their new text; 0 turns it off "
+        "(default: %(default)s)",
+    )
+    parser.add_argument(
+        "--redis-url", metavar="URL",
+        help="share tokenized system prompts with other replicas through this Redis, e.g. "
+        "redis://host:6379/0 (default: none, in process only); a Redis that is down or slow only "
+        "means tokenizing locally",
+    )
+    parser.add_argument(
+        "--redis-timeout-ms", type=_positive_int, default=DEFAULT_REDIS_TIMEOUT_MS, metavar="MS",
+        help="a Redis call slower than this is a miss; after a failure Redis is skipped for a second "
+        "(default: %(default)s)",
+    )
+    parser.add_argument(
+        "--redis-ttl-s", type=_positive_int, default=DEFAULT_REDIS_TTL_S, metavar="S",
+        help="expiry of the entries written to Redis (default: %(default)s)",
     )
     parser.add_argument(
         "--max-in-flight-prompt-bytes", type=_positive_int, default=DEFAULT_MAX_IN_FLIGHT_PROMPT_BYTES,
@@ -105,6 +136,11 @@ def config_from_args(args: argparse.Namespace) -> PreprocessConfig:
         num_workers=args.workers,
         max_prompt_bytes=args.max_prompt_bytes,
         max_in_flight_prompt_bytes=args.max_in_flight_prompt_bytes,
+        max_batch_prompts=args.max_batch_prompts,
+        prompt_cache_bytes=args.prompt_cache_bytes,
+        redis_url=args.redis_url,
+        redis_timeout_ms=args.redis_timeout_ms,
+        redis_ttl_s=args.redis_ttl_s,
     )
 
 
@@ -118,7 +154,7 @@ async def _serve(config: PreprocessConfig) -> int:
     try:
         await serve_until_signal(server.running, grace_s=config.grace_period_s)
     finally:
-        server.close()
+        await server.close()
     return 0
 
 

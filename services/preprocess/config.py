@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -10,10 +11,26 @@ from llmserve.buckets import BucketConfig
 from llmserve.server_flags import DEFAULT_GRACE_PERIOD_S, DEFAULT_HOST
 
 DEFAULT_MAX_OUTPUT_TOKENS = 4096
-DEFAULT_NUM_WORKERS = 4
+DEFAULT_MAX_BATCH_PROMPTS = 32
+DEFAULT_PROMPT_CACHE_BYTES = 64 * 1024 * 1024
+DEFAULT_REDIS_TIMEOUT_MS = 20
+DEFAULT_REDIS_TTL_S = 3600
 # Prompt bytes preprocess holds at once (waiting for a worker or being tokenized): a bound on its
 # memory under a flood; a request that does not fit gets RESOURCE_EXHAUSTED with a retry delay.
 DEFAULT_MAX_IN_FLIGHT_PROMPT_BYTES = 256 * 1024 * 1024
+
+
+def available_cores() -> int:
+    """The cores this process may use: the cgroup's CPU quota (a pod's limit) where one is set,
+    else the CPUs it may be scheduled on."""
+    num_cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    try:
+        quota, period = open("/sys/fs/cgroup/cpu.max").read().split()
+    except (OSError, ValueError):
+        return num_cpus
+    if quota == "max":
+        return num_cpus
+    return max(1, min(num_cpus, int(quota) // int(period)))
 
 
 @dataclass(frozen=True, slots=True)
@@ -30,15 +47,25 @@ class PreprocessConfig:
     # None: the model's own context length. Lower it to match an engine started with a
     # shorter --max-context-tokens.
     max_context_tokens: int | None = None
-    num_workers: int = DEFAULT_NUM_WORKERS  # threads that run tokenization off the event loop
+    # Threads that tokenize off the event loop, each running one micro-batch at a time.
+    num_workers: int = field(default_factory=available_cores)
+    max_batch_prompts: int = DEFAULT_MAX_BATCH_PROMPTS  # jobs in one micro-batch at most
     # None: derived (context x the longest token's bytes x 2): larger prompts are refused untokenized.
     max_prompt_bytes: int | None = None
     max_in_flight_prompt_bytes: int = DEFAULT_MAX_IN_FLIGHT_PROMPT_BYTES
+    # Tokenized chat prefixes kept in process (0: no prefix reuse, every chat tokenized in full).
+    prompt_cache_bytes: int = DEFAULT_PROMPT_CACHE_BYTES
+    redis_url: str | None = None  # None: system prompts are cached in process only
+    redis_timeout_ms: int = DEFAULT_REDIS_TIMEOUT_MS  # a slower Redis call counts as a miss
+    redis_ttl_s: int = DEFAULT_REDIS_TTL_S
 
     def __post_init__(self) -> None:
-        for name in ("block_size_tokens", "max_output_tokens", "num_workers", "max_in_flight_prompt_bytes"):
+        for name in ("block_size_tokens", "max_output_tokens", "num_workers", "max_in_flight_prompt_bytes",
+                     "max_batch_prompts", "redis_timeout_ms", "redis_ttl_s"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+        if self.prompt_cache_bytes < 0:
+            raise ValueError(f"prompt_cache_bytes must not be negative, got {self.prompt_cache_bytes}")
         if self.max_context_tokens is not None and self.max_context_tokens < 2:
             raise ValueError(f"max_context_tokens must be at least 2, got {self.max_context_tokens}")
 

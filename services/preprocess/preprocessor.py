@@ -1,4 +1,4 @@
-"""The preprocess pipeline, free of protobuf and of asyncio.
+"""The preprocess pipeline's steps, free of protobuf and of asyncio.
 
 A generation request goes through five steps:
   1. `check`, cheap enough for the event loop (nothing rendered or tokenized): an input is set,
@@ -11,8 +11,9 @@ A generation request goes through five steps:
   4. the prompt is checked against the context and max_tokens resolved;
   5. its length bucket and the chained hashes of its full blocks (namespaced by the model,
      tokenizer, block size and the request's cache salt) are attached.
-Steps 2-5 (`preprocess`, `tokenize`) are synchronous and thread-safe; the servicer runs them on
-worker threads, after `check` on the event loop.
+Steps 2-3 are the BatchEncoder's (many requests at once), 4-5 are `finish`; all are synchronous
+and thread-safe, and llmserve.preprocess.pipeline runs them on worker threads, after `check` on
+the event loop.
 """
 
 from __future__ import annotations
@@ -28,36 +29,19 @@ from llmserve.buckets import BucketConfig, LengthBucket
 from llmserve.errors import InvalidArgument
 from llmserve.message_limits import MAX_TOKEN_ID_BYTES
 from llmserve.model_files import ModelFiles
+from llmserve.preprocess import validation
+from llmserve.preprocess.batch_encoder import BatchEncoder, Encoding
 from llmserve.preprocess.chat_template import ChatTemplate
 from llmserve.preprocess.config import PreprocessConfig
+from llmserve.preprocess.inputs import PromptInput, PromptTokenIds, TextOrChat
+from llmserve.preprocess.tail_tokenizer import TailTokenizer
 from llmserve.preprocess.tokenizer import ModelTokenizer
-from llmserve.preprocess import validation
 from llmserve.preprocess.validation import Limits
-from llmserve.sampling import ChatMessage
 
 log = logging.getLogger(__name__)
 
 # The request field a token-id prompt comes in (error messages name it).
-_TOKEN_IDS_FIELD = "prompt_token_ids"
-
-
-@dataclass(frozen=True, slots=True)
-class Chat:
-    messages: tuple[ChatMessage, ...]
-    add_generation_prompt: bool = True
-
-
-@dataclass(frozen=True, slots=True)
-class PromptTokenIds:
-    """A prompt given as token ids: used as they are, no template, no special tokens added."""
-
-    token_ids: list[int]
-
-
-# What to tokenize: raw text, or a chat to render first.
-TextOrChat = str | Chat
-# What to generate from.
-PromptInput = TextOrChat | PromptTokenIds
+TOKEN_IDS_FIELD = "prompt_token_ids"
 
 
 @dataclass(frozen=True, slots=True)
@@ -106,10 +90,13 @@ class Preprocessor:
         hash_namespace: HashNamespace,
         model_name: str,
         eos_token_ids: tuple[int, ...],
+        tail: TailTokenizer,
     ):
         self.tokenizer = tokenizer
         self.chat_template = chat_template
         self.limits = limits
+        self.tail = tail
+        self.encoder = BatchEncoder(tokenizer, chat_template, limits, tail)
         self.buckets = buckets
         self.hash_namespace = hash_namespace
         self.info = PreprocessInfo(
@@ -140,14 +127,17 @@ class Preprocessor:
                 limits.max_output_tokens,
                 limits.max_context_tokens,
             )
+        chat_template = _compile_chat_template(model, tokenizer)
+        reuse_prefixes = config.prompt_cache_bytes > 0 and chat_template is not None
         return cls(
             tokenizer=tokenizer,
-            chat_template=_compile_chat_template(model, tokenizer),
+            chat_template=chat_template,
             limits=limits,
             buckets=config.buckets.limited_to(limits.max_context_tokens),
             hash_namespace=HashNamespace.of_model_dir(model.path, config.block_size_tokens),
             model_name=model.model_name,
             eos_token_ids=model.eos_token_ids,
+            tail=TailTokenizer(_template_boundary_tokens(tokenizer, chat_template) if reuse_prefixes else {}),
         )
 
     def check(self, request_input: PromptInput | None, max_tokens: int | None) -> int:
@@ -162,14 +152,10 @@ class Preprocessor:
             validation.check_prompt(request_input)
         return self._check_text_or_chat(request_input, text_field="prompt")
 
-    def preprocess(self, request_input: PromptInput, max_tokens: int | None, cache_salt: str) -> Preprocessed:
-        """Steps 2-5 for an input that passed `check`: token ids, bucket, block hashes (for
-        `cache_salt`, "" = none) and resolved max_tokens."""
-        if isinstance(request_input, PromptTokenIds):
-            token_ids, field = request_input.token_ids, _TOKEN_IDS_FIELD
-        else:
-            token_ids, _ = self._encode(request_input, add_special_tokens=None)
-            field = "prompt" if isinstance(request_input, str) else "chat"
+    def finish(self, token_ids: list[int], field: str, max_tokens: int | None, cache_salt: str) -> Preprocessed:
+        """Steps 4-5 once the ids are known: resolved max_tokens, bucket and block hashes (for
+        `cache_salt`, "" = none). `field` names the input in errors ("prompt", "chat" or
+        TOKEN_IDS_FIELD)."""
         resolved_max_tokens = validation.resolve_max_tokens(field, len(token_ids), max_tokens, self.limits)
         return Preprocessed(
             token_ids=token_ids,
@@ -184,10 +170,10 @@ class Preprocessor:
             raise InvalidArgument("input", "set one of text or chat")
         return self._check_text_or_chat(request_input, text_field="text")
 
-    def tokenize(self, request_input: TextOrChat, add_special_tokens: bool | None) -> Tokenized:
-        """Token ids and their vocabulary strings, for an input that passed `check_tokenize`."""
-        token_ids, rendered_prompt = self._encode(request_input, add_special_tokens)
-        return Tokenized(token_ids, self.tokenizer.token_strings(token_ids), rendered_prompt)
+    def tokenized(self, encoding: Encoding) -> Tokenized:
+        """A Tokenize response's fields from an encoding."""
+        token_ids = encoding.token_ids
+        return Tokenized(token_ids, self.tokenizer.token_strings(token_ids), encoding.rendered_prompt)
 
     def detokenize(self, token_ids: Sequence[int], *, skip_special_tokens: bool) -> str:
         validation.check_token_ids("token_ids", token_ids, self.tokenizer.vocab_size)
@@ -205,24 +191,11 @@ class Preprocessor:
 
     def _check_token_ids(self, token_ids: list[int], max_tokens: int | None) -> int:
         if not token_ids:
-            raise InvalidArgument(f"{_TOKEN_IDS_FIELD}.token_ids", "must not be empty")
+            raise InvalidArgument(f"{TOKEN_IDS_FIELD}.token_ids", "must not be empty")
         # The count first: it bounds the vocabulary scan by the context.
-        validation.resolve_max_tokens(_TOKEN_IDS_FIELD, len(token_ids), max_tokens, self.limits)
-        validation.check_token_ids(f"{_TOKEN_IDS_FIELD}.token_ids", token_ids, self.tokenizer.vocab_size)
+        validation.resolve_max_tokens(TOKEN_IDS_FIELD, len(token_ids), max_tokens, self.limits)
+        validation.check_token_ids(f"{TOKEN_IDS_FIELD}.token_ids", token_ids, self.tokenizer.vocab_size)
         return len(token_ids) * MAX_TOKEN_ID_BYTES
-
-    def _encode(self, request_input: TextOrChat, add_special_tokens: bool | None) -> tuple[list[int], str]:
-        """Ids plus the rendered chat ("" for text). `add_special_tokens` applies to text only
-        (unset: true); a rendered chat already holds its special tokens as text."""
-        if isinstance(request_input, str):
-            add = True if add_special_tokens is None else add_special_tokens
-            return self.tokenizer.encode(request_input, add_special_tokens=add), ""
-        rendered = self.chat_template.render(
-            request_input.messages, add_generation_prompt=request_input.add_generation_prompt
-        )
-        # A template may add text per turn: what is tokenized is held to the cap too.
-        validation.check_prompt_bytes("chat", validation.utf8_bytes(rendered), self.limits)
-        return self.tokenizer.encode(rendered, add_special_tokens=False), rendered
 
 
 def _compile_chat_template(model: ModelFiles, tokenizer: ModelTokenizer) -> ChatTemplate | None:
@@ -233,3 +206,8 @@ def _compile_chat_template(model: ModelFiles, tokenizer: ModelTokenizer) -> Chat
         return ChatTemplate(model.chat_template, tokenizer.special_tokens)
     except jinja2.TemplateSyntaxError as exc:
         raise ValueError(f"{model.path}: the chat template does not compile: {exc}") from exc
+
+
+def _template_boundary_tokens(tokenizer: ModelTokenizer, chat_template: ChatTemplate) -> dict[str, int]:
+    """The boundary tokens the template writes itself: every rendered chat has them."""
+    return {text: token_id for text, token_id in tokenizer.boundary_tokens().items() if text in chat_template.source}

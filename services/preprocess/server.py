@@ -13,9 +13,9 @@ from dataclasses import dataclass
 
 from llmserve.message_limits import prompt_request_bytes
 from llmserve.preprocess.config import PreprocessConfig
+from llmserve.preprocess.pipeline import PreprocessPipeline
 from llmserve.preprocess.preprocessor import Preprocessor
 from llmserve.preprocess.servicer import SERVICE_NAME, PreprocessServicer
-from llmserve.preprocess.worker_pool import WorkerPool
 from llmserve.server import RunningServer, create_server, write_port_file
 from llmserve.v1 import preprocess_pb2_grpc
 
@@ -24,26 +24,25 @@ log = logging.getLogger(__name__)
 
 @dataclass
 class PreprocessServer:
-    """A serving preprocess server and the worker threads it tokenizes on."""
+    """A serving preprocess server and the pipeline (worker threads, prompt cache) behind it."""
 
     running: RunningServer
-    workers: WorkerPool
-    preprocessor: Preprocessor
+    pipeline: PreprocessPipeline
 
     @property
     def port(self) -> int:
         return self.running.port
 
-    def close(self) -> None:
-        """Stop the worker threads (after the gRPC server has stopped)."""
-        self.workers.close()
+    async def close(self) -> None:
+        """Stop the worker threads and the Redis client (after the gRPC server has stopped)."""
+        await self.pipeline.close()
 
 
 async def start_server(config: PreprocessConfig) -> PreprocessServer:
     """Load, bind `config.address`, set health SERVING and only then write the port file."""
     preprocessor = await asyncio.to_thread(Preprocessor.load, config)
-    workers = WorkerPool(config.num_workers, config.max_in_flight_prompt_bytes)
-    servicer = PreprocessServicer(preprocessor, workers)
+    pipeline = PreprocessPipeline.build(preprocessor, config)
+    servicer = PreprocessServicer(pipeline)
     info = preprocessor.info
     max_receive_bytes = prompt_request_bytes(info.max_prompt_bytes, info.max_context_tokens)
     running = await create_server(
@@ -57,7 +56,7 @@ async def start_server(config: PreprocessConfig) -> PreprocessServer:
     log.info(
         "serving %s on port %d: vocab %d, context %d tokens, max output %d tokens, max prompt %d bytes, "
         "max message %d bytes, block size %d, buckets %s, chat template %s, %d workers holding at most "
-        "%d prompt bytes",
+        "%d prompt bytes, micro-batches of up to %d prompts, prefix reuse %s, redis %s",
         info.model_name,
         running.port,
         info.vocab_size,
@@ -70,5 +69,8 @@ async def start_server(config: PreprocessConfig) -> PreprocessServer:
         "yes" if info.has_chat_template else "no",
         config.num_workers,
         config.max_in_flight_prompt_bytes,
+        config.max_batch_prompts,
+        f"on ({config.prompt_cache_bytes} bytes in process)" if pipeline.is_reusing_prefixes else "off",
+        config.redis_url if config.redis_url and pipeline.is_reusing_prefixes else "none",
     )
-    return PreprocessServer(running=running, workers=workers, preprocessor=preprocessor)
+    return PreprocessServer(running=running, pipeline=pipeline)

@@ -1,11 +1,10 @@
-"""The Preprocess gRPC servicer: protobuf in and out, the pipeline on worker threads.
+"""The Preprocess gRPC servicer: protobuf in and out, the PreprocessPipeline in between.
 
 Protobuf stops here: requests become internal types (`Chat`, `PromptTokenIds`, str). The cheap
 checks run on the event loop, so an oversized or malformed request is refused before it waits
-for anything; the rest of the `Preprocessor` runs on the `WorkerPool` (the Rust tokenizer
-releases the GIL there, so concurrent requests tokenize in parallel and the event loop stays
-free), within its byte budget. Errors propagate as `ServiceError`s to the interceptor installed
-by `create_server`.
+for anything; tokenizing runs in micro-batches on worker threads (the Rust tokenizer releases
+the GIL there, so the event loop stays free), within the byte budget (llmserve.preprocess.
+pipeline). Errors propagate as `ServiceError`s to the interceptor installed by `create_server`.
 """
 
 from __future__ import annotations
@@ -17,10 +16,9 @@ import grpc
 
 from llmserve.buckets import LengthBucket
 from llmserve.errors import ServiceError
-from llmserve.message_limits import MAX_TOKEN_ID_BYTES
 from llmserve.pb import chat_from_pb
-from llmserve.preprocess.preprocessor import Chat, Preprocessor, PromptInput, PromptTokenIds
-from llmserve.preprocess.worker_pool import WorkerPool
+from llmserve.preprocess.inputs import Chat, PromptInput, PromptTokenIds
+from llmserve.preprocess.pipeline import PreprocessPipeline
 from llmserve.v1 import common_pb2, preprocess_pb2, preprocess_pb2_grpc
 
 log = logging.getLogger(__name__)
@@ -50,9 +48,9 @@ def _bucket_to_pb(bucket: LengthBucket) -> common_pb2.LengthBucket:
 
 
 class PreprocessServicer(preprocess_pb2_grpc.PreprocessServiceServicer):
-    def __init__(self, preprocessor: Preprocessor, workers: WorkerPool):
-        self._preprocessor = preprocessor
-        self._workers = workers
+    def __init__(self, pipeline: PreprocessPipeline):
+        self._pipeline = pipeline
+        self._preprocessor = pipeline.preprocessor
 
     async def Preprocess(
         self, request: preprocess_pb2.PreprocessRequest, context: grpc.aio.ServicerContext
@@ -62,10 +60,7 @@ class PreprocessServicer(preprocess_pb2_grpc.PreprocessServiceServicer):
         max_tokens = request.max_tokens if request.HasField("max_tokens") else None
         prompt_input = _input_from_pb(request, "prompt")
         try:
-            num_bytes = self._preprocessor.check(prompt_input, max_tokens)
-            result = await self._workers.run(
-                num_bytes, self._preprocessor.preprocess, prompt_input, max_tokens, request.cache_salt
-            )
+            result = await self._pipeline.preprocess(prompt_input, max_tokens, request.cache_salt)
         except ServiceError as exc:
             log.info("request_id=%s rejected: %s", request_id, exc.message)
             raise
@@ -94,8 +89,7 @@ class PreprocessServicer(preprocess_pb2_grpc.PreprocessServiceServicer):
         add_special_tokens = request.add_special_tokens if request.HasField("add_special_tokens") else None
         text_or_chat = _input_from_pb(request, "text")
         try:
-            num_bytes = self._preprocessor.check_tokenize(text_or_chat)
-            result = await self._workers.run(num_bytes, self._preprocessor.tokenize, text_or_chat, add_special_tokens)
+            result = await self._pipeline.tokenize(text_or_chat, add_special_tokens)
         except ServiceError as exc:
             log.info("tokenize rejected: %s", exc.message)
             raise
@@ -109,10 +103,7 @@ class PreprocessServicer(preprocess_pb2_grpc.PreprocessServiceServicer):
         skip_special_tokens = request.skip_special_tokens if request.HasField("skip_special_tokens") else True
         token_ids = list(request.token_ids)
         try:
-            text = await self._workers.run(
-                len(token_ids) * MAX_TOKEN_ID_BYTES,
-                self._preprocessor.detokenize, token_ids, skip_special_tokens=skip_special_tokens,
-            )
+            text = await self._pipeline.detokenize(token_ids, skip_special_tokens)
         except ServiceError as exc:
             log.info("detokenize rejected: %s", exc.message)
             raise

@@ -14,6 +14,7 @@ gateway's streamed output follows too (llmserve.text_decoder).
 
 from __future__ import annotations
 
+import hashlib
 from pathlib import Path
 from typing import Sequence
 
@@ -35,8 +36,12 @@ def _token_text(value) -> str | None:
 class ModelTokenizer:
     """Thread-safe encode/decode with the model's tokenizer. Build with `load`."""
 
-    def __init__(self, backend: tokenizers.Tokenizer, special_tokens: dict[str, str], decoder: TextDecoder):
+    def __init__(
+        self, backend: tokenizers.Tokenizer, special_tokens: dict[str, str], decoder: TextDecoder, version: str
+    ):
         self._backend = backend
+        # Changes whenever tokenizer.json or the library does: part of shared cache keys.
+        self.version = version
         # Named special tokens (bos_token, eos_token, ...) that are set; chat templates see them.
         self.special_tokens = special_tokens
         self._decoder = decoder
@@ -55,16 +60,41 @@ class ModelTokenizer:
     def load(cls, model_dir: str | Path) -> "ModelTokenizer":
         """Read tokenizer.json and tokenizer_config.json from a checkpoint directory."""
         model_dir = Path(model_dir)
-        backend = tokenizers.Tokenizer.from_file(str(model_dir / "tokenizer.json"))
+        tokenizer_json = (model_dir / "tokenizer.json").read_bytes()
+        backend = tokenizers.Tokenizer.from_str(tokenizer_json.decode("utf-8"))
         config = read_tokenizer_config(model_dir)
         special_tokens = {
             name: text for name in SPECIAL_TOKEN_NAMES if (text := _token_text(config.get(name))) is not None
         }
-        return cls(backend, special_tokens, TextDecoder(backend, config))
+        digest = hashlib.blake2b(tokenizer_json, digest_size=8).hexdigest()
+        return cls(backend, special_tokens, TextDecoder(backend, config), f"{digest}-tokenizers{tokenizers.__version__}")
 
     def encode(self, text: str, *, add_special_tokens: bool) -> list[int]:
         """Token ids of `text`; `add_special_tokens` runs the post-processor (BOS etc.)."""
         return self._encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
+
+    def encode_batch(self, texts: Sequence[str], *, add_special_tokens: bool) -> list[list[int]]:
+        """`encode` of each text, in one call into Rust (one GIL release for the batch)."""
+        return [encoding.ids for encoding in self._encode_batch(texts, add_special_tokens=add_special_tokens)]
+
+    def boundary_tokens(self) -> dict[str, int]:
+        """Added tokens the tokenizer splits the text on before normalizing or pre-tokenizing it,
+        matched on the raw text with nothing stripped around them: the text on either side of one
+        is tokenized independently (what the tail tokenizer relies on). A token inside another
+        added token is left out (a longer match could swallow it), and there are none when the
+        tokenizer truncates, pads or is told to tokenize special tokens as text."""
+        backend = self._backend
+        if backend.truncation is not None or backend.padding is not None or backend.encode_special_tokens:
+            return {}
+        added = backend.get_added_tokens_decoder()
+        texts = [token.content for token in added.values()]
+        return {
+            token.content: token_id
+            for token_id, token in added.items()
+            if not (token.normalized or token.lstrip or token.rstrip or token.single_word)
+            and token.content
+            and sum(token.content in text for text in texts) == 1
+        }
 
     def token_strings(self, token_ids: Sequence[int]) -> list[str]:
         """The vocabulary entry of each id (e.g. "Ġthe" for byte-level BPE), as transformers'

@@ -14,10 +14,12 @@ is in flight, so the budget never refuses a prompt the byte cap allows.
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import functools
 import math
 import time
 from concurrent.futures import ThreadPoolExecutor
-from typing import Callable, TypeVar
+from typing import Callable, Iterator, TypeVar
 
 from llmserve.errors import ResourceExhausted
 
@@ -35,7 +37,7 @@ class WorkerPool:
 
     def __init__(self, num_workers: int, max_in_flight_bytes: int):
         self._executor = ThreadPoolExecutor(max_workers=num_workers, thread_name_prefix="preprocess")
-        self._num_workers = num_workers
+        self.num_workers = num_workers
         self._max_in_flight_bytes = max_in_flight_bytes
         self._in_flight_bytes = 0  # prompts admitted and not finished (waiting or running)
         self._bytes_per_s = _INITIAL_BYTES_PER_S  # one worker's, moving average
@@ -43,20 +45,33 @@ class WorkerPool:
     async def run(self, num_bytes: int, fn: Callable[..., T], /, *args, **kwargs) -> T:
         """`fn(*args, **kwargs)` on a worker, holding `num_bytes` of the budget meanwhile;
         ResourceExhausted (with a retry delay) when they do not fit."""
+        with self.hold(num_bytes):
+            return await self.execute(num_bytes, functools.partial(fn, *args, **kwargs))
+
+    @contextlib.contextmanager
+    def hold(self, num_bytes: int) -> Iterator[None]:
+        """Admit `num_bytes` for the duration of the block, or raise ResourceExhausted."""
         self._admit(num_bytes)
+        try:
+            yield
+        finally:
+            self._in_flight_bytes -= num_bytes
+
+    async def execute(self, num_bytes: int, fn: Callable[[], T]) -> T:
+        """`fn()` on a worker (no admission: the caller holds the bytes), timed into the rate
+        estimate as work on `num_bytes` of prompts."""
         elapsed_s: list[float] = []  # set by the worker when fn returns or raises
 
         def timed() -> T:
             start_s = time.perf_counter()
             try:
-                return fn(*args, **kwargs)
+                return fn()
             finally:
                 elapsed_s.append(time.perf_counter() - start_s)
 
         try:
             return await asyncio.get_running_loop().run_in_executor(self._executor, timed)
         finally:
-            self._in_flight_bytes -= num_bytes
             if elapsed_s:  # empty when the caller was cancelled before fn finished
                 self._measure(num_bytes, elapsed_s[0])
 
@@ -74,7 +89,7 @@ class WorkerPool:
         self._in_flight_bytes += num_bytes
 
     def _drain_time_ms(self) -> int:
-        return max(1, math.ceil(1000 * self._in_flight_bytes / (self._bytes_per_s * self._num_workers)))
+        return max(1, math.ceil(1000 * self._in_flight_bytes / (self._bytes_per_s * self.num_workers)))
 
     def _measure(self, num_bytes: int, elapsed_s: float) -> None:
         rate = num_bytes / max(elapsed_s, 1e-6)

@@ -1,0 +1,100 @@
+"""Micro-batching: jobs that arrive while the workers are busy run as one batch, each job gets its
+own result or error, and a server answering many concurrent requests in batches answers each
+exactly as it answers it alone. Real worker threads, a real server on the tiny model."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+
+import grpc
+import pytest
+
+from llmserve.preprocess.config import PreprocessConfig
+from llmserve.preprocess.micro_batcher import MicroBatcher
+from llmserve.preprocess.server import start_server
+from llmserve.preprocess.worker_pool import WorkerPool
+from llmserve.server import CHANNEL_OPTIONS
+from llmserve.v1 import common_pb2, preprocess_pb2, preprocess_pb2_grpc
+
+pytestmark = pytest.mark.asyncio(loop_scope="session")
+
+
+async def test_jobs_queued_behind_a_busy_worker_run_as_one_batch_with_their_own_outcomes():
+    release = threading.Event()
+    batches: list[list[int]] = []
+
+    def square_batch(jobs):
+        batches.append(list(jobs))
+        if len(batches) == 1:
+            release.wait(10)
+        return [ValueError(f"no {job}") if job == 3 else job * job for job in jobs]
+
+    pool = WorkerPool(num_workers=1, max_in_flight_bytes=1000)
+    batcher = MicroBatcher(pool, square_batch, max_batch_jobs=4)
+    try:
+        first = asyncio.create_task(batcher.run(0, 1))
+        await asyncio.sleep(0.05)  # the first job runs alone at once: nothing waits for a batch to fill
+        queued = [asyncio.create_task(batcher.run(job, 1)) for job in range(1, 7)]
+        cancelled = asyncio.create_task(batcher.run(99, 1))
+        await asyncio.sleep(0.05)
+        cancelled.cancel()
+        release.set()
+        assert await first == 0
+        outcomes = await asyncio.gather(*queued, return_exceptions=True)
+        assert outcomes[:2] == [1, 4] and str(outcomes[2]) == "no 3" and outcomes[3:] == [16, 25, 36]
+        assert batches == [[0], [1, 2, 3, 4], [5, 6]]  # the cancelled job never ran
+    finally:
+        release.set()
+        pool.close()
+
+
+def _requests() -> list[preprocess_pb2.PreprocessRequest]:
+    """Prompts, chats (shared system prompts, growing turns), token ids, and requests that fail
+    after tokenizing (over the context) or in the template."""
+    requests = []
+    for i in range(40):
+        kind = i % 5
+        if kind == 0:
+            requests.append(preprocess_pb2.PreprocessRequest(prompt=f"The capital of France is {i} Paris " * (1 + i % 7)))
+        elif kind in (1, 2):
+            turns = [common_pb2.ChatMessage(role="system", content=f"Be brief {i % 3}")]
+            for turn in range(i % 4 + 1):
+                turns.append(common_pb2.ChatMessage(role="user", content=f"question {turn} é 東京"))
+                turns.append(common_pb2.ChatMessage(role="assistant", content=f"answer {turn}\n\n"))
+            requests.append(preprocess_pb2.PreprocessRequest(chat=common_pb2.ChatInput(messages=turns[:-1])))
+        elif kind == 3:
+            requests.append(preprocess_pb2.PreprocessRequest(prompt_token_ids=common_pb2.TokenIdsInput(token_ids=range(i, i + 30))))
+        else:
+            requests.append(preprocess_pb2.PreprocessRequest(prompt="x" * (300 + i)))  # over the 256-token context
+    return requests
+
+
+async def _answer(stub, request):
+    try:
+        response = await stub.Preprocess(request, timeout=60)
+    except grpc.aio.AioRpcError as error:
+        return (error.code(), error.details())
+    response.ClearField("preprocess_time_ns")
+    return response
+
+
+async def test_batched_answers_equal_the_answers_to_each_request_alone(tiny_model_dir):
+    alone_config = PreprocessConfig(model_path=tiny_model_dir, port=0, num_workers=1, max_batch_prompts=1, prompt_cache_bytes=0)
+    batched_config = PreprocessConfig(model_path=tiny_model_dir, port=0, num_workers=1, max_batch_prompts=16)
+    servers = [await start_server(alone_config), await start_server(batched_config)]
+    channels = [grpc.aio.insecure_channel(f"127.0.0.1:{s.port}", options=CHANNEL_OPTIONS) for s in servers]
+    try:
+        alone, batched = (preprocess_pb2_grpc.PreprocessServiceStub(c) for c in channels)
+        requests = _requests()
+        expected = [await _answer(alone, request) for request in requests]
+        for _ in range(3):  # the later rounds meet the prefixes the first stored
+            assert await asyncio.gather(*(_answer(batched, r) for r in requests)) == expected
+        assert sum(isinstance(e, tuple) for e in expected) == 8
+        assert all(e[0] == grpc.StatusCode.INVALID_ARGUMENT for e in expected if isinstance(e, tuple))
+    finally:
+        for channel in channels:
+            await channel.close()
+        for server in servers:
+            await server.running.server.stop(1.0)
+            await server.close()
