@@ -23,6 +23,7 @@ from llmserve.inference.engine.config import EngineConfig
 from llmserve.inference.engine.engine_thread import EngineThread
 from llmserve.inference.engine.hf_engine import HFEngineCore
 from llmserve.inference.engine.types import EngineRequest
+from llmserve.inference.kv_event_log import KvEventLog
 from llmserve.inference.servicer import SERVICE_NAME, InferenceServicer
 from llmserve.message_limits import token_ids_request_bytes
 from llmserve.sampling import SamplingParams
@@ -55,7 +56,7 @@ class Service:
 async def start_service(model_dir) -> Service:
     engine = AsyncEngine(EngineThread(HFEngineCore(hf_config(model_dir))))
     await engine.start()
-    servicer = InferenceServicer(engine, replica_id="replica-under-test")
+    servicer = InferenceServicer(engine, KvEventLog.of(engine, replica_id="replica-under-test"))
     running = await create_server(
         "127.0.0.1:0",
         lambda server: inference_pb2_grpc.add_InferenceServiceServicer_to_server(servicer, server),

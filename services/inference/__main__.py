@@ -1,8 +1,9 @@
 """`python -m llmserve.inference`: serve one engine replica over gRPC.
 
 Start-up: load the engine (weights, KV pool) → bind → start the engine thread → health SERVING
-→ write --port-file. SIGTERM/SIGINT: health NOT_SERVING → stop accepting → running streams
-finish for up to --grace-period-s (then they are aborted) → exit 0.
+→ write --port-file. SIGTERM/SIGINT: health NOT_SERVING → stop accepting → WatchKvEvents
+streams end at once (subscribers stop routing here) → running streams finish for up to
+--grace-period-s (then they are aborted) → exit 0.
 """
 
 from __future__ import annotations
@@ -14,9 +15,10 @@ import socket
 from pathlib import Path
 
 from llmserve.inference.backends import BackendUnavailable, ServingEngine, create_engine
-from llmserve.inference.config import InferenceConfig
+from llmserve.inference.config import DEFAULT_KV_EVENTS_HEARTBEAT_MS, InferenceConfig
 from llmserve.inference.engine.config import MODEL_GROUP
 from llmserve.inference.engine_flags import add_engine_arguments, engine_config, engine_options
+from llmserve.inference.kv_event_log import KvEventLog
 from llmserve.inference.servicer import SERVICE_NAME, InferenceServicer
 from llmserve.message_limits import token_ids_request_bytes
 from llmserve.model_files import ModelFiles
@@ -34,6 +36,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     server = add_server_arguments(p)
     server.add_argument("--replica-id", help="stable routing key of this replica (default: <hostname>-<bound port>)")
+    server.add_argument(
+        "--kv-events-heartbeat-ms", type=int, default=DEFAULT_KV_EVENTS_HEARTBEAT_MS, metavar="MS",
+        help="WatchKvEvents: a heartbeat (with the load) after this many quiet milliseconds, for "
+        "subscribers that ask for no interval of their own (default: %(default)s)",
+    )
     model = p.add_argument_group(MODEL_GROUP)
     model.add_argument("--model", required=True, help="local HF checkpoint directory (config.json, *.safetensors)")
     model.add_argument("--model-name", help="served model name (default: the name the checkpoint gives itself)")
@@ -48,6 +55,7 @@ def config_from_args(args: argparse.Namespace) -> InferenceConfig:
         engine=engine_config(engine_options(args), model_path, model_name),
         **server_options(args),
         replica_id=args.replica_id,
+        kv_events_heartbeat_ms=args.kv_events_heartbeat_ms,
         log_level=args.log_level,
     )
 
@@ -58,8 +66,11 @@ async def serve(config: InferenceConfig) -> None:
     except ValueError as exc:  # a model or a flag combination this engine cannot run: say why
         log.error("cannot start the engine: %s", exc)
         raise SystemExit(1) from None
+    kv_events = KvEventLog.of(
+        engine, replica_id=config.replica_id or "", default_heartbeat_interval_s=config.kv_events_heartbeat_ms / 1000
+    )
     await engine.start()
-    servicer = InferenceServicer(engine, replica_id=config.replica_id or "")
+    servicer = InferenceServicer(engine, kv_events)
     running = await create_server(
         config.address,
         lambda server: inference_pb2_grpc.add_InferenceServiceServicer_to_server(servicer, server),
@@ -68,16 +79,19 @@ async def serve(config: InferenceConfig) -> None:
             engine.model_info.max_context_tokens, engine.model_info.block_size_tokens
         ),
     )
-    if not servicer.replica_id:
-        servicer.replica_id = f"{socket.gethostname()}-{running.port}"
-    _log_startup(engine, servicer.replica_id, running.port)
+    if not kv_events.replica_id:
+        kv_events.replica_id = f"{socket.gethostname()}-{running.port}"
+    _log_startup(engine, kv_events.replica_id, running.port)
     await running.set_serving(True)
     write_port_file(config.port_file, running.port)
-    await serve_until_signal(
-        running,
-        grace_s=config.grace_period_s,
-        on_drain=lambda: engine.shutdown(drain_timeout_s=config.grace_period_s),
-    )
+    await serve_until_signal(running, grace_s=config.grace_period_s, on_drain=lambda: _drain(engine, kv_events, config))
+
+
+async def _drain(engine: ServingEngine, kv_events: KvEventLog, config: InferenceConfig) -> None:
+    # A draining replica refuses new requests, so its watchers had better stop routing here
+    # now; their streams, which never end by themselves, must not hold the drain either.
+    kv_events.close()
+    await engine.shutdown(drain_timeout_s=config.grace_period_s)
 
 
 def _log_startup(engine: ServingEngine, replica_id: str, port: int) -> None:

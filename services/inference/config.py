@@ -7,6 +7,11 @@ from dataclasses import dataclass
 from llmserve.inference.engine.config import EngineConfig
 from llmserve.server_flags import DEFAULT_GRACE_PERIOD_S, DEFAULT_HOST
 
+DEFAULT_KV_EVENTS_HEARTBEAT_MS = 500
+# Bounds of a WatchKvEvents heartbeat interval (the flag's and a subscriber's): below, the
+# heartbeats alone would keep the event loop busy; above, a dead replica stays routed too long.
+KV_EVENTS_HEARTBEAT_MS_RANGE = (10, 600_000)
+
 
 @dataclass(frozen=True, slots=True)
 class InferenceConfig:
@@ -18,6 +23,8 @@ class InferenceConfig:
     # Stable routing key of this replica. None: "<hostname>-<bound port>", resolved at start-up
     # (the bound port is only known then), so it is passed to the servicer, not stored here.
     replica_id: str | None = None
+    # WatchKvEvents heartbeat interval for subscribers that ask for none.
+    kv_events_heartbeat_ms: int = DEFAULT_KV_EVENTS_HEARTBEAT_MS
     log_level: str = "INFO"
 
     def __post_init__(self) -> None:
@@ -25,6 +32,9 @@ class InferenceConfig:
             raise ValueError(f"grace_period_s must not be negative, got {self.grace_period_s}")
         if not 0 <= self.port <= 65535:
             raise ValueError(f"port must be in [0, 65535], got {self.port}")
+        low, high = KV_EVENTS_HEARTBEAT_MS_RANGE
+        if not low <= self.kv_events_heartbeat_ms <= high:
+            raise ValueError(f"kv_events_heartbeat_ms must be in [{low}, {high}], got {self.kv_events_heartbeat_ms}")
 
     @property
     def address(self) -> str:

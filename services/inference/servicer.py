@@ -8,6 +8,10 @@ the interceptor installed by create_server maps them to status codes.
 Cancellation: when the client cancels or the deadline passes, grpc.aio cancels the handler
 (asyncio.CancelledError at its current await). That unwinds the engine's generate(), whose
 `finally` aborts the request in the engine, freeing its KV blocks.
+
+WatchKvEvents serves the replica's KvEventLog (kv_event_log.py) as it is: snapshot, batches,
+heartbeats; the stream ends when the log closes (the replica drains) and with
+RESOURCE_EXHAUSTED when the subscriber fell too far behind.
 """
 
 from __future__ import annotations
@@ -20,20 +24,24 @@ from typing import AsyncIterator
 import grpc
 
 from llmserve.block_hash import HASH_VERSION
+from llmserve.errors import InvalidArgument
 from llmserve.inference.backends import ServingEngine
+from llmserve.inference.config import KV_EVENTS_HEARTBEAT_MS_RANGE
+from llmserve.inference.kv_event_log import KvEventLog
 from llmserve.inference.multiplex import MultiplexedStream
 from llmserve.inference.wire import deadline_ns, output_to_pb, request_from_pb
+from llmserve.kv_events import batch_to_pb
 from llmserve.v1 import common_pb2, inference_pb2, inference_pb2_grpc
 
 SERVICE_NAME = inference_pb2.DESCRIPTOR.services_by_name["InferenceService"].full_name
 
 
 class InferenceServicer(inference_pb2_grpc.InferenceServiceServicer):
-    """`replica_id` may be set once after binding (its default names the bound port)."""
+    """`kv_events` is the log of `engine`'s cache (KvEventLog.of) and names the replica."""
 
-    def __init__(self, engine: ServingEngine, replica_id: str):
+    def __init__(self, engine: ServingEngine, kv_events: KvEventLog):
         self._engine = engine
-        self.replica_id = replica_id
+        self._kv_events = kv_events
 
     async def GenerateTokens(
         self, request: inference_pb2.GenerateTokensRequest, context: grpc.aio.ServicerContext
@@ -79,14 +87,14 @@ class InferenceServicer(inference_pb2_grpc.InferenceServiceServicer):
             device=info.device,
             block_hash_version=HASH_VERSION,
         )
-        return inference_pb2.GetModelInfoResponse(model=model, replica_id=self.replica_id)
+        return inference_pb2.GetModelInfoResponse(model=model, replica_id=self._kv_events.replica_id)
 
     async def GetLoad(
         self, request: inference_pb2.GetLoadRequest, context: grpc.aio.ServicerContext
     ) -> inference_pb2.GetLoadResponse:
         load = self._engine.load()
         return inference_pb2.GetLoadResponse(
-            replica_id=self.replica_id,
+            replica_id=self._kv_events.replica_id,
             num_running=load.num_running,
             num_waiting=load.num_waiting,
             kv_blocks_total=load.kv_blocks_total,
@@ -97,3 +105,20 @@ class InferenceServicer(inference_pb2_grpc.InferenceServiceServicer):
             prefix_cache_hit_tokens_total=load.prefix_cache_hit_tokens_total,
             num_preemptions_total=load.num_preemptions_total,
         )
+
+    async def WatchKvEvents(
+        self, request: inference_pb2.WatchKvEventsRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[inference_pb2.KvEventBatch]:
+        interval_s = _heartbeat_interval_s(request, self._kv_events.default_heartbeat_interval_s)
+        async with aclosing(self._kv_events.subscribe(request.load_only, interval_s)) as batches:
+            async for batch in batches:
+                yield batch_to_pb(batch)
+
+
+def _heartbeat_interval_s(request: inference_pb2.WatchKvEventsRequest, default_s: float) -> float:
+    if not request.heartbeat_interval_ms:
+        return default_s
+    low, high = KV_EVENTS_HEARTBEAT_MS_RANGE
+    if not low <= request.heartbeat_interval_ms <= high:
+        raise InvalidArgument("heartbeat_interval_ms", f"must be 0 (the replica's default) or in [{low}, {high}]")
+    return request.heartbeat_interval_ms / 1000

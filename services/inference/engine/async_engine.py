@@ -5,7 +5,8 @@ EngineThread (a thread of this process) or an EngineProcess (a process of its ow
     submit()/generate() ──add_request──▶   ──▶ core.add_request
     abort()             ──abort_request─▶  ──▶ core.abort_request (+ CANCELLED outputs)
                                                core.step() → [EngineOutput]
-    each request's on_output ◀── _deliver(outputs), once per engine step ◀──┘
+    each request's on_output ◀── _deliver(outputs, kv_events), per engine step ◀──┘
+    the kv-event sink       ◀──┘ (the step's prefix-cache changes, when it made any)
 
 Two ways to consume a request: `submit(request, on_output)` calls `on_output` for every
 output as it is delivered (the multiplexed stream hands a whole step to its writer this way);
@@ -29,11 +30,14 @@ from typing import AsyncIterator, Protocol
 
 from llmserve.errors import InvalidArgument, Unavailable
 from llmserve.inference.admission import AdmissionConfig, AdmissionController
-from llmserve.inference.engine.types import EngineLoad, EngineOutput, EngineRequest, ModelInfo
+from llmserve.inference.engine.engine_loop import Deliver
+from llmserve.inference.engine.types import CacheEvent, EngineLoad, EngineOutput, EngineRequest, ModelInfo
 
 log = logging.getLogger(__name__)
 
 OnOutput = Callable[[EngineOutput], None]
+# Gets every batch of prefix-cache changes, on the loop, before the outputs delivered with it.
+KvEventSink = Callable[[list[CacheEvent]], None]
 
 
 class CoreClient(Protocol):
@@ -41,7 +45,7 @@ class CoreClient(Protocol):
 
     model_info: ModelInfo
 
-    def start(self, loop: asyncio.AbstractEventLoop, deliver: Callable[[list[EngineOutput]], None]) -> None: ...
+    def start(self, loop: asyncio.AbstractEventLoop, deliver: Deliver) -> None: ...
 
     @property
     def is_running(self) -> bool: ...
@@ -80,6 +84,7 @@ class AsyncEngine:
             step_grows_with_batch=self.model_info.device == "cpu",
         )
         self._streams: dict[str, _Stream] = {}  # request_id → stream, for each in-flight request
+        self._kv_event_sink: KvEventSink | None = None
         self._is_accepting = False
         self._none_in_flight = asyncio.Event()
         self._none_in_flight.set()
@@ -89,6 +94,10 @@ class AsyncEngine:
     async def start(self) -> None:
         self._client.start(asyncio.get_running_loop(), self._deliver)
         self._is_accepting = True
+
+    def forward_kv_events(self, sink: KvEventSink) -> None:
+        """Hand the core's prefix-cache changes to `sink` from now on (before: dropped)."""
+        self._kv_event_sink = sink
 
     async def shutdown(self, drain_timeout_s: float) -> None:
         """Stop accepting (Unavailable), let in-flight requests finish for up to
@@ -168,9 +177,16 @@ class AsyncEngine:
         """The core client's latest snapshot; no call into the core."""
         return self._client.load()
 
-    def _deliver(self, outputs: list[EngineOutput]) -> None:
-        """Runs on the loop: route outputs to their streams; a request whose every sequence
-        has its final output is no longer in flight."""
+    def _deliver(self, outputs: list[EngineOutput], kv_events: list[CacheEvent]) -> None:
+        """Runs on the loop: cache changes to the sink first (a client that reads a final
+        output and sends the next turn finds its blocks already announced), then route outputs
+        to their streams; a request whose every sequence has its final output is no longer in
+        flight."""
+        if kv_events and self._kv_event_sink is not None:
+            try:
+                self._kv_event_sink(kv_events)
+            except Exception:  # noqa: BLE001 — routing's view may suffer, the requests must not
+                log.exception("the kv-event sink failed")
         self._admission.observe(outputs)
         for output in outputs:
             stream = self._streams.get(output.request_id)

@@ -15,6 +15,10 @@ suffix.
 Reuse is exact even if two prefixes' hashes collide: a block is reused only when its stored
 token ids equal the sequence's and it was computed on top of the very block matched before it
 (checked through registration ids), so the whole prefix is verified token by token.
+
+Every change to the prefix cache is recorded as a CacheEvent (engine/types.py) until
+take_events(): a registration as stored, an eviction as removed. Freeing sends nothing: a freed
+block stays findable.
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ from collections import OrderedDict
 from dataclasses import dataclass
 
 from llmserve.inference.engine.sequence import Sequence
+from llmserve.inference.engine.types import CacheEvent
 
 
 @dataclass(slots=True)
@@ -56,6 +61,7 @@ class BlockManager:
         self._next_registration_id = 1
         self._num_queried_tokens = 0
         self._num_hit_tokens = 0
+        self._events: list[CacheEvent] = []
 
     # --- queries ---------------------------------------------------------------------------
 
@@ -177,8 +183,14 @@ class BlockManager:
                 block_hash = seq.block_hash(index, self.block_size)
                 if block_hash in self._cached or (index and parent_registration_id == 0):
                     break  # a twin was computed in the same step and registered first: keep it
-                self._register(block, block_hash, seq.block_token_ids(index, self.block_size), parent_registration_id)
+                parent_hash = self.blocks[seq.block_ids[index - 1]].block_hash if index else None
+                self._register(block, block_hash, seq.block_token_ids(index, self.block_size), parent_registration_id, parent_hash)
             seq.num_registered_blocks = index + 1
+
+    def take_events(self) -> list[CacheEvent]:
+        """The prefix-cache changes since the previous call, in the order they happened."""
+        events, self._events = self._events, []
+        return events
 
     def count_prefix_lookup(self, num_queried_tokens: int, num_hit_tokens: int) -> None:
         self._num_queried_tokens += num_queried_tokens
@@ -210,15 +222,24 @@ class BlockManager:
         block.ref_count = 1
         return block_id
 
-    def _register(self, block: Block, block_hash: int, token_ids: tuple[int, ...], parent_registration_id: int) -> None:
+    def _register(
+        self, block: Block, block_hash: int, token_ids: tuple[int, ...], parent_registration_id: int,
+        parent_hash: int | None,
+    ) -> None:
         block.block_hash = block_hash
         block.token_ids = token_ids
         block.registration_id = self._next_registration_id
         block.parent_registration_id = parent_registration_id
         self._next_registration_id += 1
         self._cached[block_hash] = block.block_id
+        last = self._events[-1] if self._events else None
+        if isinstance(last, tuple) and last[1][-1] == parent_hash:
+            last[1].append(block_hash)  # the chain goes on: one event for the run
+        else:
+            self._events.append((parent_hash, [block_hash]))
 
     def _evict(self, block: Block) -> None:
+        self._events.append(block.block_hash)
         del self._cached[block.block_hash]
         block.block_hash = None
         block.token_ids = ()

@@ -6,8 +6,9 @@ Each iteration reads top to bottom:
   2. apply them: add a request to the core, or abort one (CANCELLED outputs);
   3. abort the requests whose deadline has passed, all at this step boundary (CANCELLED);
   4. step the core once, or, when a stop command came, cancel every unfinished request;
-  5. emit the outputs of 2-4 with the core's load, snapshot after the step: a consumer that
-     sees a final output reads a load that already counts it.
+  5. emit the outputs of 2-4 and the prefix-cache changes they made (CacheEvents, usually
+     none) with the core's load, snapshot after the step: a consumer that sees a final output
+     reads a load that already counts it.
 
 A request is *unfinished* from the add command until each of its sequences has produced its
 final output here: from the core, from an abort (CANCELLED) or from a failure (ERROR). The
@@ -26,7 +27,9 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from llmserve.inference.engine.types import EngineCore, EngineLoad, EngineOutput, EngineRequest, StepFailed
+from llmserve.inference.engine.types import (
+    CacheEvent, EngineCore, EngineLoad, EngineOutput, EngineRequest, StepFailed,
+)
 from llmserve.sampling import DEADLINE_EXCEEDED_MESSAGE, FinishReason
 
 log = logging.getLogger(__name__)
@@ -51,8 +54,11 @@ EngineCommand = AddRequest | AbortRequest | Stop
 
 # take_commands(block) -> the queued commands; with block=True it waits for at least one.
 TakeCommands = Callable[[bool], list[EngineCommand]]
-# emit(outputs, load) -> False when nobody is left to read them (the loop then ends).
-Emit = Callable[[list[EngineOutput], EngineLoad], bool]
+# emit(outputs, load, kv_events) -> False when nobody is left to read them (the loop then ends).
+Emit = Callable[[list[EngineOutput], EngineLoad, list[CacheEvent]], bool]
+# deliver(outputs, kv_events), on the event loop: what a core client hands AsyncEngine, one call
+# per batch of steps it received.
+Deliver = Callable[[list[EngineOutput], list[CacheEvent]], None]
 
 
 @dataclass(slots=True)
@@ -79,8 +85,9 @@ class EngineLoop:
             outputs = [output for command in commands for output in self._guarded(self._apply, command)]
             outputs += self._guarded(self._abort_expired)
             outputs += self._guarded(self._cancel_all if is_stopping else self._step)
+            kv_events = self._take_kv_events()
             load = self._load()
-            if (outputs or load != self._last_load) and not emit(outputs, load):
+            if (outputs or kv_events or load != self._last_load) and not emit(outputs, load, kv_events):
                 break
             self._last_load = load
         log.info("engine loop stopped")
@@ -186,6 +193,13 @@ class EngineLoop:
 
     def _cancel_all(self) -> list[EngineOutput]:
         return self._abort_all(FinishReason.CANCELLED, "")
+
+    def _take_kv_events(self) -> list[CacheEvent]:
+        try:
+            return self._core.take_kv_events()
+        except Exception:  # noqa: BLE001 — a broken core must not end the loop
+            log.exception("take_kv_events failed")
+            return []
 
     def _load(self) -> EngineLoad:
         try:

@@ -2,8 +2,8 @@
 
     server process (event loop)                           engine-core process
     add_request/abort_request ─▶ sender thread ─pipe─▶  take_commands ─▶ EngineLoop
-    deliver(outputs) ◀─ loop.add_reader ◀────────pipe─  emit: one message per step
-                                                         (that step's outputs + load)
+    deliver(outputs, kv_events) ◀─ loop.add_reader ◀pipe─  emit: one message per step
+                                                  (that step's outputs, load, cache changes)
 
 Why a process: on a thread, the step loop and gRPC serving share one GIL, and at 256 streams
 each needs 35-60% of a core (measured on the H200, issue 9): the GPU waited on Python. Here
@@ -12,8 +12,10 @@ the core's host work (schedule, update, sampling bookkeeping) has a core to itse
 Why this channel: one message per engine step carries every output of that step, so the
 cost per token is a tuple in a pickle, not a message. Token-only outputs, the common case,
 travel as (request_id, sequence_index, token_ids) tuples: ten times cheaper to pickle than
-the dataclass (measured: 256 outputs, 46 µs vs 620 µs). Commands are pickled on a sender
-thread, so a full pipe (the core busy in a step) never blocks the event loop.
+the dataclass (measured: 256 outputs, 46 µs vs 620 µs). Prefix-cache changes travel as they
+were recorded, ints in tuples and lists (types.CacheEvent): an empty list in a step without
+any. Commands are pickled on a sender thread, so a full pipe (the core busy in a step) never
+blocks the event loop.
 
 The core is built in the child (weights, KV pool, CUDA graphs): the server process never
 imports torch's device state, and a CUDA context is never forked (the child is spawned).
@@ -36,8 +38,10 @@ from dataclasses import dataclass
 from multiprocessing.connection import Connection
 
 from llmserve.inference.engine.config import EngineConfig
-from llmserve.inference.engine.engine_loop import AbortRequest, AddRequest, EngineCommand, EngineLoop, Stop
-from llmserve.inference.engine.types import EngineLoad, EngineOutput, EngineRequest, ModelInfo
+from llmserve.inference.engine.engine_loop import (
+    AbortRequest, AddRequest, Deliver, Emit, EngineCommand, EngineLoop, Stop,
+)
+from llmserve.inference.engine.types import CacheEvent, EngineLoad, EngineOutput, EngineRequest, ModelInfo
 from llmserve.sampling import FinishReason
 from llmserve.server import configure_logging
 
@@ -83,7 +87,7 @@ class EngineProcess:
         self._commands: queue.SimpleQueue[EngineCommand | None] = queue.SimpleQueue()
         self._sender: threading.Thread | None = None
         self._event_loop: asyncio.AbstractEventLoop | None = None
-        self._deliver: Callable[[list[EngineOutput]], None] | None = None
+        self._deliver: Deliver | None = None
         # request id → indexes of its sequences without a final output (to fail them if the
         # process dies)
         self._unfinished: dict[str, set[int]] = {}
@@ -101,7 +105,7 @@ class EngineProcess:
 
     # --- event loop side --------------------------------------------------------------------
 
-    def start(self, loop: asyncio.AbstractEventLoop, deliver: Callable[[list[EngineOutput]], None]) -> None:
+    def start(self, loop: asyncio.AbstractEventLoop, deliver: Deliver) -> None:
         self._event_loop, self._deliver = loop, deliver
         loop.add_reader(self._output_reader.fileno(), self._on_readable)
         self._sender = threading.Thread(target=self._send_commands, name="engine-commands", daemon=True)
@@ -134,17 +138,19 @@ class EngineProcess:
 
     def _on_readable(self) -> None:
         outputs: list[EngineOutput] = []
+        kv_events: list[CacheEvent] = []
         try:
             while self._output_reader.poll():
-                wire_outputs, self._load_snapshot = self._output_reader.recv()
+                wire_outputs, self._load_snapshot, step_kv_events = self._output_reader.recv()
                 outputs += [_from_wire(output) for output in wire_outputs]
+                kv_events += step_kv_events
         except (EOFError, OSError):
             outputs += self._on_process_exit()
         for output in outputs:
             if output.is_finished:
                 self._finish_sequence(output)
-        if outputs:
-            self._deliver(outputs)
+        if outputs or kv_events:
+            self._deliver(outputs, kv_events)
 
     def _finish_sequence(self, output: EngineOutput) -> None:
         indexes = self._unfinished.get(output.request_id)
@@ -218,10 +224,10 @@ def _command_taker(commands: Connection) -> Callable[[bool], list[EngineCommand]
     return take_commands
 
 
-def _emitter(outputs: Connection) -> Callable[[list[EngineOutput], EngineLoad], bool]:
-    def emit(step_outputs: list[EngineOutput], load: EngineLoad) -> bool:
+def _emitter(outputs: Connection) -> Emit:
+    def emit(step_outputs: list[EngineOutput], load: EngineLoad, kv_events: list[CacheEvent]) -> bool:
         try:
-            outputs.send(([_to_wire(output) for output in step_outputs], load))
+            outputs.send(([_to_wire(output) for output in step_outputs], load, kv_events))
         except (BrokenPipeError, OSError):
             return False
         return True

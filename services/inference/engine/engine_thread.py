@@ -11,10 +11,9 @@ import asyncio
 import logging
 import queue
 import threading
-from collections.abc import Callable
 
-from llmserve.inference.engine.engine_loop import AbortRequest, AddRequest, EngineCommand, EngineLoop, Stop
-from llmserve.inference.engine.types import EngineCore, EngineLoad, EngineOutput, EngineRequest, ModelInfo
+from llmserve.inference.engine.engine_loop import AbortRequest, AddRequest, Deliver, EngineCommand, EngineLoop, Stop
+from llmserve.inference.engine.types import CacheEvent, EngineCore, EngineLoad, EngineOutput, EngineRequest, ModelInfo
 
 log = logging.getLogger(__name__)
 
@@ -30,10 +29,11 @@ class EngineThread:
         self._load_snapshot: EngineLoad = core.load()  # replaced after every iteration
         self._thread: threading.Thread | None = None
         self._event_loop: asyncio.AbstractEventLoop | None = None
-        self._deliver: Callable[[list[EngineOutput]], None] | None = None
+        self._deliver: Deliver | None = None
 
-    def start(self, loop: asyncio.AbstractEventLoop, deliver: Callable[[list[EngineOutput]], None]) -> None:
-        """Start the thread; it hands every batch of outputs to `deliver`, run on `loop`."""
+    def start(self, loop: asyncio.AbstractEventLoop, deliver: Deliver) -> None:
+        """Start the thread; it hands every step's outputs and cache changes to `deliver`, run
+        on `loop`."""
         self._event_loop, self._deliver = loop, deliver
         self._thread = threading.Thread(
             target=self._loop_body.run, args=(self._take_commands, self._emit), name="engine", daemon=True
@@ -69,13 +69,13 @@ class EngineThread:
             except queue.Empty:
                 return commands
 
-    def _emit(self, outputs: list[EngineOutput], load: EngineLoad) -> bool:
-        """On the thread: store the load, hand the outputs to the event loop."""
+    def _emit(self, outputs: list[EngineOutput], load: EngineLoad, kv_events: list[CacheEvent]) -> bool:
+        """On the thread: store the load, hand the outputs and cache changes to the event loop."""
         self._load_snapshot = load
-        if not outputs:
+        if not outputs and not kv_events:
             return True
         try:
-            self._event_loop.call_soon_threadsafe(self._deliver, outputs)
+            self._event_loop.call_soon_threadsafe(self._deliver, outputs, kv_events)
         except RuntimeError:  # the event loop is closed: nobody is left to read
             log.warning("event loop closed; engine thread exits")
             return False

@@ -4,7 +4,8 @@ Deliberately the simplest correct engine: first come first served, one sequence 
 one token per `step()` (so an abort takes effect between any two tokens), the model's own
 KV cache (`DynamicCache`, see HFModel) instead of a paged pool. A request with n > 1 runs its
 sequences one after another, each from a fresh prefill of the prompt, drawing from the
-request's one random stream in turn. Priority is ignored.
+request's one random stream in turn. Priority is ignored. No prefix cache, so no KV cache events
+(take_kv_events is always empty): routing sees this backend's load only.
 
 Tokens are chosen by the torch engine's Sampler on a batch of one, so both backends process
 logits the same way (penalties, min_tokens, temperature, logprobs, truncation: see sampler.py);
@@ -26,7 +27,7 @@ from llmserve.inference.engine.hf_model import HFModel
 from llmserve.inference.engine.sampler import Sampler
 from llmserve.inference.engine.sequence import Sequence
 from llmserve.inference.engine.stop import finish_at_token, stop_token_ids
-from llmserve.inference.engine.types import EngineLoad, EngineOutput, EngineRequest, ModelInfo, StepFailed
+from llmserve.inference.engine.types import CacheEvent, EngineLoad, EngineOutput, EngineRequest, ModelInfo, StepFailed
 from llmserve.model_files import ModelFiles
 from llmserve.sampling import TokenLogprob
 
@@ -120,6 +121,9 @@ class HFEngineCore:
             num_aborted_total=self._num_aborted_total,
             num_finished_total=self._num_finished_total,
         )
+
+    def take_kv_events(self) -> list[CacheEvent]:
+        return []
 
     # --- schedule → execute → update ------------------------------------------------------
 

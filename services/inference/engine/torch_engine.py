@@ -45,7 +45,9 @@ from llmserve.inference.engine.scheduler import Scheduler, SchedulerConfig
 from llmserve.inference.engine.sequence_factory import SequenceFactory
 from llmserve.inference.engine.step_output import LaunchedBatch, SampledTokens, StepUpdate
 from llmserve.inference.engine.step_stats import UNTIMED, StepStatsLog, StepTimer, Untimed
-from llmserve.inference.engine.types import EngineLoad, EngineOutput, EngineRequest, ModelInfo, served_context_tokens
+from llmserve.inference.engine.types import (
+    CacheEvent, EngineLoad, EngineOutput, EngineRequest, ModelInfo, served_context_tokens,
+)
 from llmserve.model_files import ModelFiles
 
 log = logging.getLogger(__name__)
@@ -162,6 +164,9 @@ class TorchEngineCore:
             prefix_cache_hit_tokens_total=stats.prefix_hit_tokens_total,
             num_preemptions_total=self.scheduler.num_preemptions_total,
         )
+
+    def take_kv_events(self) -> list[CacheEvent]:
+        return self.block_manager.take_events()
 
     # --- update ------------------------------------------------------------------------------
 

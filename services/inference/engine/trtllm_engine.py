@@ -9,6 +9,14 @@ TensorRT-LLM brings its own scheduler (in-flight batching), paged KV cache with 
 CUDA graphs, so this class replaces AsyncEngine + EngineCore as a whole rather than plugging in
 as a core: it offers the same public methods (start, shutdown, generate, abort, load,
 model_info) that the servicer uses.
+
+KV cache events are missing: WatchKvEvents serves this backend's heartbeats (load) and no
+blocks. TensorRT-LLM has them (KvCacheConfig(event_buffer_max_size=N) with block reuse on, then
+LLM.get_kv_cache_events(timeout) / get_kv_cache_events_async: dicts of type "stored" with
+parent_hash and blocks of block_hash and tokens, "removed" with block_hashes, "created",
+"updated"), but its hashes are its own, not llmserve.block_hash's: wiring them means re-hashing
+every stored block's tokens with our chain, mapping TensorRT-LLM's hashes to ours for removals
+and skipping partial blocks, which cannot be tested without TensorRT-LLM.
 """
 
 from __future__ import annotations
@@ -21,7 +29,7 @@ from typing import AsyncIterator
 
 from llmserve.errors import InvalidArgument, Unavailable
 from llmserve.inference.engine.config import EngineConfig
-from llmserve.inference.engine.types import EngineLoad, EngineOutput, EngineRequest, ModelInfo
+from llmserve.inference.engine.types import CacheEvent, EngineLoad, EngineOutput, EngineRequest, ModelInfo
 from llmserve.model_files import ModelFiles
 from llmserve.sampling import FinishReason, SamplingParams, TokenLogprob, TopLogprob
 
@@ -217,6 +225,10 @@ class TrtllmEngine:
             return False
         result.abort()
         return True
+
+    def forward_kv_events(self, sink: Callable[[list[CacheEvent]], None]) -> None:
+        """The sink never gets anything: this backend's cache events are not wired (see the
+        module docstring)."""
 
     def load(self) -> EngineLoad:
         # The LLM API exposes no cheap per-call KV statistics; num_running counts the in-flight

@@ -122,6 +122,14 @@ class EngineLoad:
     num_preemptions_total: int = 0
 
 
+# One change to a core's prefix cache, compact because each step's changes cross the
+# engine-process pipe with its outputs (llmserve.kv_events is the typed form the service serves):
+#   (parent_block_hash, [block_hash, ...])  consecutive blocks of one prefix entered the cache;
+#                                            parent None: the first block starts a prompt
+#   block_hash                              the block left the cache (evicted)
+CacheEvent = tuple[int | None, list[int]] | int
+
+
 class StepFailed(RuntimeError):
     """EngineCore.step() failed for `request_ids` only: the engine thread fails those requests
     and the others go on. Any other exception from step() fails every unfinished request."""
@@ -156,3 +164,8 @@ class EngineCore(Protocol):
         ...
 
     def load(self) -> EngineLoad: ...
+
+    def take_kv_events(self) -> list[CacheEvent]:
+        """The prefix-cache changes since the previous call, in order; [] for a core without a
+        prefix cache."""
+        ...
