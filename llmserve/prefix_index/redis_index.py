@@ -35,14 +35,11 @@ from redis.exceptions import RedisError
 
 from llmserve.kv_events import AllCleared, BlocksStored, KvEventBatch
 from llmserve.prefix_index import redis_scripts
+from llmserve.prefix_index.defaults import DEFAULT_HEARTBEAT_TTL_MS, DEFAULT_REDIS_KEY_PREFIX, DEFAULT_REDIS_TIMEOUT_MS
 from llmserve.prefix_index.interface import ApplyOutcome, PrefixMatches
 
 log = logging.getLogger(__name__)
 
-DEFAULT_KEY_PREFIX = "{llmserve-routing}"
-DEFAULT_TIMEOUT_MS = 50
-# A replica whose batches carry no TTL is considered gone after this long without one.
-DEFAULT_HEARTBEAT_TTL_MS = 10_000
 
 
 class IndexUnavailable(Exception):
@@ -70,7 +67,7 @@ def batch_arguments(key_prefix: str, batch: KvEventBatch) -> list[str | int]:
 
 class RedisPrefixIndex:
     def __init__(
-        self, client: aioredis.Redis, *, key_prefix: str = DEFAULT_KEY_PREFIX, timeout_ms: int = DEFAULT_TIMEOUT_MS
+        self, client: aioredis.Redis, *, key_prefix: str = DEFAULT_REDIS_KEY_PREFIX, timeout_ms: int = DEFAULT_REDIS_TIMEOUT_MS
     ):
         self._client = client
         self._key_prefix = key_prefix
@@ -83,7 +80,7 @@ class RedisPrefixIndex:
 
     @classmethod
     def from_url(
-        cls, url: str, *, key_prefix: str = DEFAULT_KEY_PREFIX, timeout_ms: int = DEFAULT_TIMEOUT_MS
+        cls, url: str, *, key_prefix: str = DEFAULT_REDIS_KEY_PREFIX, timeout_ms: int = DEFAULT_REDIS_TIMEOUT_MS
     ) -> "RedisPrefixIndex":
         timeout_s = timeout_ms / 1000
         # No retries: a slow or absent Redis must cost one timeout, not several.
