@@ -10,6 +10,7 @@ import pytest
 from llmserve.block_hash import chain_block_hashes
 from llmserve.kv_events import AllCleared, BlocksRemoved, BlocksStored, KvEventBatch, ReplicaLoad
 from llmserve.prefix_index import ApplyOutcome, MemoryPrefixIndex
+from llmserve.prefix_index.redis_config import RedisIndexConfig
 from llmserve.prefix_index.redis_index import IndexUnavailable, RedisPrefixIndex
 from llmserve.prefix_index.redis_publisher import RedisPublisher
 from tests.redis_server import RedisServer
@@ -48,7 +49,7 @@ async def index(request):
         yield MemoryPrefixIndex()
         return
     server = request.getfixturevalue("redis_server")
-    redis_index = RedisPrefixIndex.from_url(server.url, key_prefix=f"{{test-{time.monotonic_ns()}}}", timeout_ms=500)
+    redis_index = RedisPrefixIndex.from_config(RedisIndexConfig(server.url, f"{{test-{time.monotonic_ns()}}}", 500))
     yield redis_index
     await redis_index.close()
 
@@ -139,7 +140,7 @@ async def test_the_memory_index_holds_only_what_replicas_hold():
 
 @pytest.fixture
 async def redis_index(redis_server):
-    index = RedisPrefixIndex.from_url(redis_server.url, key_prefix=f"{{test-{time.monotonic_ns()}}}", timeout_ms=300)
+    index = RedisPrefixIndex.from_config(RedisIndexConfig(redis_server.url, f"{{test-{time.monotonic_ns()}}}", 300))
     yield index
     await index.close()
 
@@ -157,7 +158,7 @@ async def test_the_sweeper_drops_replicas_whose_liveness_expired(redis_index):
 
 
 async def test_redis_down_lookups_answer_nothing_and_applies_raise(redis_server):
-    index = RedisPrefixIndex.from_url(redis_server.url, key_prefix="{test-down}", timeout_ms=100)
+    index = RedisPrefixIndex.from_config(RedisIndexConfig(redis_server.url, "{test-down}", 100))
     try:
         await index.apply(snapshot("r1", 1, stored(HASHES_A)))
         redis_server.kill()
@@ -216,7 +217,7 @@ async def wait_for(condition, timeout_s: float = 5.0) -> None:
 
 
 async def test_the_publisher_rebuilds_a_restarted_redis_from_its_replica(redis_server):
-    index = RedisPrefixIndex.from_url(redis_server.url, key_prefix="{test-publisher}", timeout_ms=100)
+    index = RedisPrefixIndex.from_config(RedisIndexConfig(redis_server.url, "{test-publisher}", 100))
     replica = ReplicaEvents("r1")
     replica.store(HASHES_A[:2])
     publisher = asyncio.create_task(RedisPublisher(index, replica.subscribe, retry_interval_s=0.05).run())

@@ -35,7 +35,7 @@ from redis.exceptions import RedisError
 
 from llmserve.kv_events import AllCleared, BlocksStored, KvEventBatch
 from llmserve.prefix_index import redis_scripts
-from llmserve.prefix_index.defaults import DEFAULT_HEARTBEAT_TTL_MS, DEFAULT_REDIS_KEY_PREFIX, DEFAULT_REDIS_TIMEOUT_MS
+from llmserve.prefix_index.redis_config import DEFAULT_HEARTBEAT_TTL_MS, RedisIndexConfig
 from llmserve.prefix_index.interface import ApplyOutcome, PrefixMatches
 
 log = logging.getLogger(__name__)
@@ -66,9 +66,7 @@ def batch_arguments(key_prefix: str, batch: KvEventBatch) -> list[str | int]:
 
 
 class RedisPrefixIndex:
-    def __init__(
-        self, client: aioredis.Redis, *, key_prefix: str = DEFAULT_REDIS_KEY_PREFIX, timeout_ms: int = DEFAULT_REDIS_TIMEOUT_MS
-    ):
+    def __init__(self, client: aioredis.Redis, *, key_prefix: str, timeout_ms: int):
         self._client = client
         self._key_prefix = key_prefix
         self._timeout_s = timeout_ms / 1000
@@ -79,15 +77,13 @@ class RedisPrefixIndex:
         self._is_answering = True  # for logging only the transitions
 
     @classmethod
-    def from_url(
-        cls, url: str, *, key_prefix: str = DEFAULT_REDIS_KEY_PREFIX, timeout_ms: int = DEFAULT_REDIS_TIMEOUT_MS
-    ) -> "RedisPrefixIndex":
-        timeout_s = timeout_ms / 1000
+    def from_config(cls, config: RedisIndexConfig) -> "RedisPrefixIndex":
+        timeout_s = config.timeout_ms / 1000
         # No retries: a slow or absent Redis must cost one timeout, not several.
         client = aioredis.Redis.from_url(
-            url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s, retry=Retry(NoBackoff(), 0)
+            config.url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s, retry=Retry(NoBackoff(), 0)
         )
-        return cls(client, key_prefix=key_prefix, timeout_ms=timeout_ms)
+        return cls(client, key_prefix=config.key_prefix, timeout_ms=config.timeout_ms)
 
     async def apply(self, batch: KvEventBatch) -> ApplyOutcome:
         answer = await self._call(self._apply, args=batch_arguments(self._key_prefix, batch))

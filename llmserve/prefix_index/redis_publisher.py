@@ -18,8 +18,10 @@ import logging
 from contextlib import aclosing
 from typing import AsyncIterator, Callable
 
+from llmserve.errors import ResourceExhausted
 from llmserve.kv_events import KvEventBatch
 from llmserve.prefix_index.interface import ApplyOutcome
+from llmserve.prefix_index.redis_config import RedisIndexConfig
 from llmserve.prefix_index.redis_index import IndexUnavailable, RedisPrefixIndex
 
 log = logging.getLogger(__name__)
@@ -40,26 +42,37 @@ class RedisPublisher:
         self._replica_id: str | None = None
 
     async def run(self) -> None:
-        """Publish until cancelled; then drop the replica's entries (it is stopping)."""
+        """Publish until the event log closes (the replica drains) or the task is cancelled;
+        then drop the replica's entries, so that no gateway routes to it for its TTL."""
         try:
-            while True:
-                await self._publish_one_subscription()
+            while await self._publish_one_subscription():
                 await self._wait_until_redis_answers()
         finally:
             await self._forget_self()
 
-    async def _publish_one_subscription(self) -> None:
-        """Apply batches until one is refused or fails, or the subscription ends."""
+    async def _publish_one_subscription(self) -> bool:
+        """Apply batches until one is refused or fails (True: subscribe again), or the
+        subscription ends (False)."""
         async with aclosing(self._subscribe()) as batches:
-            async for batch in batches:
-                self._replica_id = batch.replica_id
-                try:
-                    outcome = await self._index.apply(batch)
-                except IndexUnavailable:
-                    return
-                if outcome is ApplyOutcome.RESYNC:
-                    log.info("Redis index lost replica %s's entries; republishing a snapshot", batch.replica_id)
-                    return
+            try:
+                async for batch in batches:
+                    if not await self._apply(batch):
+                        return True
+            except ResourceExhausted as error:  # the log cut this subscription off
+                log.warning("%s", error.message)
+                return True
+        return False
+
+    async def _apply(self, batch: KvEventBatch) -> bool:
+        """Whether Redis took the batch."""
+        self._replica_id = batch.replica_id
+        try:
+            outcome = await self._index.apply(batch)
+        except IndexUnavailable:
+            return False
+        if outcome is ApplyOutcome.RESYNC:
+            log.info("Redis index lost replica %s's entries; republishing a snapshot", batch.replica_id)
+        return outcome is ApplyOutcome.APPLIED
 
     async def _wait_until_redis_answers(self) -> None:
         while not await self._index.ping():
@@ -72,3 +85,16 @@ class RedisPublisher:
             await self._index.remove_replica(self._replica_id)
         except IndexUnavailable:
             pass  # the sweeper drops the entries once the liveness key expires
+
+
+def start_publishing(config: RedisIndexConfig, subscribe: Subscribe) -> asyncio.Task:
+    """Publish `subscribe()`'s batches to the index `config` names, in a task of its own."""
+
+    async def publish() -> None:
+        index = RedisPrefixIndex.from_config(config)
+        try:
+            await RedisPublisher(index, subscribe).run()
+        finally:
+            await index.close()
+
+    return asyncio.get_running_loop().create_task(publish())

@@ -89,6 +89,6 @@ async def start_gateway(config: GatewayConfig, worker_id: int = 0) -> RunningGat
         "gateway serving %s (%s, backend %s) on %s:%d; preprocess %s, inference %s (%d live, routing %s, index %s)",
         model_name, model.architecture, model.backend, config.host, server.port, config.preprocess_address,
         ", ".join(map(str, config.inference_targets)), len(replicas.live()), config.routing.policy.value,
-        "Redis" if config.redis_url else "in memory",
+        "in Redis" if config.redis else "in memory",
     )
     return RunningGateway(server=server, preprocess=preprocess, replicas=replicas, index=index, model=model)

@@ -8,7 +8,7 @@ from pathlib import Path
 from llmserve.gateway.client_stream import DEFAULT_MAX_UNSENT_TOKENS
 from llmserve.gateway.discovery import DEFAULT_RESOLVE_INTERVAL_S, Target
 from llmserve.gateway.router import RoutingConfig
-from llmserve.prefix_index.defaults import DEFAULT_REDIS_KEY_PREFIX, DEFAULT_REDIS_TIMEOUT_MS
+from llmserve.prefix_index.redis_config import RedisIndexConfig
 from llmserve.server_flags import DEFAULT_GRACE_PERIOD_S, DEFAULT_HOST, GATEWAY_PORT
 
 # How long to wait at start for preprocess and inference to report SERVING (they may still be
@@ -43,17 +43,13 @@ class GatewayConfig:
     heartbeat_interval_ms: int = 0
     # None: the prefix index lives in this process, fed by every replica's events. Set: the
     # index is in this Redis (written by the replicas), and this process only reads and sweeps it.
-    redis_url: str | None = None
-    redis_key_prefix: str = DEFAULT_REDIS_KEY_PREFIX
-    redis_timeout_ms: int = DEFAULT_REDIS_TIMEOUT_MS
+    redis: RedisIndexConfig | None = None
     # Seconds between sweeps of replicas whose liveness key expired (Redis only).
     sweep_interval_s: float = 1.0
 
     def __post_init__(self) -> None:
         if not self.inference_targets:
             raise ValueError("at least one inference address is required")
-        if self.redis_timeout_ms <= 0:
-            raise ValueError(f"redis_timeout_ms must be positive, got {self.redis_timeout_ms}")
         if self.grace_period_s < 0:
             raise ValueError(f"grace_period_s must be >= 0, got {self.grace_period_s}")
         if self.num_workers < 1:

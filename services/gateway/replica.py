@@ -15,7 +15,7 @@ from typing import Iterator
 
 from llmserve.gateway.inference_client import InferenceClient
 from llmserve.kv_events import KvEventBatch, ReplicaLoad
-from llmserve.prefix_index.defaults import DEFAULT_HEARTBEAT_TTL_MS
+from llmserve.prefix_index.redis_config import DEFAULT_HEARTBEAT_TTL_MS
 
 
 class Replica:

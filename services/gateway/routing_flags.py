@@ -7,7 +7,7 @@ from typing import Any
 
 from llmserve.gateway.discovery import DEFAULT_RESOLVE_INTERVAL_S
 from llmserve.gateway.router import DEFAULT_LOAD_RATIO, DEFAULT_LOAD_SLACK, RoutingConfig, RoutingPolicy
-from llmserve.prefix_index.defaults import DEFAULT_REDIS_KEY_PREFIX, DEFAULT_REDIS_TIMEOUT_MS
+from llmserve.prefix_index.redis_config import add_redis_arguments, redis_config_from_args
 
 
 def add_routing_arguments(parser: argparse.ArgumentParser) -> None:
@@ -28,20 +28,11 @@ def add_routing_arguments(parser: argparse.ArgumentParser) -> None:
         help="requests a replica may have beyond the least loaded one's before the ratio applies "
         "(default: %(default)s)",
     )
-    group.add_argument(
-        "--redis-url", metavar="URL",
-        help="keep the prefix index in this Redis (redis://host:port/db), written by the inference replicas "
+    add_redis_arguments(
+        group,
+        "keep the prefix index in this Redis (redis://host:port/db), written by the inference replicas "
         "(start them with the same --redis-url), shared by every gateway; unset: each gateway keeps its own "
         "index in memory from the replicas' KV events",
-    )
-    group.add_argument(
-        "--redis-timeout-ms", type=int, default=DEFAULT_REDIS_TIMEOUT_MS, metavar="MS",
-        help="bound on every Redis call; a slower or absent Redis makes routing load-only, never fails a "
-        "request (default: %(default)s)",
-    )
-    group.add_argument(
-        "--redis-key-prefix", default=DEFAULT_REDIS_KEY_PREFIX, metavar="PREFIX",
-        help="prefix of the index's Redis keys; never one an evictable cache uses (default: %(default)s)",
     )
     group.add_argument(
         "--resolve-interval-s", type=float, default=DEFAULT_RESOLVE_INTERVAL_S, metavar="SECONDS",
@@ -58,9 +49,7 @@ def routing_options(args: argparse.Namespace) -> dict[str, Any]:
     """GatewayConfig fields from the parsed routing flags."""
     return dict(
         routing=RoutingConfig(RoutingPolicy(args.routing), args.routing_load_ratio, args.routing_load_slack),
-        redis_url=args.redis_url,
-        redis_timeout_ms=args.redis_timeout_ms,
-        redis_key_prefix=args.redis_key_prefix,
+        redis=redis_config_from_args(args),
         resolve_interval_s=args.resolve_interval_s,
         heartbeat_interval_ms=args.heartbeat_interval_ms,
     )

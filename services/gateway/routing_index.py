@@ -31,14 +31,12 @@ class RoutingIndex:
 
     @classmethod
     def open(cls, config: GatewayConfig) -> "RoutingIndex":
-        if config.redis_url is None:
+        if config.redis is None:
             index = MemoryPrefixIndex()
             return cls(lookups=index, events=index)
         from llmserve.prefix_index.redis_index import RedisPrefixIndex  # redis-py: only with --redis-url
 
-        redis_index = RedisPrefixIndex.from_url(
-            config.redis_url, key_prefix=config.redis_key_prefix, timeout_ms=config.redis_timeout_ms
-        )
+        redis_index = RedisPrefixIndex.from_config(config.redis)
         sweeper = asyncio.get_running_loop().create_task(_sweep_forever(redis_index, config.sweep_interval_s))
         return cls(lookups=redis_index, events=None, redis=redis_index, sweeper=sweeper)
 
