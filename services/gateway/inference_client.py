@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from dataclasses import dataclass
 from typing import AsyncIterator, Protocol
 
@@ -70,6 +71,7 @@ class CallTokens:
         self._client.calls.add(self)
         try:
             async for response in self._call:
+                self._client.last_response_s = time.monotonic()
                 yield chunk_from_pb(response)
         except grpc.aio.AioRpcError as error:
             raise error_from_rpc("inference", error) from None
@@ -102,6 +104,7 @@ class InferenceClient:
         self._stub = inference_pb2_grpc.InferenceServiceStub(self._channel)
         self._replica_stream = ReplicaStream(self._stub) if multiplex else None
         self.calls: set[CallTokens] = set()  # requests on calls of their own, being read
+        self.last_response_s = 0.0  # time.monotonic() of the last token message on a call
         # Aborts run in the background so an ending request never waits for them; kept here so
         # they are not garbage-collected mid-flight and `close` can wait for them.
         self._pending_aborts: set[asyncio.Task] = set()
@@ -164,6 +167,12 @@ class InferenceClient:
             raise error_from_rpc("inference", error) from None
         finally:
             call.cancel()
+
+    @property
+    def last_output_s(self) -> float:
+        """time.monotonic() of the last token message from the replica, on any request."""
+        stream_s = self._replica_stream.last_response_s if self._replica_stream is not None else 0.0
+        return max(stream_s, self.last_response_s)
 
     def fail_in_flight(self, error: ServiceError) -> None:
         """End every request in flight on this replica with `error` (it stopped answering)."""

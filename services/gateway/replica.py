@@ -1,9 +1,11 @@
 """Replica: one inference replica as the router sees it — its client, liveness and load.
 
 Load is counted in requests: the gateway's own in-flight requests on the replica (instant,
-exact) plus everyone else's as the replica's last heartbeat reported them (running + waiting
-then, less what was ours then). With one gateway the second term is about 0; with several it
-is as fresh as the heartbeat interval.
+exact) plus everyone else's as the replica's last batch reported them: running + waiting then,
+less the most of ours in flight since the batch before (a batch is sent as the step that
+finishes a request ends, so it may still count a request whose end this gateway has already
+seen: subtracting only what is in flight when it arrives would leave phantom load behind). With
+one gateway the second term is about 0; with several it is as fresh as the batches.
 """
 
 from __future__ import annotations
@@ -29,13 +31,15 @@ class Replica:
         self.num_in_flight = 0
         self._load = ReplicaLoad()
         self._num_in_flight_at_load = 0
+        self._max_in_flight_since_load = 0
         self._last_heard_s = time.monotonic()
 
     def observe(self, batch: KvEventBatch) -> None:
         """A batch or heartbeat arrived: the replica is live, and this is its load now."""
         self.replica_id = batch.replica_id
         self._load = batch.load
-        self._num_in_flight_at_load = self.num_in_flight
+        self._num_in_flight_at_load = self._max_in_flight_since_load
+        self._max_in_flight_since_load = self.num_in_flight
         self._last_heard_s = time.monotonic()
         if batch.heartbeat_ttl_ms:
             self.heartbeat_ttl_s = batch.heartbeat_ttl_ms / 1000
@@ -49,7 +53,9 @@ class Replica:
 
     @property
     def silent_for_s(self) -> float:
-        return time.monotonic() - self._last_heard_s
+        """Since the replica last said anything: a batch, or tokens for a request (a replica
+        busy generating may send its heartbeat late, but is not gone)."""
+        return time.monotonic() - max(self._last_heard_s, self.client.last_output_s)
 
     @property
     def num_requests(self) -> int:
@@ -69,6 +75,7 @@ class Replica:
     def dispatched(self) -> Iterator[None]:
         """Count one request in flight here while the block runs."""
         self.num_in_flight += 1
+        self._max_in_flight_since_load = max(self._max_in_flight_since_load, self.num_in_flight)
         try:
             yield
         finally:

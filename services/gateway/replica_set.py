@@ -83,7 +83,8 @@ class ReplicaSet:
         replica = Replica(address, client)
         watcher = ReplicaWatcher(replica, self._events_index, heartbeat_interval_ms=self._config.heartbeat_interval_ms)
         self._replicas[address] = replica
-        self._tasks[address] = asyncio.get_running_loop().create_task(watcher.run())
+        task = self._tasks[address] = asyncio.get_running_loop().create_task(watcher.run())
+        task.add_done_callback(_log_if_crashed)
         return replica
 
     async def _wait_until_heard(self, replicas: Sequence[Replica]) -> None:
@@ -136,3 +137,8 @@ class ReplicaSet:
         task = asyncio.get_running_loop().create_task(work)
         self._background.add(task)  # kept so it is not garbage-collected mid-flight
         task.add_done_callback(self._background.discard)
+
+
+def _log_if_crashed(task: asyncio.Task) -> None:
+    if not task.cancelled() and task.exception() is not None:
+        log.error("a replica watcher crashed; its replica keeps its last state", exc_info=task.exception())

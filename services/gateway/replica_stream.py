@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from dataclasses import dataclass, field
 from typing import AsyncIterator
 
@@ -99,6 +100,7 @@ class ReplicaStream:
         self._stub = stub
         self._connection: _Connection | None = None
         self._tasks: set[asyncio.Task] = set()
+        self.last_response_s = 0.0  # time.monotonic() of the last message from the replica
 
     def generate(self, request: inference_pb2.GenerateTokensRequest) -> MultiplexedTokens:
         connection = self._open_connection()
@@ -145,6 +147,7 @@ class ReplicaStream:
         failure: ServiceError = Unavailable("inference ended the multiplexed stream")
         try:
             async for response in connection.call:
+                self.last_response_s = time.monotonic()
                 for output in response.outputs:
                     tokens = connection.requests.get(output.request_id)
                     if tokens is not None:

@@ -6,8 +6,10 @@
 - A RESYNC from the index (a gap in the numbers, a new incarnation) ends the subscription and
   starts a new one at once: its first batch is a snapshot. So does RESOURCE_EXHAUSTED (this
   gateway read too slowly and the replica cut the subscription off).
-- The stream failing, ending, or staying silent past the heartbeat TTL makes the replica
+- The stream failing, ending, or the replica staying silent past the heartbeat TTL makes it
   unroutable and drops its index entries; the watcher then reconnects every `retry_interval_s`.
+  Silent means no batch and no tokens for any request: a replica busy generating may send a
+  heartbeat late, and is not gone.
 - Silent past the TTL (a hung process keeps its connections open), the replica's in-flight
   requests end with UNAVAILABLE instead of waiting for tokens that will never come.
 - A replica without WatchKvEvents (UNIMPLEMENTED) is routed on the gateway's own count alone.
@@ -18,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from contextlib import aclosing
+from typing import AsyncIterator
 
 import grpc
 
@@ -25,6 +28,7 @@ from llmserve.errors import ServiceError, Unavailable
 from llmserve.gateway.hop_errors import DownstreamError
 from llmserve.gateway.inference_client import KvEventsUnsupported
 from llmserve.gateway.replica import Replica
+from llmserve.kv_events import KvEventBatch
 from llmserve.prefix_index import ApplyOutcome, PrefixIndex
 
 log = logging.getLogger(__name__)
@@ -80,8 +84,7 @@ class ReplicaWatcher:
         )
         async with aclosing(stream) as batches:
             while True:
-                async with asyncio.timeout(self._replica.heartbeat_ttl_s):
-                    batch = await anext(batches)
+                batch = await self._next_batch(batches)
                 was_live = self._replica.is_live
                 self._replica.observe(batch)
                 if not was_live:
@@ -89,6 +92,21 @@ class ReplicaWatcher:
                 if self._index is not None and await self._index.apply(batch) is ApplyOutcome.RESYNC:
                     log.info("replica %s: events missed; subscribing again for a snapshot", batch.replica_id)
                     return
+
+    async def _next_batch(self, batches: AsyncIterator[KvEventBatch]) -> KvEventBatch:
+        """The next batch; TimeoutError once the replica has been silent for its TTL."""
+        pending = asyncio.ensure_future(anext(batches))
+        try:
+            while not pending.done():
+                await asyncio.wait({pending}, timeout=self._replica.heartbeat_ttl_s)
+                if not pending.done() and self._replica.silent_for_s >= self._replica.heartbeat_ttl_s:
+                    raise TimeoutError
+            return pending.result()
+        finally:
+            if not pending.done():
+                # Wait for the cancel to land: the stream cannot be closed while it is being read.
+                pending.cancel()
+                await asyncio.gather(pending, return_exceptions=True)
 
     async def _lose(self, reason: str) -> None:
         if self._replica.is_live:
