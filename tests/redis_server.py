@@ -60,3 +60,12 @@ class RedisServer:
     def restart(self) -> None:
         self.kill()
         self.start()
+
+
+@pytest.fixture(scope="module")
+def redis_server():
+    """A RedisServer running for the module (import this fixture into a test module)."""
+    server = RedisServer()
+    server.start()
+    yield server
+    server.kill()

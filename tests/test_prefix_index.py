@@ -13,7 +13,7 @@ from llmserve.prefix_index import ApplyOutcome, MemoryPrefixIndex
 from llmserve.prefix_index.redis_config import RedisIndexConfig
 from llmserve.prefix_index.redis_index import IndexUnavailable, RedisPrefixIndex
 from llmserve.prefix_index.redis_publisher import RedisPublisher
-from tests.redis_server import RedisServer
+from tests.redis_server import redis_server  # noqa: F401 (a fixture)
 
 BLOCK = 4
 SYSTEM = list(range(100, 112))  # 3 blocks
@@ -33,14 +33,6 @@ def batch(replica_id, sequence_number, *events, incarnation="i1", ttl_ms=0) -> K
 
 def snapshot(replica_id, sequence_number, *events, **kwargs) -> KvEventBatch:
     return batch(replica_id, sequence_number, AllCleared(), *events, **kwargs)
-
-
-@pytest.fixture(scope="module")
-def redis_server():
-    server = RedisServer()
-    server.start()
-    yield server
-    server.kill()
 
 
 @pytest.fixture(params=["memory", "redis"])

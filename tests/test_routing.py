@@ -25,7 +25,7 @@ import redis
 from llmserve.block_hash import chain_block_hashes
 from llmserve.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc, inference_pb2, inference_pb2_grpc
 from tests.procs import start_service, stop_service
-from tests.redis_server import RedisServer
+from tests.redis_server import redis_server  # noqa: F401 (a fixture)
 
 NUM_REPLICAS = 3
 BLOCK = 16
@@ -44,14 +44,6 @@ BALANCE_FLAGS = ["--routing-load-ratio", "1.5", "--routing-load-slack", "1"]
 LOAD_SAMPLE_INTERVAL_S = 0.02
 # Long enough that a request occupies its replica for a while: load is what is in flight.
 TURN_MAX_TOKENS = 8
-
-
-@pytest.fixture(scope="module")
-def redis_server():
-    server = RedisServer()
-    server.start()
-    yield server
-    server.kill()
 
 
 @pytest.fixture(scope="module")
