@@ -28,6 +28,7 @@ from tests.procs import running_stack
 RESULT = GenerationResult(
     finish_reason=FinishReason.LENGTH, matched_stop=None, num_prompt_tokens=3, num_completion_tokens=4,
     num_cached_tokens=0, queue_time_ns=1, preprocess_time_ns=1, time_to_first_token_ns=2, total_time_ns=3,
+    replica_id="r0", predicted_cached_tokens=0,
 )
 
 

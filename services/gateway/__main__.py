@@ -14,10 +14,13 @@ from pathlib import Path
 
 from llmserve.gateway.client_stream import DEFAULT_MAX_UNSENT_TOKENS
 from llmserve.gateway.config import DEFAULT_DOWNSTREAM_READY_TIMEOUT_S, GatewayConfig
+from llmserve.gateway.discovery import Target
+from llmserve.gateway.routing_flags import add_routing_arguments, routing_options
 from llmserve.gateway.worker import run_worker
 from llmserve.gateway.worker_group import run_worker_group
 from llmserve.server import configure_logging, exit_with_parent, write_port_file
 from llmserve.server_flags import GATEWAY_PORT, add_server_arguments, server_options
+
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
@@ -36,8 +39,9 @@ def build_parser() -> argparse.ArgumentParser:
         "--inference",
         required=True,
         action="append",
-        metavar="HOST:PORT",
-        help="inference replica address (repeatable; the first one is used for now)",
+        metavar="HOST:PORT|dns:///NAME:PORT",
+        help="inference replicas (repeatable): HOST:PORT is one replica; dns:///NAME:PORT is every address "
+        "NAME resolves to (a Kubernetes headless Service), resolved again every --resolve-interval-s",
     )
     parser.add_argument(
         "--model", required=True, metavar="DIR", help="model checkpoint dir (its tokenizer.json detokenizes output)"
@@ -67,13 +71,14 @@ def build_parser() -> argparse.ArgumentParser:
         help="one InferenceService.GenerateTokens call per request instead of all of this process's "
         "requests on one Multiplex stream per replica (a message per engine step; measured faster)",
     )
+    add_routing_arguments(parser)
     return parser
 
 
 def config_from_args(args: argparse.Namespace) -> GatewayConfig:
     return GatewayConfig(
         preprocess_address=args.preprocess,
-        inference_addresses=tuple(args.inference),
+        inference_targets=tuple(Target.parse(text) for text in args.inference),
         model_path=Path(args.model).expanduser().resolve(),
         model_name=args.model_name,
         **server_options(args),
@@ -82,6 +87,7 @@ def config_from_args(args: argparse.Namespace) -> GatewayConfig:
         num_workers=args.workers,
         max_unsent_tokens=args.max_unsent_tokens,
         multiplex=args.multiplex,
+        **routing_options(args),
     )
 
 

@@ -6,6 +6,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from llmserve.gateway.client_stream import DEFAULT_MAX_UNSENT_TOKENS
+from llmserve.gateway.discovery import DEFAULT_RESOLVE_INTERVAL_S, Target
+from llmserve.gateway.router import RoutingConfig
+from llmserve.prefix_index.redis_config import RedisIndexConfig
 from llmserve.server_flags import DEFAULT_GRACE_PERIOD_S, DEFAULT_HOST, GATEWAY_PORT
 
 # How long to wait at start for preprocess and inference to report SERVING (they may still be
@@ -16,7 +19,7 @@ DEFAULT_DOWNSTREAM_READY_TIMEOUT_S = 600.0
 @dataclass(frozen=True, slots=True)
 class GatewayConfig:
     preprocess_address: str  # "host:port" of the preprocess service
-    inference_addresses: tuple[str, ...]  # inference replicas; the first one is used for now
+    inference_targets: tuple[Target, ...]  # inference replicas: host:port or dns:///name:port (discovery)
     model_path: Path  # checkpoint dir whose tokenizer.json detokenizes the output
     model_name: str | None = None  # None: the name the inference replica reports
     host: str = DEFAULT_HOST
@@ -33,9 +36,19 @@ class GatewayConfig:
     max_unsent_tokens: int = DEFAULT_MAX_UNSENT_TOKENS
     # All requests to a replica on one Multiplex stream; False: a GenerateTokens call each.
     multiplex: bool = True
+    routing: RoutingConfig = RoutingConfig()
+    # Seconds between DNS resolutions of dns:/// targets.
+    resolve_interval_s: float = DEFAULT_RESOLVE_INTERVAL_S
+    # Asked of each replica's WatchKvEvents; 0: the replica's default.
+    heartbeat_interval_ms: int = 0
+    # None: the prefix index lives in this process, fed by every replica's events. Set: the
+    # index is in this Redis (written by the replicas), and this process only reads and sweeps it.
+    redis: RedisIndexConfig | None = None
+    # Seconds between sweeps of replicas whose liveness key expired (Redis only).
+    sweep_interval_s: float = 1.0
 
     def __post_init__(self) -> None:
-        if not self.inference_addresses:
+        if not self.inference_targets:
             raise ValueError("at least one inference address is required")
         if self.grace_period_s < 0:
             raise ValueError(f"grace_period_s must be >= 0, got {self.grace_period_s}")

@@ -2,10 +2,11 @@
 
 Lifecycle (the servicer turns each step's output into protobuf):
   1. preprocess.Preprocess: template, tokenize, validate; it resolves max_tokens.
-  2. inference.Generate: a stream of token chunks (max_tokens resolved, stop strings kept here).
+  2. the router picks a live replica (router.py), counting the request in flight there;
+     inference.Generate on it: a stream of token chunks (max_tokens resolved, stop strings kept here).
   3. each chunk → incremental detokenizer (whole characters only) → stop-string matcher
      (holds back text that may start a stop string) → a GenerationDelta.
-  4. the last delta carries finish reason, usage and timings.
+  4. the last delta carries finish reason, usage, timings and the routing decision.
   5. if the request ends before inference finished it (client cancel, deadline, stop string,
      error), the inference request is cancelled (an abort on the Multiplex stream, or the call
      cancelled plus Abort(request_id)), so its KV blocks are freed at once.
@@ -15,6 +16,7 @@ from __future__ import annotations
 
 import logging
 import time
+from contextlib import aclosing
 from dataclasses import dataclass, field, replace
 from typing import AsyncIterator, Callable
 
@@ -23,8 +25,8 @@ import grpc
 from llmserve.errors import ServiceError
 from llmserve.gateway.detokenizer import Detokenizer, DetokenizerStream
 from llmserve.gateway.hop_errors import DownstreamError
-from llmserve.gateway.inference_client import InferenceClient
 from llmserve.gateway.preprocess_client import PreparedPrompt, PreprocessClient, PromptInput
+from llmserve.gateway.router import RouteDecision, Router
 from llmserve.gateway.stop_strings import StopStringMatcher
 from llmserve.gateway.token_chunks import TokenChunk
 from llmserve.sampling import DEADLINE_EXCEEDED_MESSAGE, FinishReason, SamplingParams, TokenLogprob
@@ -59,6 +61,8 @@ class GenerationResult:
     preprocess_time_ns: int
     time_to_first_token_ns: int
     total_time_ns: int
+    replica_id: str
+    predicted_cached_tokens: int
 
 
 @dataclass(slots=True)
@@ -84,6 +88,7 @@ class _RequestState:
     """Per-request progress while the inference stream is read."""
 
     prompt: PreparedPrompt
+    route: RouteDecision
     detokenizer: DetokenizerStream
     stop_matcher: StopStringMatcher
     num_completion_tokens: int = 0
@@ -93,9 +98,9 @@ class _RequestState:
 class GenerationPipeline:
     """Runs requests through preprocess and inference; shared by all requests."""
 
-    def __init__(self, preprocess: PreprocessClient, inference: InferenceClient, detokenizer: Detokenizer):
+    def __init__(self, preprocess: PreprocessClient, router: Router, detokenizer: Detokenizer):
         self._preprocess = preprocess
-        self._inference = inference
+        self._router = router
         self._detokenizer = detokenizer
 
     async def generate(
@@ -109,7 +114,16 @@ class GenerationPipeline:
             cache_salt=request.cache_salt,
             timeout_s=time_remaining(),
         )
-        stream = self._inference.generate(
+        route = await self._router.choose(prompt)
+        with route.replica.dispatched():
+            async with aclosing(self._generate_on(route, request, prompt, time_remaining)) as deltas:
+                async for delta in deltas:
+                    yield delta
+
+    async def _generate_on(
+        self, route: RouteDecision, request: GenerationRequest, prompt: PreparedPrompt, time_remaining: TimeRemaining
+    ) -> AsyncIterator[GenerationDelta]:
+        stream = route.replica.client.generate(
             request.request_id,
             prompt,
             sampling_for_inference(request.sampling, prompt.max_tokens),
@@ -117,6 +131,7 @@ class GenerationPipeline:
         )
         state = _RequestState(
             prompt=prompt,
+            route=route,
             detokenizer=self._detokenizer.new_stream(prompt.token_ids),
             stop_matcher=StopStringMatcher(request.sampling.stop),
         )
@@ -178,16 +193,19 @@ class GenerationPipeline:
             preprocess_time_ns=state.prompt.preprocess_time_ns,
             time_to_first_token_ns=first_token_ns - request.arrival_ns,
             total_time_ns=now_ns - request.arrival_ns,
+            replica_id=state.route.replica.replica_id or state.route.replica.address,
+            predicted_cached_tokens=state.route.predicted_cached_tokens,
         )
 
 
 def _log_finished(request_id: str, result: GenerationResult) -> None:
     log.debug(
-        "request %s finished (%s%s): %d prompt + %d completion tokens (%d cached); "
+        "request %s finished (%s%s) on %s: %d prompt + %d completion tokens (%d cached, %d predicted); "
         "preprocess %.1f ms, queue %.1f ms, ttft %.1f ms, total %.1f ms",
         request_id, result.finish_reason.value,
         f" on {result.matched_stop!r}" if result.matched_stop is not None else "",
-        result.num_prompt_tokens, result.num_completion_tokens, result.num_cached_tokens,
+        result.replica_id, result.num_prompt_tokens, result.num_completion_tokens, result.num_cached_tokens,
+        result.predicted_cached_tokens,
         result.preprocess_time_ns / 1e6, result.queue_time_ns / 1e6,
         result.time_to_first_token_ns / 1e6, result.total_time_ns / 1e6,
     )

@@ -9,11 +9,13 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from dataclasses import dataclass
 from typing import AsyncIterator, Protocol
 
 import grpc
 
+from llmserve.errors import ServiceError
 from llmserve.gateway.block_layout import BlockLayout
 from llmserve.gateway.health import wait_until_serving
 from llmserve.gateway.hop_errors import error_from_rpc
@@ -21,6 +23,7 @@ from llmserve.gateway.preprocess_client import PreparedPrompt
 from llmserve.gateway.request_id import request_metadata
 from llmserve.gateway.replica_stream import ReplicaStream
 from llmserve.gateway.token_chunks import TokenChunk, chunk_from_pb
+from llmserve.kv_events import KvEventBatch, batch_from_pb
 from llmserve.pb import sampling_to_pb
 from llmserve.sampling import SamplingParams
 from llmserve.server import CHANNEL_OPTIONS
@@ -41,6 +44,11 @@ class ModelCard:
     block_layout: BlockLayout
 
 
+class KvEventsUnsupported(Exception):
+    """The replica serves no WatchKvEvents (an older release): route to it by the gateway's own
+    in-flight count, with no prefix index and no heartbeat."""
+
+
 class TokenStream(Protocol):
     """One in-flight inference request: iterate for TokenChunks; `cancel` stops it on the
     replica (freeing its KV blocks) and is harmless once it has ended."""
@@ -57,13 +65,26 @@ class CallTokens:
         self._call = call
         self._request_id = request_id
         self._client = client
+        self._failure: ServiceError | None = None
 
     async def __aiter__(self) -> AsyncIterator[TokenChunk]:
+        self._client.calls.add(self)
         try:
             async for response in self._call:
+                self._client.last_response_s = time.monotonic()
                 yield chunk_from_pb(response)
         except grpc.aio.AioRpcError as error:
             raise error_from_rpc("inference", error) from None
+        except asyncio.CancelledError:
+            if self._failure is None:
+                raise
+            raise self._failure from None  # `fail` cancelled the call, not our caller
+        finally:
+            self._client.calls.discard(self)
+
+    def fail(self, error: ServiceError) -> None:
+        self._failure = error
+        self._call.cancel()
 
     def cancel(self) -> None:
         # Cancelling the call aborts the request on the replica; the Abort makes sure of it when
@@ -82,6 +103,8 @@ class InferenceClient:
         self._channel = grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
         self._stub = inference_pb2_grpc.InferenceServiceStub(self._channel)
         self._replica_stream = ReplicaStream(self._stub) if multiplex else None
+        self.calls: set[CallTokens] = set()  # requests on calls of their own, being read
+        self.last_response_s = 0.0  # time.monotonic() of the last token message on a call
         # Aborts run in the background so an ending request never waits for them; kept here so
         # they are not garbage-collected mid-flight and `close` can wait for them.
         self._pending_aborts: set[asyncio.Task] = set()
@@ -131,6 +154,35 @@ class InferenceClient:
             return self._replica_stream.generate(request)
         call = self._stub.GenerateTokens(request, timeout=timeout_s, metadata=request_metadata(request_id))
         return CallTokens(call, request_id, self)
+
+    async def watch_kv_events(
+        self, *, load_only: bool, heartbeat_interval_ms: int = 0
+    ) -> AsyncIterator[KvEventBatch]:
+        """The replica's WatchKvEvents stream, typed; a gRPC error becomes a ServiceError."""
+        request = inference_pb2.WatchKvEventsRequest(heartbeat_interval_ms=heartbeat_interval_ms, load_only=load_only)
+        call = self._stub.WatchKvEvents(request)
+        try:
+            async for message in call:
+                yield batch_from_pb(message)
+        except grpc.aio.AioRpcError as error:
+            if error.code() == grpc.StatusCode.UNIMPLEMENTED:
+                raise KvEventsUnsupported(f"inference at {self.address} does not serve WatchKvEvents") from None
+            raise error_from_rpc("inference", error) from None
+        finally:
+            call.cancel()
+
+    @property
+    def last_output_s(self) -> float:
+        """time.monotonic() of the last token message from the replica, on any request."""
+        stream_s = self._replica_stream.last_response_s if self._replica_stream is not None else 0.0
+        return max(stream_s, self.last_response_s)
+
+    def fail_in_flight(self, error: ServiceError) -> None:
+        """End every request in flight on this replica with `error` (it stopped answering)."""
+        if self._replica_stream is not None:
+            self._replica_stream.fail_all(error)
+        for tokens in list(self.calls):
+            tokens.fail(error)
 
     async def abort(self, request_id: str) -> bool:
         """Abort a request (idempotent); True if it was still running. Never raises."""

@@ -5,7 +5,8 @@
 
 The call opens on first use and lives as long as the gateway. If it breaks (the replica
 restarts, the connection drops), each request on it fails with the status the call ended with
-(UNAVAILABLE for a lost connection), and the next request opens a new call.
+(UNAVAILABLE for a lost connection, or the error `fail_all` was given when the gateway gave up on
+the replica), and the next request opens a new call.
 
 Why one writer task: grpc.aio allows one write in flight per call, and requests start from
 many handler tasks. Why per-request buffers: the reader must never wait on one slow request;
@@ -16,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from dataclasses import dataclass, field
 from typing import AsyncIterator
 
@@ -83,6 +85,8 @@ class _Connection:
     requests: dict[str, MultiplexedTokens] = field(default_factory=dict)
     is_broken: bool = False
     writer: asyncio.Task | None = None
+    # Set when the gateway itself ends the call (the replica is gone): what its requests end with.
+    failure: ServiceError | None = None
 
     def forget(self, request_id: str, *, abort: bool) -> None:
         if self.requests.pop(request_id, None) is not None and abort and not self.is_broken:
@@ -96,6 +100,7 @@ class ReplicaStream:
         self._stub = stub
         self._connection: _Connection | None = None
         self._tasks: set[asyncio.Task] = set()
+        self.last_response_s = 0.0  # time.monotonic() of the last message from the replica
 
     def generate(self, request: inference_pb2.GenerateTokensRequest) -> MultiplexedTokens:
         connection = self._open_connection()
@@ -103,6 +108,12 @@ class ReplicaStream:
         connection.requests[request.request_id] = tokens
         connection.commands.put_nowait(inference_pb2.MultiplexRequest(generate=request))
         return tokens
+
+    def fail_all(self, error: ServiceError) -> None:
+        """End the call and every request on it with `error` (the replica stopped answering)."""
+        if self._connection is not None and not self._connection.is_broken:
+            self._connection.failure = error
+            self._connection.call.cancel()
 
     async def close(self) -> None:
         if self._connection is not None:
@@ -136,6 +147,7 @@ class ReplicaStream:
         failure: ServiceError = Unavailable("inference ended the multiplexed stream")
         try:
             async for response in connection.call:
+                self.last_response_s = time.monotonic()
                 for output in response.outputs:
                     tokens = connection.requests.get(output.request_id)
                     if tokens is not None:
@@ -150,5 +162,5 @@ class ReplicaStream:
             connection.is_broken = True
             connection.writer.cancel()
             for tokens in list(connection.requests.values()):
-                tokens.fail(failure)
+                tokens.fail(connection.failure or failure)
             connection.requests.clear()

@@ -151,6 +151,9 @@ def _result_to_pb(result: GenerationResult) -> gateway_pb2.GenerationResult:
         matched_stop=result.matched_stop,
         usage=_usage_to_pb(result),
         timings=_timings_to_pb(result),
+        routing=gateway_pb2.RoutingInfo(
+            replica_id=result.replica_id, predicted_cached_tokens=result.predicted_cached_tokens
+        ),
     )
 
 

@@ -22,6 +22,7 @@ from llmserve.inference.kv_event_log import KvEventLog
 from llmserve.inference.servicer import SERVICE_NAME, InferenceServicer
 from llmserve.message_limits import token_ids_request_bytes
 from llmserve.model_files import ModelFiles
+from llmserve.prefix_index.redis_config import add_redis_arguments, redis_config_from_args
 from llmserve.server import configure_logging, create_server, exit_with_parent, serve_until_signal, write_port_file
 from llmserve.server_flags import add_server_arguments, server_options
 from llmserve.v1 import inference_pb2_grpc
@@ -41,6 +42,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="WatchKvEvents: a heartbeat (with the load) after this many quiet milliseconds, for "
         "subscribers that ask for no interval of their own (default: %(default)s)",
     )
+    add_redis_arguments(
+        server, "publish this replica's KV events to the Redis routing index at URL (redis://host:port/db), "
+        "for gateways started with the same --redis-url; unset: gateways read the events themselves",
+    )
     model = p.add_argument_group(MODEL_GROUP)
     model.add_argument("--model", required=True, help="local HF checkpoint directory (config.json, *.safetensors)")
     model.add_argument("--model-name", help="served model name (default: the name the checkpoint gives itself)")
@@ -56,6 +61,7 @@ def config_from_args(args: argparse.Namespace) -> InferenceConfig:
         **server_options(args),
         replica_id=args.replica_id,
         kv_events_heartbeat_ms=args.kv_events_heartbeat_ms,
+        redis=redis_config_from_args(args),
         log_level=args.log_level,
     )
 
@@ -82,9 +88,20 @@ async def serve(config: InferenceConfig) -> None:
     if not kv_events.replica_id:
         kv_events.replica_id = f"{socket.gethostname()}-{running.port}"
     _log_startup(engine, kv_events.replica_id, running.port)
+    publisher = _start_redis_publisher(config, kv_events)
     await running.set_serving(True)
     write_port_file(config.port_file, running.port)
     await serve_until_signal(running, grace_s=config.grace_period_s, on_drain=lambda: _drain(engine, kv_events, config))
+    if publisher is not None:
+        await publisher  # ended by kv_events.close(), having dropped this replica's entries
+
+
+def _start_redis_publisher(config: InferenceConfig, kv_events: KvEventLog) -> asyncio.Task | None:
+    if config.redis is None:
+        return None
+    from llmserve.prefix_index.redis_publisher import start_publishing  # redis-py: only with --redis-url
+
+    return start_publishing(config.redis, lambda: kv_events.subscribe(False, kv_events.default_heartbeat_interval_s))
 
 
 async def _drain(engine: ServingEngine, kv_events: KvEventLog, config: InferenceConfig) -> None:

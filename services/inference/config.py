@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from llmserve.inference.engine.config import EngineConfig
+from llmserve.prefix_index.redis_config import RedisIndexConfig
 from llmserve.server_flags import DEFAULT_GRACE_PERIOD_S, DEFAULT_HOST
 
 DEFAULT_KV_EVENTS_HEARTBEAT_MS = 500
@@ -25,6 +26,8 @@ class InferenceConfig:
     replica_id: str | None = None
     # WatchKvEvents heartbeat interval for subscribers that ask for none.
     kv_events_heartbeat_ms: int = DEFAULT_KV_EVENTS_HEARTBEAT_MS
+    # Set: this replica publishes its KV events to the Redis routing index (docs/routing.md).
+    redis: RedisIndexConfig | None = None
     log_level: str = "INFO"
 
     def __post_init__(self) -> None:

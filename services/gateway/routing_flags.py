@@ -1,0 +1,55 @@
+"""The gateway's routing flags (`--routing`, `--redis-url`, ...) and the config fields they set."""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+from llmserve.gateway.discovery import DEFAULT_RESOLVE_INTERVAL_S
+from llmserve.gateway.router import DEFAULT_LOAD_RATIO, DEFAULT_LOAD_SLACK, RoutingConfig, RoutingPolicy
+from llmserve.prefix_index.redis_config import add_redis_arguments, redis_config_from_args
+
+
+def add_routing_arguments(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("routing (docs/routing.md)")
+    group.add_argument(
+        "--routing", default=RoutingPolicy.KV.value, choices=[policy.value for policy in RoutingPolicy],
+        help="kv: the replica holding the longest cached prefix of the prompt, within the load bound below "
+        "(least-loaded when no replica holds any); least-loaded: fewest requests in flight; round-robin: "
+        "each replica in turn (default: %(default)s)",
+    )
+    group.add_argument(
+        "--routing-load-ratio", type=float, default=DEFAULT_LOAD_RATIO, metavar="RATIO",
+        help="kv routing skips a replica whose requests exceed both the least loaded replica's times RATIO "
+        "and theirs plus --routing-load-slack, so a popular prefix does not make a hot spot (default: %(default)s)",
+    )
+    group.add_argument(
+        "--routing-load-slack", type=int, default=DEFAULT_LOAD_SLACK, metavar="REQUESTS",
+        help="requests a replica may have beyond the least loaded one's before the ratio applies "
+        "(default: %(default)s)",
+    )
+    add_redis_arguments(
+        group,
+        "keep the prefix index in this Redis (redis://host:port/db), written by the inference replicas "
+        "(start them with the same --redis-url), shared by every gateway; unset: each gateway keeps its own "
+        "index in memory from the replicas' KV events",
+    )
+    group.add_argument(
+        "--resolve-interval-s", type=float, default=DEFAULT_RESOLVE_INTERVAL_S, metavar="SECONDS",
+        help="how often dns:/// inference targets are resolved again (default: %(default)s)",
+    )
+    group.add_argument(
+        "--heartbeat-interval-ms", type=int, default=0, metavar="MS",
+        help="heartbeat interval asked of each replica's KV event stream; a replica silent for its "
+        "heartbeat TTL is not routed to (default: 0, the replica's own)",
+    )
+
+
+def routing_options(args: argparse.Namespace) -> dict[str, Any]:
+    """GatewayConfig fields from the parsed routing flags."""
+    return dict(
+        routing=RoutingConfig(RoutingPolicy(args.routing), args.routing_load_ratio, args.routing_load_slack),
+        redis=redis_config_from_args(args),
+        resolve_interval_s=args.resolve_interval_s,
+        heartbeat_interval_ms=args.heartbeat_interval_ms,
+    )

@@ -1,0 +1,115 @@
+"""Router decisions and target discovery, in process: real replicas' state, a real in-memory index."""
+
+from __future__ import annotations
+
+import pytest
+
+from llmserve.block_hash import chain_block_hashes
+from llmserve.errors import Unavailable
+from llmserve.gateway.block_layout import BlockLayout
+from llmserve.gateway.discovery import AddressWatcher, Target, resolve
+from llmserve.gateway.inference_client import InferenceClient
+from llmserve.gateway.preprocess_client import PreparedPrompt
+from llmserve.gateway.replica import Replica
+from llmserve.gateway.router import Router, RoutingConfig, RoutingPolicy
+from llmserve.kv_events import AllCleared, BlocksStored, KvEventBatch, ReplicaLoad
+from llmserve.prefix_index import MemoryPrefixIndex
+
+BLOCK = 4
+TOKENS = list(range(1, 18))  # 4 full blocks and one token
+HASHES = chain_block_hashes(TOKENS, BLOCK)
+PROMPT = PreparedPrompt(TOKENS, HASHES, BlockLayout(BLOCK, 1), max_tokens=4, preprocess_time_ns=0)
+
+
+async def fleet(index: MemoryPrefixIndex, held_blocks: dict[str, int], running: dict[str, int]) -> list[Replica]:
+    """Replicas r0, r1, ... holding their first `held_blocks` blocks of PROMPT, with `running` requests."""
+    replicas = []
+    for replica_id, num_blocks in held_blocks.items():
+        replica = Replica(f"127.0.0.1:{1 + len(replicas)}", InferenceClient(f"127.0.0.1:{1 + len(replicas)}"))
+        events = (AllCleared(), BlocksStored(tuple(HASHES[:num_blocks]), None, BLOCK)) if num_blocks else (AllCleared(),)
+        batch = KvEventBatch(replica_id, "i", 1, events, ReplicaLoad(num_running=running.get(replica_id, 0)))
+        replica.observe(batch)
+        await index.apply(batch)
+        replicas.append(replica)
+    return replicas
+
+
+def router(replicas, index, policy=RoutingPolicy.KV, **bound) -> Router:
+    return Router(RoutingConfig(policy, **bound), lambda: [r for r in replicas if r.is_live], index)
+
+
+async def test_kv_picks_the_longest_prefix_and_predicts_what_the_engine_reuses():
+    index = MemoryPrefixIndex()
+    replicas = await fleet(index, {"r0": 1, "r1": 4, "r2": 0}, {})
+    decision = await router(replicas, index).choose(PROMPT)
+    assert decision.replica.replica_id == "r1"
+    assert decision.predicted_cached_tokens == 4 * BLOCK
+    fully_cached = PreparedPrompt(TOKENS[:16], HASHES, BlockLayout(BLOCK, 1), 4, 0)
+    assert (await router(replicas, index).choose(fully_cached)).predicted_cached_tokens == 3 * BLOCK
+
+
+async def test_the_load_bound_sends_a_busy_holder_s_request_elsewhere():
+    index = MemoryPrefixIndex()
+    replicas = await fleet(index, {"r0": 4, "r1": 2, "r2": 0}, {"r0": 7, "r1": 3, "r2": 2})
+    # bound = max(2 x 1.5, 2 + 1) = 3: r0 is out, r1 holds the longest prefix of those left.
+    decision = await router(replicas, index, load_ratio=1.5, load_slack=1).choose(PROMPT)
+    assert (decision.replica.replica_id, decision.predicted_cached_tokens) == ("r1", 2 * BLOCK)
+    # The gateway's own in-flight requests count at once.
+    with replicas[1].dispatched():
+        decision = await router(replicas, index, load_ratio=1.5, load_slack=1).choose(PROMPT)
+    assert (decision.replica.replica_id, decision.predicted_cached_tokens) == ("r2", 0)
+
+
+async def test_nothing_cached_goes_to_the_least_loaded():
+    index = MemoryPrefixIndex()
+    replicas = await fleet(index, {"r0": 0, "r1": 0, "r2": 0}, {"r0": 2, "r1": 1, "r2": 3})
+    for policy in (RoutingPolicy.KV, RoutingPolicy.LEAST_LOADED):
+        decision = await router(replicas, index, policy).choose(PROMPT)
+        assert (decision.replica.replica_id, decision.predicted_cached_tokens) == ("r1", 0)
+
+
+async def test_round_robin_takes_each_live_replica_in_turn():
+    index = MemoryPrefixIndex()
+    replicas = await fleet(index, {"r0": 4, "r1": 0, "r2": 0}, {})
+    replicas[2].is_live = False
+    round_robin = router(replicas, index, RoutingPolicy.ROUND_ROBIN)
+    chosen = [(await round_robin.choose(PROMPT)).replica.replica_id for _ in range(4)]
+    assert chosen == ["r0", "r1", "r0", "r1"]
+
+
+async def test_no_live_replica_is_unavailable():
+    index = MemoryPrefixIndex()
+    replicas = await fleet(index, {"r0": 4}, {})
+    replicas[0].is_live = False
+    with pytest.raises(Unavailable, match="^inference unavailable: "):
+        await router(replicas, index).choose(PROMPT)
+
+
+@pytest.mark.parametrize(
+    "text, target",
+    [
+        ("127.0.0.1:50053", Target("127.0.0.1", 50053, False)),
+        ("dns:///inference.default.svc:50053", Target("inference.default.svc", 50053, True)),
+        ("[::1]:7", Target("::1", 7, False)),
+    ],
+)
+def test_targets_parse(text, target):
+    assert Target.parse(text) == target
+    assert str(target) == text
+
+
+@pytest.mark.parametrize("text", ["localhost", "dns:///name", "host:0", "host:port", ":80"])
+def test_bad_targets_name_the_syntax(text):
+    with pytest.raises(ValueError, match="is not host:port or dns:///name:port"):
+        Target.parse(text)
+
+
+async def test_dns_targets_resolve_to_every_address_and_a_failing_name_drops_none():
+    assert await resolve(Target.parse("127.0.0.1:9")) == {"127.0.0.1:9"}
+    assert "127.0.0.1:9" in await resolve(Target.parse("dns:///localhost:9"))
+    watcher = AddressWatcher([Target.parse("dns:///localhost:9"), Target.parse("dns:///no-such-host.invalid:9")])
+    assert not watcher.is_static
+    first = await watcher.resolve()
+    assert "127.0.0.1:9" in first
+    assert await watcher.resolve() == first
+    assert AddressWatcher([Target.parse("127.0.0.1:9")]).is_static
