@@ -89,9 +89,9 @@ def event_from_pb(message: inference_pb2.KvEvent) -> KvEvent:
     raise ValueError("KvEvent has no kind set")
 
 
-def batch_to_pb(batch: KvEventBatch) -> inference_pb2.KvEventBatch:
+def batch_to_pb(batch: KvEventBatch) -> inference_pb2.WatchKvEventsResponse:
     load = batch.load
-    return inference_pb2.KvEventBatch(
+    return inference_pb2.WatchKvEventsResponse(
         replica_id=batch.replica_id,
         incarnation=batch.incarnation,
         sequence_number=batch.sequence_number,
@@ -107,7 +107,7 @@ def batch_to_pb(batch: KvEventBatch) -> inference_pb2.KvEventBatch:
     )
 
 
-def batch_from_pb(message: inference_pb2.KvEventBatch) -> KvEventBatch:
+def batch_from_pb(message: inference_pb2.WatchKvEventsResponse) -> KvEventBatch:
     load = message.load
     return KvEventBatch(
         replica_id=message.replica_id,

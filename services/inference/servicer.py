@@ -110,7 +110,7 @@ class InferenceServicer(inference_pb2_grpc.InferenceServiceServicer):
 
     async def WatchKvEvents(
         self, request: inference_pb2.WatchKvEventsRequest, context: grpc.aio.ServicerContext
-    ) -> AsyncIterator[inference_pb2.KvEventBatch]:
+    ) -> AsyncIterator[inference_pb2.WatchKvEventsResponse]:
         interval_s = _heartbeat_interval_s(request, self._kv_events.default_heartbeat_interval_s)
         async with aclosing(self._kv_events.subscribe(request.load_only, interval_s)) as batches:
             async for batch in batches:
