@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-from llmserve.block_hash import chain_block_hashes
+from llmserve.block_hash import HashNamespace, chain_block_hashes
 from llmserve.kv_events import AllCleared, BlocksRemoved, BlocksStored, KvEventBatch, ReplicaLoad
 from llmserve.prefix_index import ApplyOutcome, MemoryPrefixIndex
 from llmserve.prefix_index.redis_config import RedisIndexConfig
@@ -16,11 +16,13 @@ from llmserve.prefix_index.redis_publisher import RedisPublisher
 from tests.redis_server import redis_server  # noqa: F401 (a fixture)
 
 BLOCK = 4
+# The index stores whatever hashes replicas send: any one namespace does.
+HASH_SEED = HashNamespace(model_fingerprint=1, tokenizer_fingerprint=2, block_size_tokens=BLOCK).seed()
 SYSTEM = list(range(100, 112))  # 3 blocks
 PROMPT_A = SYSTEM + [1, 2, 3, 4, 5, 6, 7, 8]  # 5 blocks
 PROMPT_B = SYSTEM + [9, 9, 9, 9]  # 4 blocks, sharing the first 3 with A
-HASHES_A = chain_block_hashes(PROMPT_A, BLOCK)
-HASHES_B = chain_block_hashes(PROMPT_B, BLOCK)
+HASHES_A = chain_block_hashes(PROMPT_A, BLOCK, HASH_SEED)
+HASHES_B = chain_block_hashes(PROMPT_B, BLOCK, HASH_SEED)
 
 
 def stored(hashes, parent=None) -> BlocksStored:
@@ -53,7 +55,7 @@ async def test_a_replica_counts_only_the_leading_blocks_it_holds(index):
     assert await index.apply(snapshot("r3", 1, stored(HASHES_A[1:], parent=HASHES_A[0]))) is ApplyOutcome.APPLIED
     assert await index.lookup(HASHES_A) == {"r1": 5, "r2": 1}
     assert await index.lookup(HASHES_B) == {"r1": 3, "r2": 1}
-    assert await index.lookup(chain_block_hashes([7] * 8, BLOCK)) == {}
+    assert await index.lookup(chain_block_hashes([7] * 8, BLOCK, HASH_SEED)) == {}
     assert await index.lookup([]) == {}
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from llmserve.block_hash import chain_block_hashes
+from llmserve.block_hash import HashNamespace, chain_block_hashes
 from llmserve.errors import Unavailable
 from llmserve.gateway.block_layout import BlockLayout
 from llmserve.gateway.discovery import AddressWatcher, Target, resolve
@@ -16,8 +16,10 @@ from llmserve.kv_events import AllCleared, BlocksStored, KvEventBatch, ReplicaLo
 from llmserve.prefix_index import MemoryPrefixIndex
 
 BLOCK = 4
+# The router compares hashes only: any one namespace does.
+HASH_SEED = HashNamespace(model_fingerprint=1, tokenizer_fingerprint=2, block_size_tokens=BLOCK).seed()
 TOKENS = list(range(1, 18))  # 4 full blocks and one token
-HASHES = chain_block_hashes(TOKENS, BLOCK)
+HASHES = chain_block_hashes(TOKENS, BLOCK, HASH_SEED)
 PROMPT = PreparedPrompt(TOKENS, HASHES, BlockLayout(BLOCK, 1), max_tokens=4, preprocess_time_ns=0)
 
 

@@ -22,13 +22,15 @@ import grpc
 import pytest
 import redis
 
-from llmserve.block_hash import chain_block_hashes
+from llmserve.block_hash import HashNamespace, chain_block_hashes
 from llmserve.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc, inference_pb2, inference_pb2_grpc
 from tests.procs import start_service, stop_service
 from tests.redis_server import redis_server  # noqa: F401 (a fixture)
 
 NUM_REPLICAS = 3
 BLOCK = 16
+# Hashes here only name finished prefixes for the ideal: any one namespace does.
+HASH_SEED = HashNamespace(model_fingerprint=1, tokenizer_fingerprint=2, block_size_tokens=BLOCK).seed()
 VOCAB = 400  # below the tiny tokenizer's vocabulary
 HEARTBEAT_MS = 250  # the replicas' heartbeat; their TTL is 4 intervals (1 s: a loaded CI box is slow)
 KEY_PREFIX = "{test-routing}"
@@ -105,7 +107,7 @@ class Workload:
 
     def ideal(self, prompt: list[int]) -> int:
         blocks = 0
-        for block_hash in chain_block_hashes(prompt, BLOCK)[: (len(prompt) - 1) // BLOCK]:
+        for block_hash in chain_block_hashes(prompt, BLOCK, HASH_SEED)[: (len(prompt) - 1) // BLOCK]:
             if block_hash not in self.finished_hashes:
                 break
             blocks += 1
@@ -120,7 +122,7 @@ class Workload:
                 ideal = self.ideal(prompt)
             response = generate(stub, prompt, max_tokens=TURN_MAX_TOKENS)
             with self.lock:
-                self.finished_hashes.update(chain_block_hashes(prompt, BLOCK))
+                self.finished_hashes.update(chain_block_hashes(prompt, BLOCK, HASH_SEED))
                 self.served.append(Served(prompt, ideal, response.result))
 
     def run(self, address: str) -> None:
