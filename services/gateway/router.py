@@ -98,5 +98,5 @@ class Router:
 def _reusable_tokens(prompt: PreparedPrompt, num_cached_blocks: int) -> int:
     """Prompt tokens a replica holding `num_cached_blocks` leading blocks can skip: the engine
     computes at least the prompt's last token, so a fully cached prompt reuses a block less."""
-    block_size = prompt.block_layout.block_size_tokens
+    block_size = prompt.block_size_tokens
     return min(num_cached_blocks, (len(prompt.token_ids) - 1) // block_size) * block_size
