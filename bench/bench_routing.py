@@ -26,7 +26,6 @@ import json
 import sys
 import tempfile
 import time
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -37,6 +36,7 @@ import bench_stack  # noqa: E402
 from llmserve.loadgen.runner import RunConfig, run_workload  # noqa: E402
 from llmserve.loadgen.stats import summarize  # noqa: E402
 from llmserve.loadgen.workload import LengthDistribution, PromptBuilder, PromptForm, WorkloadConfig, plan_requests  # noqa: E402
+from llmserve.service_process import ServiceProcess  # noqa: E402
 from tests.procs import start_service, stop_service  # noqa: E402
 
 BLOCK_SIZE = 16
@@ -49,7 +49,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--policies", default="kv,round-robin")
     parser.add_argument("--replicas", type=int, default=4)
-    parser.add_argument("--num-kv-blocks", type=int, default=2048, help="KV blocks per replica (16 tokens each)")
+    parser.add_argument("--num-kv-blocks", type=int, default=4096, help="KV blocks per replica (16 tokens each): below the system prompts plus what is in flight")
     parser.add_argument("--prefix-groups", type=int, default=16)
     parser.add_argument("--prefix-tokens", type=int, default=2048)
     parser.add_argument("--conversations", type=int, default=256)
@@ -67,7 +67,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args = parser.parse_args(argv)
     if args.smoke:
         args.shape, args.device, args.replicas, args.num_kv_blocks = "tiny", "cpu", 3, 64
-        args.prefix_groups, args.prefix_tokens, args.conversations, args.turns = 3, 256, 12, 2
+        args.prefix_groups, args.prefix_tokens, args.conversations, args.turns = 3, 96, 12, 2
         args.prompt_tokens, args.output_tokens, args.concurrency, args.client_workers = 16, 4, 6, 1
     return args
 
@@ -98,6 +98,16 @@ def ideal_cached_tokens(planned, output_tokens: int, prefix_lengths: dict[int, i
     return total
 
 
+def starting_service(name: str, args: list[str], log_dir: Path) -> ServiceProcess:
+    """`python -m llmserve.<name>` on a free loopback port, started and not waited for (tests/procs.py
+    start_service waits)."""
+    log_dir.mkdir(parents=True, exist_ok=True)
+    service = ServiceProcess(name, f"llmserve.{name}", ["--host", "127.0.0.1", "--port", "0", *args],
+                             port_file=log_dir / f"{name}.port", log_path=log_dir / f"{name}.log")
+    service.start()
+    return service
+
+
 def start_stack(args, policy: str, model_dir: Path, log_dir: Path) -> list:
     model = ["--model", str(model_dir)]
     engine = ["--device", args.device, "--num-kv-blocks", str(args.num_kv_blocks), "--block-size", str(BLOCK_SIZE),
@@ -106,14 +116,13 @@ def start_stack(args, policy: str, model_dir: Path, log_dir: Path) -> list:
     try:
         services.append(start_service("preprocess", [*model, "--block-size", str(BLOCK_SIZE)], log_dir / "preprocess",
                                       timeout_s=args.startup_timeout_s))
-        # The replicas load and capture their CUDA graphs at once (a thread each waits for one).
-        with ThreadPoolExecutor(args.replicas) as pool:
-            starting = [pool.submit(start_service, "inference", [*model, *engine, "--replica-id", f"replica-{k}"],
-                                    log_dir / f"inference-{k}", timeout_s=args.startup_timeout_s)
-                        for k in range(args.replicas)]
-            services += [future.result() for future in starting if future.exception() is None]
-            for future in starting:
-                future.result()  # the first failure, after the started ones are in `services` to stop
+        # The replicas load and capture their CUDA graphs at once: all started, then waited for
+        # (from this thread: a service dies with the thread that started it, PR_SET_PDEATHSIG).
+        for k in range(args.replicas):
+            services.append(starting_service("inference", [*model, *engine, "--replica-id", f"replica-{k}"],
+                                             log_dir / f"inference-{k}"))
+        for service in services[1:]:
+            service.wait_until_serving(args.startup_timeout_s)
         replicas = [arg for service in services[1:] for arg in ("--inference", service.address)]
         services.append(start_service("gateway", [*model, "--preprocess", services[0].address, *replicas,
                                                   "--routing", policy, *args.gateway_arg],
@@ -152,8 +161,8 @@ def main(argv: list[str] | None = None) -> int:
         for policy in args.policies.split(","):
             print(f"{policy}: starting {args.replicas} replicas", flush=True)
             results[policy] = run_policy(args, policy, model_dir, planned, log_dir)
-            print(f"{policy}: {results[policy]['output_tokens_per_s']} out tok/s, "
-                  f"TTFT p90 {results[policy]['ttft_ms']['p90']} ms", flush=True)
+            print(f"{policy}: {results[policy]['output_tokens_per_s']:.1f} out tok/s, "
+                  f"TTFT p90 {results[policy]['ttft_ms']['p90']:.1f} ms", flush=True)
     baseline = results.get("round-robin")
     print("| policy | out tok/s | vs round-robin | TTFT p50 ms | TTFT p90 ms | p90 vs round-robin | cached / ideal | ok |")
     print("| --- | --- | --- | --- | --- | --- | --- | --- |")
@@ -168,8 +177,8 @@ def main(argv: list[str] | None = None) -> int:
             row["throughput_vs_round_robin"] = round(summary["output_tokens_per_s"] / baseline["output_tokens_per_s"], 3)
             row["ttft_p90_vs_round_robin"] = round(summary["ttft_ms"]["p90"] / baseline["ttft_ms"]["p90"], 3)
         rows[policy] = row
-        print(f"| {policy} | {row['output_tokens_per_s']} | {row.get('throughput_vs_round_robin', '-')} | "
-              f"{summary['ttft_ms']['p50']} | {summary['ttft_ms']['p90']} | {row.get('ttft_p90_vs_round_robin', '-')} | "
+        print(f"| {policy} | {row['output_tokens_per_s']:.1f} | {row.get('throughput_vs_round_robin', '-')} | "
+              f"{summary['ttft_ms']['p50']:.1f} | {summary['ttft_ms']['p90']:.1f} | {row.get('ttft_p90_vs_round_robin', '-')} | "
               f"{row['cached_over_ideal']} | {row['num_succeeded']}/{row['num_requests']} |")
     args.out_dir.mkdir(parents=True, exist_ok=True)
     out = args.out_dir / f"routing-{stamp}.json"

@@ -105,3 +105,19 @@ def test_bench_preprocess_flood_on_the_tiny_model(tiny_model_dir, tmp_path):
     statuses = {row["config"]: row["refusal_statuses"] for row in report["configs"]}
     assert statuses == {"receive-limit": {"RESOURCE_EXHAUSTED": 4}, "byte-cap": {"INVALID_ARGUMENT": 4},
                         "gateway": {"RESOURCE_EXHAUSTED": 4}}  # and the normal requests succeeded (the bench checks)
+
+
+def test_bench_prefix_ttft_times_a_cached_prefix_on_cpu(tmp_path):
+    report = run_bench("bench_prefix_ttft.py", ["--smoke", "--out-dir", str(tmp_path)], tmp_path)
+    summary = report["summary"]
+    assert summary["cached_tokens_median"] == 80  # 86 of 96 tokens asked: five whole blocks
+    assert summary["cold_ms"] > 0 and summary["warm_ms"] > 0 and summary["off_ms"] > 0
+
+
+def test_bench_routing_compares_policies_on_cpu(tmp_path):
+    report = run_bench("bench_routing.py", ["--smoke", "--out-dir", str(tmp_path)], tmp_path)
+    rows = report["rows"]
+    assert set(rows) == {"kv", "round-robin"}
+    assert all(row["num_succeeded"] == row["num_requests"] == 24 for row in rows.values())
+    assert rows["round-robin"]["throughput_vs_round_robin"] == 1.0
+    assert all(0 < row["cached_over_ideal"] <= 1.0 for row in rows.values())
