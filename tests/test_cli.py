@@ -214,3 +214,11 @@ def test_unreachable_gateway_is_an_error_with_a_hint():
     assert result.returncode == 1
     assert "error: UNAVAILABLE: " in result.stderr
     assert "hint: is `llmserve serve` running" in result.stderr
+
+
+def test_the_services_import_without_redis_py():
+    """Serving on the embedded defaults needs no Redis: redis-py is imported only with --redis-url."""
+    code = ("import sys; sys.modules['redis'] = None\n"  # any `import redis...` now raises ImportError
+            "import llmserve.preprocess.__main__, llmserve.inference.__main__, llmserve.gateway.__main__, llmserve.launcher")
+    completed = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert completed.returncode == 0, completed.stderr[-2000:]

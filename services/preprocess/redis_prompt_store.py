@@ -20,9 +20,6 @@ import struct
 import sys
 import time
 
-import redis.asyncio
-from redis.asyncio.retry import Retry
-from redis.backoff import NoBackoff
 
 log = logging.getLogger(__name__)
 
@@ -61,6 +58,12 @@ class RedisPromptStore:
     """get/put of encoded entries with a hard time bound; failures are misses."""
 
     def __init__(self, url: str, *, timeout_ms: int, ttl_s: int):
+        # redis-py is imported only here, with --redis-url: serving without Redis needs no redis-py.
+        import redis.asyncio
+        from redis.asyncio.retry import Retry
+        from redis.backoff import NoBackoff
+
+        self._errors = (redis.RedisError, OSError, TimeoutError)
         self._timeout_s = timeout_ms / 1000
         self._ttl_s = ttl_s
         self._client = redis.asyncio.Redis.from_url(
@@ -84,7 +87,7 @@ class RedisPromptStore:
         try:
             async with asyncio.timeout(self._timeout_s):
                 return await method(*args, **kwargs)
-        except (redis.RedisError, OSError, TimeoutError) as exc:
+        except self._errors as exc:
             self._paused_until_s = time.monotonic() + _PAUSE_AFTER_FAILURE_S
             log.warning("redis %s failed (%s: %s); tokenizing locally, next try in %.0f s",
                         what, type(exc).__name__, exc, _PAUSE_AFTER_FAILURE_S)
