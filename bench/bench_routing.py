@@ -49,14 +49,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--policies", default="kv,round-robin")
     parser.add_argument("--replicas", type=int, default=4)
-    parser.add_argument("--num-kv-blocks", type=int, default=4096, help="KV blocks per replica (16 tokens each): below the system prompts plus what is in flight")
-    parser.add_argument("--prefix-groups", type=int, default=16)
+    parser.add_argument("--num-kv-blocks", type=int, default=1536, help="KV blocks per replica (16 tokens each): below the system prompts plus what is in flight")
+    parser.add_argument("--prefix-groups", type=int, default=32)
     parser.add_argument("--prefix-tokens", type=int, default=2048)
-    parser.add_argument("--conversations", type=int, default=256)
-    parser.add_argument("--turns", type=int, default=3)
-    parser.add_argument("--prompt-tokens", type=int, default=128, help="new tokens per turn")
+    parser.add_argument("--conversations", type=int, default=192)
+    parser.add_argument("--turns", type=int, default=4)
+    parser.add_argument("--prompt-tokens", type=int, default=256, help="new tokens per turn")
     parser.add_argument("--output-tokens", type=int, default=64)
-    parser.add_argument("--concurrency", type=int, default=64)
+    parser.add_argument("--concurrency", type=int, default=32)
     parser.add_argument("--client-workers", type=int, default=4)
     parser.add_argument("--gateway-arg", action="append", default=[], help="extra gateway flag (repeatable)")
     parser.add_argument("--inference-arg", action="append", default=[], help="extra inference flag (repeatable)")
@@ -87,6 +87,8 @@ def ideal_cached_tokens(planned, output_tokens: int, prefix_lengths: dict[int, i
     blocks (`prefix_lengths`: tokens per group) once an earlier conversation of the group was sent."""
     total, history, seen_groups = 0, 0, set()
     for request in planned:
+        if request.turn == 0:
+            history = 0
         prompt = history + len(request.prompt_token_ids)
         if request.turn == 0:
             if request.prefix_group in seen_groups:
