@@ -33,8 +33,6 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO_ROOT))
 sys.path.insert(0, str(REPO_ROOT / "bench"))
 
-import torch  # noqa: E402
-
 import bench_stack  # noqa: E402
 from bench_gpu import random_prompts, synchronize, top_kernels  # noqa: E402
 from llmserve.inference.engine.config import EngineConfig  # noqa: E402

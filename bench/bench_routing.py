@@ -36,8 +36,7 @@ import bench_stack  # noqa: E402
 from llmserve.loadgen.runner import RunConfig, run_workload  # noqa: E402
 from llmserve.loadgen.stats import summarize  # noqa: E402
 from llmserve.loadgen.workload import LengthDistribution, PromptBuilder, PromptForm, WorkloadConfig, plan_requests  # noqa: E402
-from llmserve.service_process import ServiceProcess  # noqa: E402
-from tests.procs import start_service, stop_service  # noqa: E402
+from tests.procs import launch_service, start_service, stop_service  # noqa: E402
 
 BLOCK_SIZE = 16
 
@@ -100,16 +99,6 @@ def ideal_cached_tokens(planned, output_tokens: int, prefix_lengths: dict[int, i
     return total
 
 
-def starting_service(name: str, args: list[str], log_dir: Path) -> ServiceProcess:
-    """`python -m llmserve.<name>` on a free loopback port, started and not waited for (tests/procs.py
-    start_service waits)."""
-    log_dir.mkdir(parents=True, exist_ok=True)
-    service = ServiceProcess(name, f"llmserve.{name}", ["--host", "127.0.0.1", "--port", "0", *args],
-                             port_file=log_dir / f"{name}.port", log_path=log_dir / f"{name}.log")
-    service.start()
-    return service
-
-
 def start_stack(args, policy: str, model_dir: Path, log_dir: Path) -> list:
     model = ["--model", str(model_dir)]
     engine = ["--device", args.device, "--num-kv-blocks", str(args.num_kv_blocks), "--block-size", str(BLOCK_SIZE),
@@ -121,8 +110,8 @@ def start_stack(args, policy: str, model_dir: Path, log_dir: Path) -> list:
         # The replicas load and capture their CUDA graphs at once: all started, then waited for
         # (from this thread: a service dies with the thread that started it, PR_SET_PDEATHSIG).
         for k in range(args.replicas):
-            services.append(starting_service("inference", [*model, *engine, "--replica-id", f"replica-{k}"],
-                                             log_dir / f"inference-{k}"))
+            services.append(launch_service("inference", [*model, *engine, "--replica-id", f"replica-{k}"],
+                                           log_dir / f"inference-{k}"))
         for service in services[1:]:
             service.wait_until_serving(args.startup_timeout_s)
         replicas = [arg for service in services[1:] for arg in ("--inference", service.address)]

@@ -28,6 +28,18 @@ def start_service(
 
     `name` is also the log file's name; pass `module` to run a different module.
     """
+    service = launch_service(name, args, log_dir, module=module)
+    try:
+        service.wait_until_serving(timeout_s)
+    except BaseException:
+        stop_service(service)
+        raise
+    return service
+
+
+def launch_service(name: str, args: Sequence[str], log_dir: Path, *, module: str | None = None) -> ServiceProcess:
+    """start_service without the wait: the process is started, not yet SERVING (start several, then
+    wait for each, and they load at once)."""
     log_dir = Path(log_dir)
     log_dir.mkdir(parents=True, exist_ok=True)
     service = ServiceProcess(
@@ -38,11 +50,6 @@ def start_service(
         log_path=log_dir / f"{name}.log",
     )
     service.start()
-    try:
-        service.wait_until_serving(timeout_s)
-    except BaseException:
-        stop_service(service)
-        raise
     return service
 
 
