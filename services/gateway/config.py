@@ -9,6 +9,7 @@ from llmserve.gateway.client_stream import DEFAULT_MAX_UNSENT_TOKENS
 from llmserve.gateway.discovery import DEFAULT_RESOLVE_INTERVAL_S, Target
 from llmserve.gateway.router import RoutingConfig
 from llmserve.prefix_index.redis_config import RedisIndexConfig
+from llmserve.observability import ObservabilityConfig
 from llmserve.server_flags import DEFAULT_GRACE_PERIOD_S, DEFAULT_HOST, GATEWAY_PORT
 
 # How long to wait at start for preprocess and inference to report SERVING (they may still be
@@ -27,6 +28,7 @@ class GatewayConfig:
     port_file: str | None = None
     log_level: str = "INFO"
     grace_period_s: float = DEFAULT_GRACE_PERIOD_S
+    observability: ObservabilityConfig = ObservabilityConfig()  # metrics endpoint, log format
     downstream_ready_timeout_s: float = DEFAULT_DOWNSTREAM_READY_TIMEOUT_S
     # Timeout of the Abort RPC sent when a request ends early (cancel, deadline, stop string).
     abort_timeout_s: float = 5.0

@@ -6,6 +6,7 @@ from dataclasses import dataclass
 
 from llmserve.inference.engine.config import EngineConfig
 from llmserve.prefix_index.redis_config import RedisIndexConfig
+from llmserve.observability import ObservabilityConfig
 from llmserve.server_flags import DEFAULT_GRACE_PERIOD_S, DEFAULT_HOST
 
 DEFAULT_KV_EVENTS_HEARTBEAT_MS = 500
@@ -21,6 +22,7 @@ class InferenceConfig:
     port: int = 0  # 0: any free port
     port_file: str | None = None  # written with the bound port once the engine is loaded
     grace_period_s: float = DEFAULT_GRACE_PERIOD_S
+    observability: ObservabilityConfig = ObservabilityConfig()  # metrics endpoint, log format
     # Stable routing key of this replica. None: "<hostname>-<bound port>", resolved at start-up
     # (the bound port is only known then), so it is set on the KvEventLog, not stored here.
     replica_id: str | None = None

@@ -8,6 +8,7 @@ from pathlib import Path
 
 from llmserve.block_hash import DEFAULT_BLOCK_SIZE
 from llmserve.buckets import BucketConfig
+from llmserve.observability import ObservabilityConfig
 from llmserve.server_flags import DEFAULT_GRACE_PERIOD_S, DEFAULT_HOST
 
 DEFAULT_MAX_OUTPUT_TOKENS = 4096
@@ -41,6 +42,7 @@ class PreprocessConfig:
     port: int = 0  # 0: any free port
     port_file: str | None = None  # written with the bound port once serving
     grace_period_s: float = DEFAULT_GRACE_PERIOD_S
+    observability: ObservabilityConfig = ObservabilityConfig()  # metrics endpoint, log format
     block_size_tokens: int = DEFAULT_BLOCK_SIZE
     buckets: BucketConfig = field(default_factory=BucketConfig)
     max_output_tokens: int = DEFAULT_MAX_OUTPUT_TOKENS
