@@ -19,6 +19,7 @@ from llmserve.gateway.routing_flags import add_routing_arguments, routing_option
 from llmserve.gateway.worker import run_worker
 from llmserve.gateway.worker_group import run_worker_group
 from llmserve.server import configure_logging, exit_with_parent, write_port_file
+from llmserve.metrics_endpoint import start_metrics_endpoint
 from llmserve.server_flags import GATEWAY_PORT, add_server_arguments, server_options
 
 
@@ -100,6 +101,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(str(error))
     configure_logging("gateway", config.log_level)
     exit_with_parent()
+    start_metrics_endpoint(config.observability, config.host)
     if config.num_workers > 1:
         return run_worker_group(config)
     return run_worker(config, 0, on_serving=lambda port: write_port_file(config.port_file, port))

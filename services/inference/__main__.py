@@ -24,6 +24,7 @@ from llmserve.message_limits import token_ids_request_bytes
 from llmserve.model_files import ModelFiles
 from llmserve.prefix_index.redis_config import add_redis_arguments, redis_config_from_args
 from llmserve.server import configure_logging, create_server, exit_with_parent, serve_until_signal, write_port_file
+from llmserve.metrics_endpoint import start_metrics_endpoint
 from llmserve.server_flags import add_server_arguments, server_options
 from llmserve.v1 import inference_pb2_grpc
 
@@ -67,6 +68,7 @@ def config_from_args(args: argparse.Namespace) -> InferenceConfig:
 
 
 async def serve(config: InferenceConfig) -> None:
+    start_metrics_endpoint(config.observability, config.host)
     try:
         engine = create_engine(config.engine, log_level=config.log_level)  # loads the weights and sizes the KV pool
     except ValueError as exc:  # a model or a flag combination this engine cannot run: say why

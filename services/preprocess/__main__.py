@@ -26,6 +26,7 @@ from llmserve.preprocess.config import (
 )
 from llmserve.preprocess.server import start_server
 from llmserve.server import configure_logging, exit_with_parent, serve_until_signal
+from llmserve.metrics_endpoint import start_metrics_endpoint
 from llmserve.server_flags import PREPROCESS_PORT, add_server_arguments, server_options
 
 log = logging.getLogger("llmserve.preprocess")
@@ -145,6 +146,7 @@ def config_from_args(args: argparse.Namespace) -> PreprocessConfig:
 
 
 async def _serve(config: PreprocessConfig) -> int:
+    start_metrics_endpoint(config.observability, config.host)
     try:
         server = await start_server(config)
     except (FileNotFoundError, ValueError) as exc:
