@@ -10,13 +10,9 @@ CUDA graphs, so this class replaces AsyncEngine + EngineCore as a whole rather t
 as a core: it offers the same public methods (start, shutdown, generate, abort, load,
 model_info) that the servicer uses.
 
-KV cache events are missing: WatchKvEvents serves this backend's heartbeats (load) and no
-blocks. TensorRT-LLM has them (KvCacheConfig(event_buffer_max_size=N) with block reuse on, then
-LLM.get_kv_cache_events(timeout) / get_kv_cache_events_async: dicts of type "stored" with
-parent_hash and blocks of block_hash and tokens, "removed" with block_hashes, "created",
-"updated"), but its hashes are its own, not llmserve.block_hash's: wiring them means re-hashing
-every stored block's tokens with our chain, mapping TensorRT-LLM's hashes to ours for removals
-and skipping partial blocks, which cannot be tested without TensorRT-LLM.
+KV cache events: with prefix caching on, KvCacheConfig(event_buffer_max_size=...) makes
+TensorRT-LLM record them, and a task drains LLM.get_kv_cache_events_async into the sink,
+translated to llmserve's block hashes (trtllm_kv_events.py; never run either).
 """
 
 from __future__ import annotations
@@ -30,11 +26,17 @@ from typing import AsyncIterator
 from llmserve.block_hash import HashNamespace
 from llmserve.errors import InvalidArgument, Unavailable
 from llmserve.inference.engine.config import EngineConfig
+from llmserve.inference.engine.trtllm_kv_events import TrtllmKvEventTranslator
 from llmserve.inference.engine.types import CacheEvent, EngineLoad, EngineOutput, EngineRequest, ModelInfo
 from llmserve.model_files import ModelFiles
 from llmserve.sampling import FinishReason, SamplingParams, TokenLogprob, TopLogprob
 
 log = logging.getLogger(__name__)
+
+# KV events TensorRT-LLM buffers between drains (older ones are dropped: a gap in the index that
+# the next snapshot after a resubscribe repairs), and the longest a drain waits for one.
+KV_EVENT_BUFFER_SIZE = 16384
+KV_EVENTS_DRAIN_TIMEOUT_S = 0.05
 
 # CompletionOutput.finish_reason → ours. "timeout" is TensorRT-LLM's own per-request timeout.
 _FINISH_REASONS = {
@@ -119,6 +121,7 @@ class TrtllmEngine:
                 free_gpu_memory_fraction=config.kv_memory_fraction,
                 enable_block_reuse=config.enable_prefix_caching,
                 tokens_per_block=config.block_size_tokens,
+                event_buffer_max_size=KV_EVENT_BUFFER_SIZE if config.enable_prefix_caching else 0,
             ),
         )
         self.model_info = ModelInfo(
@@ -135,6 +138,8 @@ class TrtllmEngine:
         )
         self._results: dict[str, object] = {}  # request_id → RequestOutput, for each in-flight request
         self._forwarders: dict[str, asyncio.Task] = {}  # request_id → its submit() task
+        self._kv_events = TrtllmKvEventTranslator(self.model_info.hash_namespace)
+        self._kv_event_drain: asyncio.Task | None = None
         self._is_accepting = False
         self._num_aborted_total = 0
         self._num_finished_total = 0
@@ -149,6 +154,8 @@ class TrtllmEngine:
             await asyncio.sleep(0.05)
         for request_id in list(self._results):
             self.abort(request_id)
+        if self._kv_event_drain is not None:
+            self._kv_event_drain.cancel()
         self._llm.shutdown()
 
     async def generate(self, request: EngineRequest) -> AsyncIterator[EngineOutput]:
@@ -229,8 +236,17 @@ class TrtllmEngine:
         return True
 
     def forward_kv_events(self, sink: Callable[[list[CacheEvent]], None]) -> None:
-        """The sink never gets anything: this backend's cache events are not wired (see the
-        module docstring)."""
+        """Drain TensorRT-LLM's KV events into `sink`, in llmserve's hashes, until shutdown."""
+        self._kv_event_drain = asyncio.get_running_loop().create_task(self._drain_kv_events(sink))
+
+    async def _drain_kv_events(self, sink: Callable[[list[CacheEvent]], None]) -> None:
+        while True:
+            raw = [event async for event in self._llm.get_kv_cache_events_async(timeout=KV_EVENTS_DRAIN_TIMEOUT_S)]
+            events = self._kv_events.translate(raw)
+            if events:
+                sink(events)
+            if not raw:
+                await asyncio.sleep(KV_EVENTS_DRAIN_TIMEOUT_S)
 
     def load(self) -> EngineLoad:
         # The LLM API exposes no cheap per-call KV statistics; num_running counts the in-flight
