@@ -2,10 +2,10 @@
 
 Start-up, in order:
   1. resolve the model (the default one is fetched and converted on first use);
-  2. start preprocess and inference on free loopback ports (`--port 0 --port-file`), both at
-     once, and wait until both serve (llmserve.service_process);
-  3. start the gateway on the public address, pointed at the two (`--gateway-workers`
-     processes on that one port);
+  2. start preprocess and `--replicas` inference replicas on free loopback ports (`--port 0
+     --port-file`), all at once, and wait until all serve (llmserve.service_process);
+  3. start the gateway on the public address, pointed at them (`--gateway-workers` processes
+     on that one port; with several replicas it routes by their KV events, in memory);
   4. print where to connect, then forward the children's logs until Ctrl-C / SIGTERM or until
      a child dies.
 Shutdown: SIGTERM to the gateway first (it stops taking requests and drains), then to
@@ -49,17 +49,31 @@ def _preprocess_args(config: ServeConfig, common: list[str]) -> list[str]:
     return args
 
 
-def _inference_args(config: ServeConfig, common: list[str]) -> list[str]:
-    return ["--host", LOOPBACK, "--port", "0", *common, *engine_argv(config.engine)]
+def _inference_args(config: ServeConfig, common: list[str], replica: int) -> list[str]:
+    args = ["--host", LOOPBACK, "--port", "0", *common, *engine_argv(replica_engine_options(config, replica))]
+    if config.num_replicas > 1:
+        args += ["--replica-id", f"replica-{replica}"]
+    return args
+
+
+def replica_engine_options(config: ServeConfig, replica: int) -> dict:
+    """Replica `replica`'s engine options: device "cuda" means one GPU each (cuda:0, cuda:1, ...);
+    any other device (cpu, an explicit cuda:N) is shared by every replica."""
+    if config.num_replicas > 1 and config.engine["device"] == "cuda":
+        return {**config.engine, "device": f"cuda:{replica}"}
+    return config.engine
 
 
 def _gateway_args(
-    config: ServeConfig, common: list[str], preprocess: ServiceProcess, inference: ServiceProcess
+    config: ServeConfig, common: list[str], preprocess: ServiceProcess, replicas: Sequence[ServiceProcess]
 ) -> list[str]:
-    return [
+    args = [
         "--host", config.host, "--port", str(config.port), "--workers", str(config.gateway_workers), *common,
-        "--preprocess", preprocess.address, "--inference", inference.address,
+        "--preprocess", preprocess.address,
     ]
+    for replica in replicas:
+        args += ["--inference", replica.address]
+    return args
 
 
 def connect_host(bind_host: str) -> str:
@@ -138,28 +152,31 @@ def _run_services(
         "preprocess", "llmserve.preprocess", _preprocess_args(config, common),
         port_file=run_dir / "preprocess.port", log_sink=log_sink,
     )
-    inference = ServiceProcess(
-        "inference", "llmserve.inference", _inference_args(config, common),
-        port_file=run_dir / "inference.port", log_sink=log_sink,
-    )
+    replicas = [
+        ServiceProcess(
+            _replica_name(config, i), "llmserve.inference", _inference_args(config, common, i),
+            port_file=run_dir / f"{_replica_name(config, i)}.port", log_sink=log_sink,
+        )
+        for i in range(config.num_replicas)
+    ]
     gateway: ServiceProcess | None = None
     try:
         log.info(
-            "starting preprocess and inference (%s on %s) for %s",
-            config.engine["backend"], config.engine["device"], model_dir,
+            "starting preprocess and %d inference replica(s) (%s on %s) for %s",
+            config.num_replicas, config.engine["backend"], config.engine["device"], model_dir,
         )
-        preprocess.start()
-        inference.start()
-        preprocess.wait_until_serving(config.startup_timeout_s, stop=signals.stop)
-        inference.wait_until_serving(config.startup_timeout_s, stop=signals.stop)
+        for service in (preprocess, *replicas):
+            service.start()
+        for service in (preprocess, *replicas):
+            service.wait_until_serving(config.startup_timeout_s, stop=signals.stop)
         gateway = ServiceProcess(
-            "gateway", "llmserve.gateway", _gateway_args(config, common, preprocess, inference),
+            "gateway", "llmserve.gateway", _gateway_args(config, common, preprocess, replicas),
             port_file=run_dir / "gateway.port", log_sink=log_sink, connect_host=connect_host(config.host),
         )
         gateway.start()
         port = gateway.wait_until_serving(config.startup_timeout_s, stop=signals.stop)
         print_banner(config, port, model_dir, out)
-        return _supervise((gateway, preprocess, inference), signals)
+        return _supervise((gateway, preprocess, *replicas), signals)
     except ServiceStartError as error:
         if signals.stop.is_set():
             return 0
@@ -168,11 +185,15 @@ def _run_services(
     finally:
         log.info("stopping services")
         stop_services(
-            ([gateway] if gateway is not None else [], [preprocess, inference]),
+            ([gateway] if gateway is not None else [], [preprocess, *replicas]),
             config.stop_timeout_s,
             force=signals.force,
         )
         log.info("all services stopped")
+
+
+def _replica_name(config: ServeConfig, replica: int) -> str:
+    return "inference" if config.num_replicas == 1 else f"inference-{replica}"
 
 
 def _supervise(services: Sequence[ServiceProcess], signals: _Signals) -> int:

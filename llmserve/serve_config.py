@@ -47,8 +47,13 @@ class ServeConfig:
     startup_timeout_s: float = DEFAULT_STARTUP_TIMEOUT_S
     max_output_tokens: int | None = None  # None: preprocess's default
     gateway_workers: int = field(default_factory=default_gateway_workers)
+    num_replicas: int = 1  # inference replicas behind the gateway, routed by their KV events
     # The inference engine's options by EngineConfig field name, every flagged field present.
     engine: EngineOptions = field(default_factory=default_engine_options)
+
+    def __post_init__(self) -> None:
+        if self.num_replicas < 1:
+            raise ValueError(f"--replicas must be >= 1, got {self.num_replicas}")
 
     @property
     def stop_timeout_s(self) -> float:
@@ -83,6 +88,12 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
         "tokens/s (default: one per 4 cores, 1 to 8: %(default)s here)",
     )
     server.add_argument(
+        "--replicas", type=int, default=1, metavar="N",
+        help="inference replicas; the gateway routes each request to the one holding most of its prompt in "
+        "KV cache (docs/routing.md). With --device cuda, replica i runs on cuda:i; any other device is "
+        "shared, so size each replica's KV pool (--kv-memory-fraction) to fit (default: %(default)s)",
+    )
+    server.add_argument(
         "--max-output-tokens", type=int, metavar="TOKENS",
         help=f"largest max_tokens accepted (default: preprocess's, {DEFAULT_MAX_OUTPUT_TOKENS})",
     )
@@ -113,5 +124,6 @@ def serve_config_from_args(args: argparse.Namespace) -> ServeConfig:
         startup_timeout_s=args.startup_timeout_s,
         max_output_tokens=args.max_output_tokens,
         gateway_workers=args.gateway_workers,
+        num_replicas=args.replicas,
         engine=engine_options(args),
     )

@@ -162,6 +162,37 @@ def test_serve_generate_chat_models_then_sigterm_stops_everything(private_model_
     assert gateway_stop < log.index("preprocess llmserve.server: signal received")
 
 
+def test_serve_replicas_are_routed_by_their_kv_cache(private_model_dir, tmp_path):
+    serve = ServeProcess(
+        ["--model", str(private_model_dir), "--replicas", "2", "--port", "0", "--gateway-workers", "1"],
+        tmp_path / "serve.log",
+    )
+    try:
+        address = serve.wait_for_address()
+        assert len(pids_with_argument(str(private_model_dir)) - {serve.process.pid}) == 4, serve.log()
+        stub = gateway_pb2_grpc.GatewayServiceStub(grpc.insecure_channel(address))
+        sampling = common_pb2.SamplingParams(temperature=0.0, max_tokens=4)
+
+        def send(prompt):
+            params = gateway_pb2.GenerateParams(prompt=prompt, sampling=sampling)
+            return stub.Generate(gateway_pb2.GenerateRequest(params=params), timeout=60).result
+
+        # Distinct prompts on an idle fleet are taken in turn; a prompt sent again goes back to
+        # the replica that cached it, and reuses its blocks there.
+        prompts = [f"Tell me about topic {i}. " * 8 for i in range(4)]
+        first = [send(prompt) for prompt in prompts]
+        assert {result.routing.replica_id for result in first} == {"replica-0", "replica-1"}, serve.log()
+        for prompt, before in zip(prompts, first):
+            again = send(prompt)
+            assert again.routing.replica_id == before.routing.replica_id
+            assert again.usage.cached_tokens > 0
+            assert again.routing.predicted_cached_tokens == again.usage.cached_tokens
+    finally:
+        exit_code = serve.stop()
+    assert exit_code == 0, serve.log()
+    assert pids_with_argument(str(private_model_dir)) == set()
+
+
 def test_serve_fails_fast_with_the_log_of_a_child_that_dies(private_model_dir, tmp_path):
     # Weights that cannot be read: preprocess starts, inference exits during start-up.
     (private_model_dir / "model.safetensors").write_bytes(b"not a safetensors file")

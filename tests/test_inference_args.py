@@ -162,15 +162,29 @@ def serve_config(*flags: str) -> ServeConfig:
 
 
 def inference_command(config: ServeConfig, model_dir: Path) -> list[str]:
-    return _inference_args(config, _common_args(config, model_dir, None))
+    return _inference_args(config, _common_args(config, model_dir, None), 0)
 
 
 def test_serve_passes_nothing_extra_by_default(tiny_model_dir):
     config = serve_config()
     assert config == ServeConfig(model="default")
     common = _common_args(config, tiny_model_dir, None)
-    assert _inference_args(config, common) == ["--host", "127.0.0.1", "--port", "0", *common]
+    assert _inference_args(config, common, 0) == ["--host", "127.0.0.1", "--port", "0", *common]
     assert _preprocess_args(config, common) == ["--host", "127.0.0.1", "--port", "0", *common]
+
+
+def test_serve_replicas_get_ids_and_one_gpu_each_on_cuda(tiny_model_dir):
+    def replica_flags(config, replica):
+        command = _inference_args(config, _common_args(config, tiny_model_dir, None), replica)
+        engine = config_from_args(parse_args(command)).engine
+        return engine.device, command[command.index("--replica-id") + 1]
+
+    cuda = serve_config("--replicas", "3", "--device", "cuda")
+    assert [replica_flags(cuda, i) for i in range(3)] == [("cuda:0", "replica-0"), ("cuda:1", "replica-1"), ("cuda:2", "replica-2")]
+    shared = serve_config("--replicas", "2", "--device", "cuda:1")
+    assert [replica_flags(shared, i) for i in range(2)] == [("cuda:1", "replica-0"), ("cuda:1", "replica-1")]
+    with pytest.raises(ValueError, match="--replicas must be >= 1"):
+        serve_config("--replicas", "0")
 
 
 def test_serve_flags_reach_the_inference_engine_config(tiny_model_dir):

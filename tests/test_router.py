@@ -61,6 +61,26 @@ async def test_the_load_bound_sends_a_busy_holder_s_request_elsewhere():
     assert (decision.replica.replica_id, decision.predicted_cached_tokens) == ("r2", 0)
 
 
+async def test_a_holder_s_prefill_queue_counts_against_what_it_holds():
+    index = MemoryPrefixIndex()
+    replicas = await fleet(index, {"r0": 4, "r1": 2}, {})
+    # PROMPT has 5 blocks: r0 computes 1, r1 computes 3.
+    assert (await router(replicas, index, queue_weight=1).choose(PROMPT)).replica.replica_id == "r0"
+    with replicas[0].dispatched(prefill_blocks=2):  # r0: 1 + 2 queued = r1: 3; fewer requests wins
+        decision = await router(replicas, index, queue_weight=1).choose(PROMPT)
+        assert (decision.replica.replica_id, decision.prefill_blocks) == ("r1", 3)
+        # Weight 0: the longest prefix, whatever the queue.
+        assert (await router(replicas, index, queue_weight=0).choose(PROMPT)).replica.replica_id == "r0"
+    with replicas[0].dispatched(prefill_blocks=1):  # r0: 1 + 1 < r1: 3
+        assert (await router(replicas, index, queue_weight=1).choose(PROMPT)).replica.replica_id == "r0"
+    # Its first token ends a request's pending prefill, before the request itself ends.
+    with replicas[0].dispatched(prefill_blocks=10) as dispatch:
+        dispatch.prefilled()
+        assert replicas[0].pending_prefill_blocks == 0
+        assert (await router(replicas, index, queue_weight=1).choose(PROMPT)).replica.replica_id == "r0"
+    assert replicas[0].pending_prefill_blocks == 0
+
+
 async def test_nothing_cached_goes_to_the_least_loaded():
     index = MemoryPrefixIndex()
     replicas = await fleet(index, {"r0": 0, "r1": 0, "r2": 0}, {"r0": 2, "r1": 1, "r2": 3})

@@ -115,9 +115,11 @@ class GenerationPipeline:
             timeout_s=time_remaining(),
         )
         route = await self._router.choose(prompt)
-        with route.replica.dispatched():
+        with route.replica.dispatched(route.prefill_blocks) as dispatch:
             async with aclosing(self._generate_on(route, request, prompt, time_remaining)) as deltas:
                 async for delta in deltas:
+                    if delta.token_ids:
+                        dispatch.prefilled()
                     yield delta
 
     async def _generate_on(

@@ -29,6 +29,8 @@ class Replica:
         self.heartbeat_ttl_s = DEFAULT_HEARTBEAT_TTL_MS / 1000
         self.has_been_heard = asyncio.Event()  # its first batch came (or it sends none)
         self.num_in_flight = 0
+        # Blocks this gateway's in-flight requests here still have to prefill (predicted uncached).
+        self.pending_prefill_blocks = 0
         self._load = ReplicaLoad()
         self._num_in_flight_at_load = 0
         self._max_in_flight_since_load = 0
@@ -72,14 +74,33 @@ class Replica:
         return self.num_requests, self.kv_used_fraction
 
     @contextlib.contextmanager
-    def dispatched(self) -> Iterator[None]:
-        """Count one request in flight here while the block runs."""
+    def dispatched(self, prefill_blocks: int = 0) -> Iterator[Dispatch]:
+        """Count one request in flight here while the block runs, and its `prefill_blocks` as
+        pending prefill until it reports its first token (Dispatch.prefilled) or ends."""
         self.num_in_flight += 1
         self._max_in_flight_since_load = max(self._max_in_flight_since_load, self.num_in_flight)
+        dispatch = Dispatch(self, prefill_blocks)
+        self.pending_prefill_blocks += prefill_blocks
         try:
-            yield
+            yield dispatch
         finally:
+            dispatch.prefilled()
             self.num_in_flight -= 1
 
     def __repr__(self) -> str:
         return f"Replica({self.replica_id or '?'} at {self.address})"
+
+
+class Dispatch:
+    """One request in flight on a replica, as its pending prefill counts it."""
+
+    __slots__ = ("_replica", "_prefill_blocks")
+
+    def __init__(self, replica: Replica, prefill_blocks: int):
+        self._replica = replica
+        self._prefill_blocks = prefill_blocks
+
+    def prefilled(self) -> None:
+        """Its first token came (or it ended): its prefill no longer queues on the replica."""
+        self._replica.pending_prefill_blocks -= self._prefill_blocks
+        self._prefill_blocks = 0

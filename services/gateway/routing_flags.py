@@ -6,7 +6,13 @@ import argparse
 from typing import Any
 
 from llmserve.gateway.discovery import DEFAULT_RESOLVE_INTERVAL_S
-from llmserve.gateway.router import DEFAULT_LOAD_RATIO, DEFAULT_LOAD_SLACK, RoutingConfig, RoutingPolicy
+from llmserve.gateway.router import (
+    DEFAULT_LOAD_RATIO,
+    DEFAULT_LOAD_SLACK,
+    DEFAULT_QUEUE_WEIGHT,
+    RoutingConfig,
+    RoutingPolicy,
+)
 from llmserve.prefix_index.redis_config import add_redis_arguments, redis_config_from_args
 
 
@@ -14,8 +20,9 @@ def add_routing_arguments(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("routing (docs/routing.md)")
     group.add_argument(
         "--routing", default=RoutingPolicy.KV.value, choices=[policy.value for policy in RoutingPolicy],
-        help="kv: the replica holding the longest cached prefix of the prompt, within the load bound below "
-        "(least-loaded when no replica holds any); least-loaded: fewest requests in flight; round-robin: "
+        help="kv: the replica with the least prefill before the request's first token (the prompt blocks "
+        "it does not hold plus the prefill this gateway has queued there), within the load bound below "
+        "(least-loaded when no replica holds any of the prompt); least-loaded: fewest requests in flight; round-robin: "
         "each replica in turn (default: %(default)s)",
     )
     group.add_argument(
@@ -27,6 +34,11 @@ def add_routing_arguments(parser: argparse.ArgumentParser) -> None:
         "--routing-load-slack", type=int, default=DEFAULT_LOAD_SLACK, metavar="REQUESTS",
         help="requests a replica may have beyond the least loaded one's before the ratio applies "
         "(default: %(default)s)",
+    )
+    group.add_argument(
+        "--routing-queue-weight", type=float, default=DEFAULT_QUEUE_WEIGHT, metavar="W",
+        help="kv routing counts W x the prefill this gateway has queued on a replica against the prompt "
+        "blocks it holds; 0: the longest cached prefix within the load bound (default: %(default)s)",
     )
     add_redis_arguments(
         group,
@@ -48,7 +60,9 @@ def add_routing_arguments(parser: argparse.ArgumentParser) -> None:
 def routing_options(args: argparse.Namespace) -> dict[str, Any]:
     """GatewayConfig fields from the parsed routing flags."""
     return dict(
-        routing=RoutingConfig(RoutingPolicy(args.routing), args.routing_load_ratio, args.routing_load_slack),
+        routing=RoutingConfig(
+            RoutingPolicy(args.routing), args.routing_load_ratio, args.routing_load_slack, args.routing_queue_weight
+        ),
         redis=redis_config_from_args(args),
         resolve_interval_s=args.resolve_interval_s,
         heartbeat_interval_ms=args.heartbeat_interval_ms,
