@@ -42,15 +42,26 @@ def _common_args(config: ServeConfig, model_dir: Path, model_name: str | None) -
     return args
 
 
+def _metrics_args(config: ServeConfig, offset: int) -> list[str]:
+    """--metrics-port for the service at `offset` (gateway 0, preprocess 1, replica i 2 + i)."""
+    return [] if config.metrics_port is None else ["--metrics-port", str(config.metrics_port + offset)]
+
+
 def _preprocess_args(config: ServeConfig, common: list[str]) -> list[str]:
-    args = ["--host", LOOPBACK, "--port", "0", *common, *engine_argv(config.engine, PREPROCESS_ENGINE_OPTIONS)]
+    args = [
+        "--host", LOOPBACK, "--port", "0", *common, *engine_argv(config.engine, PREPROCESS_ENGINE_OPTIONS),
+        *_metrics_args(config, 1),
+    ]
     if config.max_output_tokens is not None:
         args += ["--max-output-tokens", str(config.max_output_tokens)]
     return args
 
 
 def _inference_args(config: ServeConfig, common: list[str], replica: int) -> list[str]:
-    args = ["--host", LOOPBACK, "--port", "0", *common, *engine_argv(replica_engine_options(config, replica))]
+    args = [
+        "--host", LOOPBACK, "--port", "0", *common, *engine_argv(replica_engine_options(config, replica)),
+        *_metrics_args(config, 2 + replica),
+    ]
     if config.num_replicas > 1:
         args += ["--replica-id", f"replica-{replica}"]
     return args
@@ -69,7 +80,7 @@ def _gateway_args(
 ) -> list[str]:
     args = [
         "--host", config.host, "--port", str(config.port), "--workers", str(config.gateway_workers), *common,
-        "--preprocess", preprocess.address,
+        "--preprocess", preprocess.address, *_metrics_args(config, 0),
     ]
     for replica in replicas:
         args += ["--inference", replica.address]
@@ -91,9 +102,17 @@ def print_banner(config: ServeConfig, port: int, model_dir: Path, out: IO[str]) 
         f"           llmserve generate --address {address} \"The capital of France is\" --max-tokens 32\n"
         f"           llmserve models --address {address}\n"
         f"  grpcurl: grpcurl -plaintext -d '{{\"params\": {{\"prompt\": \"Hi\"}}}}' {address} llmserve.v1.GatewayService/GenerateStream\n"
+        f"{_metrics_banner(config)}"
         f"  Ctrl-C stops all services.\n"
     )
     out.flush()
+
+
+def _metrics_banner(config: ServeConfig) -> str:
+    if config.metrics_port is None:
+        return ""
+    host, port = connect_host(config.host), config.metrics_port
+    return f"  metrics: http://{host}:{port}/metrics (gateway), :{port + 1} (preprocess), :{port + 2}.. (inference)\n"
 
 
 class _Signals:

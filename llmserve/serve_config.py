@@ -48,12 +48,16 @@ class ServeConfig:
     max_output_tokens: int | None = None  # None: preprocess's default
     gateway_workers: int = field(default_factory=default_gateway_workers)
     num_replicas: int = 1  # inference replicas behind the gateway, routed by their KV events
+    # Set: /metrics of the gateway on this port, preprocess on the next, replica i on the next + i.
+    metrics_port: int | None = None
     # The inference engine's options by EngineConfig field name, every flagged field present.
     engine: EngineOptions = field(default_factory=default_engine_options)
 
     def __post_init__(self) -> None:
         if self.num_replicas < 1:
             raise ValueError(f"--replicas must be >= 1, got {self.num_replicas}")
+        if self.metrics_port is not None and not 1 <= self.metrics_port <= 65535 - 1 - self.num_replicas:
+            raise ValueError(f"--metrics-port must leave room for every service's port, got {self.metrics_port}")
 
     @property
     def stop_timeout_s(self) -> float:
@@ -94,6 +98,11 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
         "shared, so size each replica's KV pool (--kv-memory-fraction) to fit (default: %(default)s)",
     )
     server.add_argument(
+        "--metrics-port", type=int, metavar="PORT",
+        help="Prometheus /metrics of the gateway on PORT, preprocess on PORT+1, inference replica i on "
+        "PORT+2+i (docs/observability.md; default: none)",
+    )
+    server.add_argument(
         "--max-output-tokens", type=int, metavar="TOKENS",
         help=f"largest max_tokens accepted (default: preprocess's, {DEFAULT_MAX_OUTPUT_TOKENS})",
     )
@@ -125,5 +134,6 @@ def serve_config_from_args(args: argparse.Namespace) -> ServeConfig:
         max_output_tokens=args.max_output_tokens,
         gateway_workers=args.gateway_workers,
         num_replicas=args.replicas,
+        metrics_port=args.metrics_port,
         engine=engine_options(args),
     )

@@ -187,6 +187,19 @@ def test_serve_replicas_get_ids_and_one_gpu_each_on_cuda(tiny_model_dir):
         serve_config("--replicas", "0")
 
 
+def test_serve_metrics_port_gives_each_service_its_own(tiny_model_dir):
+    config = serve_config("--replicas", "2", "--metrics-port", "9400")
+    common = _common_args(config, tiny_model_dir, None)
+
+    def metrics_port(command):
+        return config_from_args(parse_args(command)).observability.metrics_port if command is not None else None
+
+    assert [metrics_port(_inference_args(config, common, i)) for i in range(2)] == [9402, 9403]
+    preprocess = _preprocess_args(config, common)
+    assert preprocess[preprocess.index("--metrics-port") + 1] == "9401"
+    assert "--metrics-port" not in _inference_args(serve_config(), common, 0)
+
+
 def test_serve_flags_reach_the_inference_engine_config(tiny_model_dir):
     serve_flags = [
         "--attention-backend", "triton", "--kv-cache-dtype", "fp8", "--quantization", "int8",
