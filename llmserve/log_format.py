@@ -28,7 +28,7 @@ _RECORD_ATTRIBUTES = frozenset(vars(logging.makeLogRecord({}))) | {"message", "a
 _BARE_VALUE = re.compile(r"[\w.:/@+-]+")
 
 
-def record_fields(record: logging.LogRecord, *, log_prompts: bool) -> dict[str, object]:
+def _record_fields(record: logging.LogRecord, *, log_prompts: bool) -> dict[str, object]:
     """The request id and extra fields of `record` (request_id first); TEXT_FIELDS only if `log_prompts`."""
     fields = {key: value for key, value in vars(record).items() if key not in _RECORD_ATTRIBUTES}
     if not log_prompts:
@@ -52,7 +52,7 @@ class JsonFormatter(logging.Formatter):
             "logger": record.name,
             "message": record.getMessage(),
         }
-        for key, value in record_fields(record, log_prompts=self._log_prompts).items():
+        for key, value in _record_fields(record, log_prompts=self._log_prompts).items():
             line.setdefault(key, value)  # an extra field never hides one of the keys above
         if record.exc_info:
             line["exc_info"] = self.formatException(record.exc_info)
@@ -67,7 +67,7 @@ class TextFormatter(logging.Formatter):
         self._log_prompts = log_prompts
 
     def formatMessage(self, record: logging.LogRecord) -> str:
-        fields = record_fields(record, log_prompts=self._log_prompts)
+        fields = _record_fields(record, log_prompts=self._log_prompts)
         return super().formatMessage(record) + "".join(f" {key}={_text_value(value)}" for key, value in fields.items())
 
 

@@ -1,7 +1,8 @@
 """The Gateway gRPC service: protobuf in and out; the work happens in GenerationPipeline.
 
 Every request gets a request id (uuid4 hex) sent back in the `x-request-id` initial metadata
-and in the response; `x-gateway-worker` names the worker process that served it. Sampling
+and in the response, and labels the request's log lines (llmserve.request_context);
+`x-gateway-worker` names the worker process that served it. Sampling
 parameters are validated here, at the edge; errors from the hops come through as the statuses
 `hop_errors.error_from_rpc` chose.
 """
