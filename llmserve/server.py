@@ -21,6 +21,9 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from llmserve.errors import ErrorMappingInterceptor
+from llmserve.log_format import log_formatter
+from llmserve.observability import ObservabilityConfig
+from llmserve.request_context import RequestIdFilter
 
 log = logging.getLogger(__name__)
 
@@ -141,10 +144,13 @@ def exit_with_parent() -> None:
         os.kill(os.getpid(), signal.SIGTERM)
 
 
-def configure_logging(service: str, level: str = "INFO") -> None:
-    logging.basicConfig(
-        level=level.upper(),
-        format=f"%(asctime)s %(levelname)s {service} %(name)s: %(message)s",
-    )
+def configure_logging(service: str, level: str, observability: ObservabilityConfig) -> None:
+    """Log `service`'s lines to stderr in `observability.log_format` (llmserve.log_format), each
+    line logged while serving a request labelled with its id (llmserve.request_context)."""
+    handler = logging.StreamHandler()
+    handler.setFormatter(log_formatter(observability.log_format, service, log_prompts=observability.log_prompts))
+    handler.addFilter(RequestIdFilter())
+    logging.basicConfig(level=level.upper(), handlers=[handler])
+    logging.captureWarnings(True)  # a library's warning becomes a line of this format, not raw stderr
     # grpc's own loggers print a line per RPC at DEBUG; keep them quiet unless asked directly.
     logging.getLogger("grpc").setLevel(max(logging.INFO, logging.getLogger().level))

@@ -74,10 +74,16 @@ def running_service(
 
 @contextlib.contextmanager
 def running_stack(
-    model_dir: Path, log_dir: Path, *, backend: str = "torch", gateway_args: Sequence[str] = ()
+    model_dir: Path,
+    log_dir: Path,
+    *,
+    backend: str = "torch",
+    gateway_args: Sequence[str] = (),
+    service_args: Sequence[str] = (),
 ) -> Iterator[dict[str, ServiceProcess]]:
-    """Preprocess, inference (on `backend`) and a gateway (with `gateway_args`) in front of them, on one model."""
-    model = ["--model", str(model_dir)]
+    """Preprocess, inference (on `backend`) and a gateway (with `gateway_args`) in front of them, on one
+    model; every one of them also gets `service_args` (flags all services take, e.g. --log-format)."""
+    model = ["--model", str(model_dir), *service_args]
     with running_service("preprocess", model, log_dir) as preprocess, \
             running_service("inference", [*model, "--backend", backend], log_dir) as inference, \
             running_service("gateway", [*model, "--preprocess", preprocess.address, "--inference", inference.address,

@@ -485,7 +485,8 @@ async def test_subprocess_serves_reflects_and_exits_0_on_sigterm(tiny_model_dir,
             await process.wait()
     log = log_file.read_text()
     assert "sub-1" in log and "salt-4711" not in log  # the request is logged at DEBUG, its salt never
-    assert f"request_id=sub-1 prompt_tokens={len(response.token_ids)} bucket=0" in log
+    (preprocessed,) = [line for line in log.splitlines() if "preprocessed:" in line]
+    assert f"prompt_tokens={len(response.token_ids)} bucket=0" in preprocessed and preprocessed.endswith(" request_id=sub-1")
     assert "draining" in log
 
 

@@ -99,7 +99,7 @@ def main(argv: list[str] | None = None) -> int:
         config = config_from_args(args)
     except ValueError as error:
         parser.error(str(error))
-    configure_logging("gateway", config.log_level)
+    configure_logging("gateway", config.log_level, config.observability)
     exit_with_parent()
     start_metrics_endpoint(config.observability, config.host)
     if config.num_workers > 1:

@@ -202,12 +202,12 @@ class GenerationPipeline:
 
 def _log_finished(request_id: str, result: GenerationResult) -> None:
     log.debug(
-        "request %s finished (%s%s) on %s: %d prompt + %d completion tokens (%d cached, %d predicted); "
+        "request %s finished (%s) on %s: %d prompt + %d completion tokens (%d cached, %d predicted); "
         "preprocess %.1f ms, queue %.1f ms, ttft %.1f ms, total %.1f ms",
         request_id, result.finish_reason.value,
-        f" on {result.matched_stop!r}" if result.matched_stop is not None else "",
         result.replica_id, result.num_prompt_tokens, result.num_completion_tokens, result.num_cached_tokens,
         result.predicted_cached_tokens,
         result.preprocess_time_ns / 1e6, result.queue_time_ns / 1e6,
         result.time_to_first_token_ns / 1e6, result.total_time_ns / 1e6,
+        extra={"matched_stop": result.matched_stop},  # a text field (llmserve.log_format): completion text
     )

@@ -1,15 +1,18 @@
 """The Gateway gRPC service: protobuf in and out; the work happens in GenerationPipeline.
 
 Every request gets a request id (uuid4 hex) sent back in the `x-request-id` initial metadata
-and in the response; `x-gateway-worker` names the worker process that served it. Sampling
+and in the response, and labels the request's log lines (llmserve.request_context);
+`x-gateway-worker` names the worker process that served it. Sampling
 parameters are validated here, at the edge; errors from the hops come through as the statuses
 `hop_errors.error_from_rpc` chose.
 """
 
 from __future__ import annotations
 
+import logging
 import time
 from contextlib import aclosing
+from typing import AsyncIterator
 
 import grpc
 
@@ -20,7 +23,10 @@ from llmserve.gateway.inference_client import ModelCard
 from llmserve.gateway.preprocess_client import PromptInput
 from llmserve.gateway.request_id import REQUEST_ID_METADATA_KEY, new_request_id
 from llmserve.pb import chat_from_pb, finish_reason_to_pb, logprobs_to_pb, sampling_from_pb
+from llmserve.request_context import bind_request_id
 from llmserve.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc
+
+log = logging.getLogger(__name__)
 
 SERVICE_NAME = gateway_pb2.DESCRIPTOR.services_by_name["GatewayService"].full_name
 # Initial metadata naming the gateway worker process that serves the call (see gateway.worker_group).
@@ -47,7 +53,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
         """Each message carries every token made since the last one was sent (client_stream)."""
         params = request.params
         generation = await self._start(params, context)
-        pipeline_deltas = self._pipeline.generate(generation, context.time_remaining)
+        pipeline_deltas = self._generate(generation, context)
         async with aclosing(coalesced(pipeline_deltas, generation.request_id, self._max_unsent_tokens)) as deltas:
             async for delta in deltas:
                 if delta.result is not None or _has_content(delta, params.return_token_ids):
@@ -58,7 +64,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
         generation = await self._start(params, context)
         response = gateway_pb2.GenerateResponse(request_id=generation.request_id)
         text_parts: list[str] = []
-        async with aclosing(self._pipeline.generate(generation, context.time_remaining)) as deltas:
+        async with aclosing(self._generate(generation, context)) as deltas:
             async for delta in deltas:
                 text_parts.append(delta.text)
                 if params.return_token_ids:
@@ -86,8 +92,18 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
         """Mint the request id, send it as metadata, validate the request."""
         arrival_ns = time.monotonic_ns()
         request_id = new_request_id()
+        bind_request_id(request_id)
         await context.send_initial_metadata(((REQUEST_ID_METADATA_KEY, request_id), self._worker_metadata))
-        return self._request_from_pb(request, request_id, arrival_ns)
+        generation = self._request_from_pb(request, request_id, arrival_ns)
+        log.debug("accepted", extra={"prompt": generation.prompt_input})
+        return generation
+
+    def _generate(
+        self, generation: GenerationRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[GenerationDelta]:
+        deltas = self._pipeline.generate(generation, context.time_remaining)
+        # Only at DEBUG: collecting the completion costs a little on every delta.
+        return _logging_completion(deltas) if log.isEnabledFor(logging.DEBUG) else deltas
 
     def _request_from_pb(
         self, request: gateway_pb2.GenerateParams, request_id: str, arrival_ns: int
@@ -122,6 +138,21 @@ def _prompt_input_from_pb(request: gateway_pb2.GenerateParams) -> PromptInput:
         # Checked by preprocess, against the vocabulary of the tokenizer it and the detokenizer share.
         return PromptInput(token_ids=list(request.prompt_token_ids.token_ids))
     raise InvalidArgument("input", "set one of prompt, chat or prompt_token_ids")
+
+
+async def _logging_completion(deltas: AsyncIterator[GenerationDelta]) -> AsyncIterator[GenerationDelta]:
+    """`deltas`, passed on; once they end, a DEBUG line with the completion (text fields: llmserve.log_format)."""
+    texts: list[str] = []
+    token_ids: list[int] = []
+    async with aclosing(deltas):
+        async for delta in deltas:
+            texts.append(delta.text)
+            token_ids.extend(delta.token_ids)
+            yield delta
+    log.debug(
+        "completion sent: %d tokens", len(token_ids),
+        extra={"completion": "".join(texts), "completion_token_ids": token_ids},
+    )
 
 
 def _has_content(delta: GenerationDelta, return_token_ids: bool) -> bool:

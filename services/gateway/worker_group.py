@@ -65,7 +65,7 @@ def reserve_port(host: str, port: int) -> socket.socket:
 def _worker_main(config: GatewayConfig, worker_id: int, parent_pid: int, ready: Connection) -> None:
     """A worker process: serve, telling the parent through `ready` once SERVING."""
     os.environ[PARENT_PID_ENV] = str(parent_pid)  # whom exit_with_parent watches
-    configure_logging(f"gateway/{worker_id}", config.log_level)
+    configure_logging(f"gateway/{worker_id}", config.log_level, config.observability)
     exit_with_parent()
     sys.exit(run_worker(config, worker_id, on_serving=ready.send))
 

@@ -25,7 +25,7 @@ from llmserve.model_files import ModelFiles
 from llmserve.prefix_index.redis_config import add_redis_arguments, redis_config_from_args
 from llmserve.server import configure_logging, create_server, exit_with_parent, serve_until_signal, write_port_file
 from llmserve.metrics_endpoint import start_metrics_endpoint
-from llmserve.server_flags import add_server_arguments, server_options
+from llmserve.server_flags import add_server_arguments, observability_options, server_options
 from llmserve.v1 import inference_pb2_grpc
 
 log = logging.getLogger("llmserve.inference")
@@ -70,7 +70,8 @@ def config_from_args(args: argparse.Namespace) -> InferenceConfig:
 async def serve(config: InferenceConfig) -> None:
     start_metrics_endpoint(config.observability, config.host)
     try:
-        engine = create_engine(config.engine, log_level=config.log_level)  # loads the weights and sizes the KV pool
+        # Loads the weights and sizes the KV pool.
+        engine = create_engine(config.engine, log_level=config.log_level, observability=config.observability)
     except ValueError as exc:  # a model or a flag combination this engine cannot run: say why
         log.error("cannot start the engine: %s", exc)
         raise SystemExit(1) from None
@@ -126,7 +127,7 @@ def _log_startup(engine: ServingEngine, replica_id: str, port: int) -> None:
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
-    configure_logging("inference", args.log_level)
+    configure_logging("inference", args.log_level, observability_options(args))
     exit_with_parent()
     try:
         asyncio.run(serve(config_from_args(args)))

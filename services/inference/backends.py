@@ -21,6 +21,7 @@ from llmserve.inference.engine.config import BACKENDS, EngineConfig
 from llmserve.inference.engine.engine_process import EngineProcess
 from llmserve.inference.engine.engine_thread import EngineThread
 from llmserve.inference.engine.types import EngineCore, EngineLoad, EngineOutput, EngineRequest, ModelInfo
+from llmserve.observability import ObservabilityConfig
 
 # backend → (module, class) of the EngineCore; imported only when that backend is chosen.
 _CORE_CLASSES = {
@@ -60,9 +61,12 @@ class BackendUnavailable(RuntimeError):
     """The chosen backend's module (or a library it needs) cannot be imported here."""
 
 
-def create_engine(config: EngineConfig, *, log_level: str = "INFO") -> ServingEngine:
+def create_engine(
+    config: EngineConfig, *, log_level: str = "INFO", observability: ObservabilityConfig = ObservabilityConfig()
+) -> ServingEngine:
     """The engine for `config.backend`, weights loaded, not yet started. A core backend's core
-    runs in a process of its own unless config.core_process is off (`log_level` is its)."""
+    runs in a process of its own unless config.core_process is off (`log_level` and
+    `observability`'s log format are its)."""
     if config.backend in _ENGINE_CLASSES:
         engine_class = _load_class(config.backend, *_ENGINE_CLASSES[config.backend])
         try:
@@ -71,7 +75,7 @@ def create_engine(config: EngineConfig, *, log_level: str = "INFO") -> ServingEn
             raise BackendUnavailable(f"backend {config.backend!r} is not available: {exc}") from exc
     admission = AdmissionConfig.of(config)
     if config.core_process:
-        return AsyncEngine(EngineProcess(config, log_level=log_level), admission=admission)
+        return AsyncEngine(EngineProcess(config, log_level=log_level, observability=observability), admission=admission)
     return AsyncEngine(EngineThread(create_engine_core(config)), admission=admission)
 
 

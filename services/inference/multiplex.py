@@ -26,6 +26,7 @@ from llmserve.errors import ServiceError, check_decoded, rich_status_for
 from llmserve.inference.engine.async_engine import coalesced
 from llmserve.inference.engine.types import EngineOutput
 from llmserve.inference.wire import deadline_ns, output_to_pb, request_from_pb
+from llmserve.request_context import serving_request
 from llmserve.v1 import inference_pb2
 
 log = logging.getLogger(__name__)
@@ -49,9 +50,11 @@ class MultiplexedStream:
             async for command in commands:
                 check_decoded(command)  # an unparsable or oversized command ends the stream
                 if command.HasField("generate"):
-                    self._start(command.generate)
+                    with serving_request(command.generate.request_id):
+                        self._start(command.generate)
                 elif command.HasField("abort"):
-                    self._engine.abort(command.abort.request_id)
+                    with serving_request(command.abort.request_id):
+                        self._engine.abort(command.abort.request_id)
         except ServiceError as error:
             self._bad_command = error  # responses() raises it: the stream ends now, not after its requests
         finally:

@@ -31,6 +31,7 @@ from llmserve.inference.kv_event_log import KvEventLog
 from llmserve.inference.multiplex import MultiplexedStream
 from llmserve.inference.wire import deadline_ns, output_to_pb, request_from_pb
 from llmserve.kv_events import batch_to_pb
+from llmserve.request_context import bind_request_id
 from llmserve.v1 import common_pb2, inference_pb2, inference_pb2_grpc
 
 SERVICE_NAME = inference_pb2.DESCRIPTOR.services_by_name["InferenceService"].full_name
@@ -47,6 +48,7 @@ class InferenceServicer(inference_pb2_grpc.InferenceServiceServicer):
         self, request: inference_pb2.GenerateTokensRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[inference_pb2.GenerateTokensResponse]:
         arrival_ns = time.monotonic_ns()
+        bind_request_id(request.request_id)
         deadline = deadline_ns(request, arrival_ns, context.time_remaining())
         engine_request = request_from_pb(request, self._engine.model_info, arrival_ns, deadline)
         async with aclosing(self._engine.generate(engine_request)) as outputs:
@@ -69,6 +71,7 @@ class InferenceServicer(inference_pb2_grpc.InferenceServiceServicer):
     async def Abort(
         self, request: inference_pb2.AbortRequest, context: grpc.aio.ServicerContext
     ) -> inference_pb2.AbortResponse:
+        bind_request_id(request.request_id)
         return inference_pb2.AbortResponse(was_running=self._engine.abort(request.request_id))
 
     async def GetModelInfo(

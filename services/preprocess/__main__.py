@@ -27,7 +27,7 @@ from llmserve.preprocess.config import (
 from llmserve.preprocess.server import start_server
 from llmserve.server import configure_logging, exit_with_parent, serve_until_signal
 from llmserve.metrics_endpoint import start_metrics_endpoint
-from llmserve.server_flags import PREPROCESS_PORT, add_server_arguments, server_options
+from llmserve.server_flags import PREPROCESS_PORT, add_server_arguments, observability_options, server_options
 
 log = logging.getLogger("llmserve.preprocess")
 
@@ -163,7 +163,7 @@ async def _serve(config: PreprocessConfig) -> int:
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
-    configure_logging("preprocess", args.log_level)
+    configure_logging("preprocess", args.log_level, observability_options(args))
     exit_with_parent()
     try:
         config = config_from_args(args)

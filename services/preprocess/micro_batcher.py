@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from typing import Callable, Generic, Sequence, TypeVar
 
 from llmserve.preprocess.worker_pool import WorkerPool
+from llmserve.request_context import context_without_request
 
 J = TypeVar("J")
 R = TypeVar("R")
@@ -56,7 +57,8 @@ class MicroBatcher(Generic[J, R]):
             if not batch:
                 return
             self._num_running += 1
-            task = asyncio.get_running_loop().create_task(self._run_batch(batch))
+            # A batch serves many requests: its lines are labelled with none of them.
+            task = asyncio.get_running_loop().create_task(self._run_batch(batch), context=context_without_request())
             self._tasks.add(task)
             task.add_done_callback(self._tasks.discard)
 

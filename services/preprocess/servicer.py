@@ -19,6 +19,7 @@ from llmserve.errors import ServiceError
 from llmserve.pb import chat_from_pb
 from llmserve.preprocess.inputs import Chat, PromptInput, PromptTokenIds
 from llmserve.preprocess.pipeline import PreprocessPipeline
+from llmserve.request_context import bind_request_id
 from llmserve.v1 import common_pb2, preprocess_pb2, preprocess_pb2_grpc
 
 log = logging.getLogger(__name__)
@@ -56,22 +57,23 @@ class PreprocessServicer(preprocess_pb2_grpc.PreprocessServiceServicer):
         self, request: preprocess_pb2.PreprocessRequest, context: grpc.aio.ServicerContext
     ) -> preprocess_pb2.PreprocessResponse:
         start_ns = time.perf_counter_ns()
-        request_id = request.request_id or "-"
+        if request.request_id:
+            bind_request_id(request.request_id)
         max_tokens = request.max_tokens if request.HasField("max_tokens") else None
         prompt_input = _input_from_pb(request, "prompt")
         try:
             result = await self._pipeline.preprocess(prompt_input, max_tokens, request.cache_salt)
         except ServiceError as exc:
-            log.info("request_id=%s rejected: %s", request_id, exc.message)
+            log.info("rejected: %s", exc.message)
             raise
         elapsed_ns = time.perf_counter_ns() - start_ns
         log.debug(
-            "request_id=%s prompt_tokens=%d bucket=%d max_tokens=%d preprocess_us=%d",
-            request_id,
+            "preprocessed: prompt_tokens=%d bucket=%d max_tokens=%d preprocess_us=%d",
             len(result.token_ids),
             result.bucket.index,
             result.max_tokens,
             elapsed_ns // 1000,
+            extra={"prompt": prompt_input, "prompt_token_ids": result.token_ids},
         )
         return preprocess_pb2.PreprocessResponse(
             token_ids=result.token_ids,

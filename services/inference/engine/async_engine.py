@@ -125,6 +125,11 @@ class AsyncEngine:
         if request.request_id in self._streams:
             raise InvalidArgument("request_id", f"{request.request_id!r} is already in flight")
         self._admission.admit(request)
+        log.debug(
+            "admitted: %d prompt tokens, n=%d, max_tokens=%d",
+            len(request.prompt_token_ids), request.sampling.n, request.sampling.max_tokens,
+            extra={"prompt_token_ids": request.prompt_token_ids},
+        )
         self._streams[request.request_id] = _Stream(on_output=on_output, num_unfinished_sequences=request.sampling.n)
         self._none_in_flight.clear()
         self._client.add_request(request)

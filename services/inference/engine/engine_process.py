@@ -42,6 +42,7 @@ from llmserve.inference.engine.engine_loop import (
     AbortRequest, AddRequest, Deliver, Emit, EngineCommand, EngineLoop, Stop,
 )
 from llmserve.inference.engine.types import CacheEvent, EngineLoad, EngineOutput, EngineRequest, ModelInfo
+from llmserve.observability import ObservabilityConfig
 from llmserve.sampling import FinishReason
 from llmserve.server import configure_logging
 
@@ -69,13 +70,19 @@ class EngineProcess:
     build raised). Then the face of EngineThread: start/stop/add_request/abort_request/load,
     called from the event loop."""
 
-    def __init__(self, config: EngineConfig, *, log_level: str = "INFO"):
+    def __init__(
+        self,
+        config: EngineConfig,
+        *,
+        log_level: str = "INFO",
+        observability: ObservabilityConfig = ObservabilityConfig(),
+    ):
         context = multiprocessing.get_context("spawn")
         command_reader, self._command_writer = context.Pipe(duplex=False)
         self._output_reader, output_writer = context.Pipe(duplex=False)
         self._process = context.Process(
             target=run_engine_process,
-            args=(config, log_level, command_reader, output_writer),
+            args=(config, log_level, observability, command_reader, output_writer),
             name="engine-core",
         )
         self._process.start()
@@ -193,11 +200,13 @@ class EngineProcess:
 # --- the engine-core process ----------------------------------------------------------------
 
 
-def run_engine_process(config: EngineConfig, log_level: str, commands: Connection, outputs: Connection) -> None:
+def run_engine_process(
+    config: EngineConfig, log_level: str, observability: ObservabilityConfig, commands: Connection, outputs: Connection
+) -> None:
     """The process's main: build the core, then run the loop until Stop (or the server process
     goes away)."""
     _exit_with_parent()
-    configure_logging("engine-core", log_level)
+    configure_logging("engine-core", log_level, observability)
     from llmserve.inference.backends import create_engine_core  # the child's imports, not the server's
 
     try:
