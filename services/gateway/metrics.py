@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Iterator
 
 import grpc
@@ -156,13 +157,11 @@ def record_replica_liveness(is_live: bool) -> None:
         ROUTING_REPLICAS_LIVE.dec()
 
 
+@dataclass(slots=True)
 class RequestOutcome:
     """How one request ended, as the servicer saw it; see `tracked_request`."""
 
-    __slots__ = ("finish_reason",)
-
-    def __init__(self) -> None:
-        self.finish_reason: FinishReason | None = None
+    finish_reason: FinishReason | None = None  # set once its result is known
 
 
 @contextlib.contextmanager
