@@ -1,8 +1,10 @@
-"""Router decisions and target discovery, in process: real replicas' state, a real in-memory index."""
+"""Router decisions and target discovery, in process: real replicas' state, a real in-memory index;
+the routing metrics they move, read from this process's registry."""
 
 from __future__ import annotations
 
 import pytest
+from prometheus_client import REGISTRY
 
 from llmserve.block_hash import HASH_VERSION, HashNamespace, chain_block_hashes
 from llmserve.errors import Unavailable
@@ -10,7 +12,7 @@ from llmserve.gateway.discovery import AddressWatcher, Target, resolve
 from llmserve.gateway.inference_client import InferenceClient
 from llmserve.gateway.preprocess_client import PreparedPrompt
 from llmserve.gateway.replica import Replica
-from llmserve.gateway.router import Router, RoutingConfig, RoutingPolicy
+from llmserve.gateway.router import FallbackCause, RouteReason, Router, RoutingConfig, RoutingPolicy
 from llmserve.kv_events import AllCleared, BlocksStored, KvEventBatch, ReplicaLoad
 from llmserve.prefix_index import MemoryPrefixIndex
 
@@ -104,6 +106,48 @@ async def test_no_live_replica_is_unavailable():
     replicas[0].is_live = False
     with pytest.raises(Unavailable, match="^inference unavailable: "):
         await router(replicas, index).choose(PROMPT)
+
+
+def routing_sample(name: str, **labels: str) -> float:
+    return REGISTRY.get_sample_value(f"llmserve_routing_{name}", labels) or 0.0
+
+
+# (held blocks, running requests, policy) → the replica chosen, why, and why it fell back.
+REASONS = [
+    ({"r0": 1, "r1": 4}, {}, RoutingPolicy.KV, ("r1", RouteReason.PREFIX, None)),
+    ({"r0": 0, "r1": 0}, {"r0": 1}, RoutingPolicy.KV, ("r1", RouteReason.FALLBACK, FallbackCause.NO_MATCH)),
+    # bound = max(0 x 1.5, 0 + 1) = 1: r0 holds the prompt and is past it.
+    ({"r0": 4, "r1": 0}, {"r0": 5}, RoutingPolicy.KV, ("r1", RouteReason.FALLBACK, FallbackCause.IMBALANCE)),
+    ({"r0": 4, "r1": 0}, {"r0": 1}, RoutingPolicy.LEAST_LOADED, ("r1", RouteReason.LOAD, None)),
+    ({"r0": 4}, {"r0": 9}, RoutingPolicy.KV, ("r0", RouteReason.LOAD, None)),
+    ({"r0": 4}, {}, RoutingPolicy.ROUND_ROBIN, ("r0", RouteReason.ROUND_ROBIN, None)),
+]
+
+
+@pytest.mark.parametrize("held_blocks, running, policy, expected", REASONS)
+async def test_a_decision_says_why_and_is_counted(held_blocks, running, policy, expected):
+    index = MemoryPrefixIndex()
+    replicas = await fleet(index, held_blocks, running)
+    replica_id, reason, cause = expected
+    decisions_before = routing_sample("decisions_total", replica=replica_id, reason=reason.value)
+    fallbacks_before = {c: routing_sample("fallbacks_total", cause=c.value) for c in FallbackCause}
+    decision = await router(replicas, index, policy, load_ratio=1.5, load_slack=1).choose(PROMPT)
+    assert (decision.replica.replica_id, decision.reason, decision.fallback_cause) == expected
+    assert routing_sample("decisions_total", replica=replica_id, reason=reason.value) == decisions_before + 1
+    for c in FallbackCause:
+        assert routing_sample("fallbacks_total", cause=c.value) == fallbacks_before[c] + (c is cause)
+
+
+async def test_replicas_live_counts_each_change_of_liveness_once():
+    before = routing_sample("replicas_live")
+    replicas = await fleet(MemoryPrefixIndex(), {"r0": 0, "r1": 0}, {})
+    assert routing_sample("replicas_live") == before + 2
+    replicas[0].observe(KvEventBatch("r0", "i", 2, (), ReplicaLoad()))  # a heartbeat: still live
+    replicas[1].is_live = False
+    replicas[1].is_live = False
+    assert routing_sample("replicas_live") == before + 1
+    replicas[0].is_live = False
+    assert routing_sample("replicas_live") == before
 
 
 @pytest.mark.parametrize(

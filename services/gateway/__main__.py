@@ -101,9 +101,9 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(str(error))
     configure_logging("gateway", config.log_level, config.observability)
     exit_with_parent()
-    start_metrics_endpoint(config.observability, config.host)
     if config.num_workers > 1:
-        return run_worker_group(config)
+        return run_worker_group(config)  # it serves the workers' metrics, summed
+    start_metrics_endpoint(config.observability, config.host)
     return run_worker(config, 0, on_serving=lambda port: write_port_file(config.port_file, port))
 
 

@@ -25,6 +25,7 @@ import grpc
 from llmserve.errors import ServiceError
 from llmserve.gateway.detokenizer import Detokenizer, DetokenizerStream
 from llmserve.gateway.hop_errors import DownstreamError
+from llmserve.gateway.metrics import record_finished, record_first_tokens, record_next_tokens
 from llmserve.gateway.preprocess_client import PreparedPrompt, PreprocessClient, PromptInput
 from llmserve.gateway.router import RouteDecision, Router
 from llmserve.gateway.stop_strings import StopStringMatcher
@@ -93,6 +94,7 @@ class _RequestState:
     stop_matcher: StopStringMatcher
     num_completion_tokens: int = 0
     first_token_ns: int | None = None
+    last_token_ns: int = 0  # when the latest chunk with tokens came
 
 
 class GenerationPipeline:
@@ -142,9 +144,11 @@ class GenerationPipeline:
             async for chunk in stream:
                 is_finished_by_inference = chunk.is_finished
                 delta = self._on_chunk(request, state, chunk)
-                yield delta
                 if delta.result is not None:
                     _log_finished(request.request_id, delta.result)
+                    record_finished(delta.result, is_reported_by_inference=is_finished_by_inference)
+                yield delta
+                if delta.result is not None:
                     return
             raise ServiceError(f"inference ended request {request.request_id} without a finish reason")
         finally:
@@ -154,9 +158,8 @@ class GenerationPipeline:
 
     def _on_chunk(self, request: GenerationRequest, state: _RequestState, chunk: TokenChunk) -> GenerationDelta:
         now_ns = time.monotonic_ns()
-        if chunk.token_ids and state.first_token_ns is None:
-            state.first_token_ns = now_ns
-        state.num_completion_tokens += len(chunk.token_ids)
+        if chunk.token_ids:
+            self._on_tokens(request, state, len(chunk.token_ids), now_ns)
         text = state.detokenizer.push(chunk.token_ids)
         if chunk.is_finished:
             text += state.detokenizer.flush()
@@ -172,6 +175,16 @@ class GenerationPipeline:
             delta.text += state.stop_matcher.flush()
             delta.result = self._result(request, state, chunk, chunk.finish_reason, None, now_ns)
         return delta
+
+    @staticmethod
+    def _on_tokens(request: GenerationRequest, state: _RequestState, num_tokens: int, now_ns: int) -> None:
+        if state.first_token_ns is None:
+            state.first_token_ns = now_ns
+            record_first_tokens(now_ns - request.arrival_ns, num_tokens)
+        else:
+            record_next_tokens(now_ns - state.last_token_ns, num_tokens)
+        state.last_token_ns = now_ns
+        state.num_completion_tokens += num_tokens
 
     @staticmethod
     def _result(
@@ -195,7 +208,7 @@ class GenerationPipeline:
             preprocess_time_ns=state.prompt.preprocess_time_ns,
             time_to_first_token_ns=first_token_ns - request.arrival_ns,
             total_time_ns=now_ns - request.arrival_ns,
-            replica_id=state.route.replica.replica_id or state.route.replica.address,
+            replica_id=state.route.replica.name,
             predicted_cached_tokens=state.route.predicted_cached_tokens,
         )
 

@@ -16,6 +16,7 @@ import time
 from typing import Iterator
 
 from llmserve.gateway.inference_client import InferenceClient
+from llmserve.gateway.metrics import record_replica_liveness
 from llmserve.kv_events import KvEventBatch, ReplicaLoad
 from llmserve.prefix_index.redis_config import DEFAULT_HEARTBEAT_TTL_MS
 
@@ -25,7 +26,7 @@ class Replica:
         self.address = address
         self.client = client
         self.replica_id: str | None = None  # from its event batches
-        self.is_live = False  # routable: heard within its heartbeat TTL (kept by its watcher)
+        self._is_live = False
         self.heartbeat_ttl_s = DEFAULT_HEARTBEAT_TTL_MS / 1000
         self.has_been_heard = asyncio.Event()  # its first batch came (or it sends none)
         self.num_in_flight = 0
@@ -35,6 +36,22 @@ class Replica:
         self._num_in_flight_at_load = 0
         self._max_in_flight_since_load = 0
         self._last_heard_s = time.monotonic()
+
+    @property
+    def is_live(self) -> bool:
+        """Routable: heard within its heartbeat TTL (kept by its watcher)."""
+        return self._is_live
+
+    @is_live.setter
+    def is_live(self, is_live: bool) -> None:
+        if is_live != self._is_live:
+            record_replica_liveness(is_live)
+        self._is_live = is_live
+
+    @property
+    def name(self) -> str:
+        """How logs, results and metric labels name it: its replica_id once heard, else its address."""
+        return self.replica_id or self.address
 
     def observe(self, batch: KvEventBatch) -> None:
         """A batch or heartbeat arrived: the replica is live, and this is its load now."""

@@ -8,6 +8,9 @@ Policies (`--routing`):
   - least-loaded: the replica with the fewest requests (KV in use breaks ties).
   - round-robin: each replica in turn.
 
+Each decision says why (RouteReason; a kv fallback also says why it fell back, FallbackCause),
+which the routing metrics count.
+
 The imbalance bound keeps the replica that holds a popular prompt from becoming a hot spot: a
 replica is eligible only while its load ≤ max(least load × load_ratio, least load +
 load_slack). Past that, recomputing the prefix elsewhere is cheaper than queueing behind it.
@@ -28,6 +31,7 @@ from dataclasses import dataclass
 from typing import Callable, Sequence
 
 from llmserve.errors import Unavailable
+from llmserve.gateway.metrics import record_route
 from llmserve.gateway.preprocess_client import PreparedPrompt
 from llmserve.gateway.replica import Replica
 from llmserve.prefix_index import PrefixIndex
@@ -61,11 +65,25 @@ class RoutingConfig:
             raise ValueError(f"routing load slack must be >= 0, got {self.load_slack}")
 
 
+class RouteReason(enum.Enum):
+    PREFIX = "prefix"  # kv: the replica within the load bound holding the longest prefix
+    FALLBACK = "fallback"  # kv: no replica within the bound holds any of the prompt; least loaded
+    LOAD = "load"  # least-loaded, or kv with one live replica (nothing to look up)
+    ROUND_ROBIN = "round_robin"
+
+
+class FallbackCause(enum.Enum):
+    NO_MATCH = "no_match"  # no live replica holds a block of the prompt (or the index did not answer)
+    IMBALANCE = "imbalance"  # replicas hold some, all of them past the load bound
+
+
 @dataclass(frozen=True, slots=True)
 class RouteDecision:
     replica: Replica
     predicted_cached_tokens: int  # what the index said the replica holds of the prompt
     prefill_blocks: int  # the prompt's blocks it will compute there (pending prefill until its first token)
+    reason: RouteReason
+    fallback_cause: FallbackCause | None = None  # set when reason is FALLBACK
 
 
 class Router:
@@ -78,13 +96,19 @@ class Router:
         self._turns = itertools.count()  # round-robin, and the tie-break among equals
 
     async def choose(self, prompt: PreparedPrompt) -> RouteDecision:
+        decision = await self._decide(prompt)
+        cause = decision.fallback_cause.value if decision.fallback_cause is not None else None
+        record_route(decision.replica.name, decision.reason.value, cause)
+        return decision
+
+    async def _decide(self, prompt: PreparedPrompt) -> RouteDecision:
         replicas = self._live_replicas()
         if not replicas:
             raise Unavailable("inference unavailable: no inference replica is live")
         if self._config.policy is RoutingPolicy.ROUND_ROBIN:
-            return _uncached(prompt, replicas[next(self._turns) % len(replicas)])
+            return _uncached(prompt, replicas[next(self._turns) % len(replicas)], RouteReason.ROUND_ROBIN)
         if self._config.policy is RoutingPolicy.LEAST_LOADED or len(replicas) == 1:
-            return _uncached(prompt, self._least_loaded(replicas))
+            return _uncached(prompt, self._least_loaded(replicas), RouteReason.LOAD)
         return await self._by_prefix(replicas, prompt)
 
     async def _by_prefix(self, replicas: Sequence[Replica], prompt: PreparedPrompt) -> RouteDecision:
@@ -92,7 +116,9 @@ class Router:
         eligible = self._within_bound(replicas)
         cached = {id(replica): _reusable_tokens(prompt, matches.get(replica.replica_id or "", 0)) for replica in eligible}
         if not any(cached.values()):
-            return _uncached(prompt, self._least_loaded(replicas))
+            is_held = any(matches.get(replica.replica_id or "", 0) for replica in replicas)
+            cause = FallbackCause.IMBALANCE if is_held else FallbackCause.NO_MATCH
+            return _uncached(prompt, self._least_loaded(replicas), RouteReason.FALLBACK, cause)
         num_blocks = _num_blocks(prompt, len(prompt.token_ids))
         queue_weight = self._config.queue_weight
 
@@ -102,7 +128,7 @@ class Router:
 
         best = min(self._rotated(eligible), key=blocks_before_first_token)
         tokens = cached[id(best)]
-        return RouteDecision(best, tokens, num_blocks - tokens // prompt.block_size_tokens)
+        return RouteDecision(best, tokens, num_blocks - tokens // prompt.block_size_tokens, RouteReason.PREFIX)
 
     def _within_bound(self, replicas: Sequence[Replica]) -> list[Replica]:
         least = min(replica.num_requests for replica in replicas)
@@ -118,8 +144,10 @@ class Router:
         return [replicas[(start + i) % len(replicas)] for i in range(len(replicas))]
 
 
-def _uncached(prompt: PreparedPrompt, replica: Replica) -> RouteDecision:
-    return RouteDecision(replica, 0, _num_blocks(prompt, len(prompt.token_ids)))
+def _uncached(
+    prompt: PreparedPrompt, replica: Replica, reason: RouteReason, cause: FallbackCause | None = None
+) -> RouteDecision:
+    return RouteDecision(replica, 0, _num_blocks(prompt, len(prompt.token_ids)), reason, cause)
 
 
 def _num_blocks(prompt: PreparedPrompt, num_tokens: int) -> int:

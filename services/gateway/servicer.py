@@ -4,7 +4,7 @@ Every request gets a request id (uuid4 hex) sent back in the `x-request-id` init
 and in the response, and labels the request's log lines (llmserve.request_context);
 `x-gateway-worker` names the worker process that served it. Sampling
 parameters are validated here, at the edge; errors from the hops come through as the statuses
-`hop_errors.error_from_rpc` chose.
+`hop_errors.error_from_rpc` chose. Each request is counted by how it ended (gateway.metrics).
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ from llmserve.errors import InvalidArgument, NotFound
 from llmserve.gateway.client_stream import DEFAULT_MAX_UNSENT_TOKENS, coalesced
 from llmserve.gateway.generation import GenerationDelta, GenerationPipeline, GenerationRequest, GenerationResult
 from llmserve.gateway.inference_client import ModelCard
+from llmserve.gateway.metrics import tracked_request
 from llmserve.gateway.preprocess_client import PromptInput
 from llmserve.gateway.request_id import REQUEST_ID_METADATA_KEY, new_request_id
 from llmserve.pb import chat_from_pb, finish_reason_to_pb, logprobs_to_pb, sampling_from_pb
@@ -52,27 +53,32 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
     async def GenerateStream(self, request: gateway_pb2.GenerateStreamRequest, context: grpc.aio.ServicerContext):
         """Each message carries every token made since the last one was sent (client_stream)."""
         params = request.params
-        generation = await self._start(params, context)
-        pipeline_deltas = self._generate(generation, context)
-        async with aclosing(coalesced(pipeline_deltas, generation.request_id, self._max_unsent_tokens)) as deltas:
-            async for delta in deltas:
-                if delta.result is not None or _has_content(delta, params.return_token_ids):
-                    yield _stream_response_to_pb(generation.request_id, delta, params.return_token_ids)
+        with tracked_request(context) as outcome:
+            generation = await self._start(params, context)
+            pipeline_deltas = self._generate(generation, context)
+            async with aclosing(coalesced(pipeline_deltas, generation.request_id, self._max_unsent_tokens)) as deltas:
+                async for delta in deltas:
+                    if delta.result is not None:
+                        outcome.finish_reason = delta.result.finish_reason
+                    if delta.result is not None or _has_content(delta, params.return_token_ids):
+                        yield _stream_response_to_pb(generation.request_id, delta, params.return_token_ids)
 
     async def Generate(self, request: gateway_pb2.GenerateRequest, context: grpc.aio.ServicerContext):
         params = request.params
-        generation = await self._start(params, context)
-        response = gateway_pb2.GenerateResponse(request_id=generation.request_id)
-        text_parts: list[str] = []
-        async with aclosing(self._generate(generation, context)) as deltas:
-            async for delta in deltas:
-                text_parts.append(delta.text)
-                if params.return_token_ids:
-                    response.token_ids.extend(delta.token_ids)
-                if delta.logprobs:
-                    response.logprobs.extend(logprobs_to_pb(delta.logprobs))
-                if delta.result is not None:
-                    response.result.CopyFrom(_result_to_pb(delta.result))
+        with tracked_request(context) as outcome:
+            generation = await self._start(params, context)
+            response = gateway_pb2.GenerateResponse(request_id=generation.request_id)
+            text_parts: list[str] = []
+            async with aclosing(self._generate(generation, context)) as deltas:
+                async for delta in deltas:
+                    text_parts.append(delta.text)
+                    if params.return_token_ids:
+                        response.token_ids.extend(delta.token_ids)
+                    if delta.logprobs:
+                        response.logprobs.extend(logprobs_to_pb(delta.logprobs))
+                    if delta.result is not None:
+                        outcome.finish_reason = delta.result.finish_reason
+                        response.result.CopyFrom(_result_to_pb(delta.result))
         response.text = "".join(text_parts)
         return response
 

@@ -16,6 +16,10 @@ Serving: a worker that dies takes the gateway down (exit 1, a log line naming th
 others drain first. Workers are not restarted: a crash should reach whoever runs the gateway (the
 launcher stops the stack, an orchestrator restarts the pod) instead of hiding in a restart loop.
 
+Metrics (--metrics-port): served here, summed over the workers. They are spawned with
+PROMETHEUS_MULTIPROC_DIR set to a fresh directory (llmserve.metrics_endpoint.shared_metrics),
+each writes its values there, and the directory is removed once they have exited.
+
 SIGTERM/SIGINT: forwarded to every worker, which drains as a single gateway does (health
 NOT_SERVING, in-flight streams finish within the grace period). Workers get SIGTERM if this
 process dies (server.exit_with_parent).
@@ -36,6 +40,7 @@ from multiprocessing.connection import Connection, wait
 from multiprocessing.process import BaseProcess
 from llmserve.gateway.config import GatewayConfig
 from llmserve.gateway.worker import run_worker
+from llmserve.metrics_endpoint import shared_metrics, start_metrics_endpoint
 from llmserve.server import PARENT_PID_ENV, configure_logging, exit_with_parent, write_port_file
 
 log = logging.getLogger("llmserve.gateway")
@@ -158,7 +163,8 @@ def run_worker_group(config: GatewayConfig) -> int:
     except OSError as error:  # socket.gaierror included
         log.error("cannot bind %s: %s", config.address, error)
         return 1
-    with reservation:
+    with reservation, shared_metrics() as metrics:
+        start_metrics_endpoint(config.observability, config.host, metrics.registry)
         port = reservation.getsockname()[1]
         worker_config = replace(config, port=port, port_file=None)
         workers = [_Worker.start(worker_config, worker_id) for worker_id in range(config.num_workers)]
@@ -171,4 +177,6 @@ def run_worker_group(config: GatewayConfig) -> int:
         finally:
             log.info("stopping %d gateway workers (grace %.1fs)", len(workers), config.grace_period_s)
             all_clean = _stop_workers(workers, config.grace_period_s + _EXIT_MARGIN_S)
+            for worker in workers:
+                metrics.mark_process_dead(worker.process.pid)
         return exit_code if exit_code != 0 or all_clean else 1
