@@ -103,7 +103,7 @@ def run_hadolint(path: Path) -> subprocess.CompletedProcess:
 
 def test_every_dockerfile_passes_hadolint():
     dockerfiles = sorted((REPO_ROOT / "deploy").rglob("*Dockerfile*"))
-    assert dockerfiles == [DOCKERFILE]
+    assert DOCKERFILE in dockerfiles
     for path in dockerfiles:
         result = run_hadolint(path)
         assert (result.returncode, result.stdout + result.stderr) == (0, ""), path
