@@ -73,14 +73,14 @@ BAKE_DEFAULT_MODEL ?= 0
 DOCKER_BUILD = docker build --file deploy/docker/Dockerfile --build-arg TORCH_VERSION=$(TORCH_VERSION) \
 	--build-arg BAKE_DEFAULT_MODEL=$(BAKE_DEFAULT_MODEL)
 
-images:  ## Build llmserve/{gateway,preprocess,inference}:VERSION and inference:VERSION-cpu (needs Docker)
+images:  ## Build llmserve/{gateway,preprocess,inference}:VERSION and inference-cpu:VERSION (needs Docker)
 	@docker info >/dev/null 2>&1 || { echo "make images: no Docker engine answers (docker info failed)." \
 	  "The images are built where one runs; none runs where this project is developed, so they have" \
 	  "never been built here. 'make lint-images' checks the Dockerfile without one." >&2; exit 1; }
 	$(DOCKER_BUILD) --target gateway --tag llmserve/gateway:$(VERSION) .
 	$(DOCKER_BUILD) --target preprocess --tag llmserve/preprocess:$(VERSION) .
 	$(DOCKER_BUILD) --target inference --tag llmserve/inference:$(VERSION) .
-	$(DOCKER_BUILD) --target inference --build-arg TORCH_VARIANT=cpu --tag llmserve/inference:$(VERSION)-cpu .
+	$(DOCKER_BUILD) --target inference --build-arg TORCH_VARIANT=cpu --tag llmserve/inference-cpu:$(VERSION) .
 
 lint-images: $(VENV)/.installed  ## Lint the Dockerfile with hadolint (no Docker needed)
 	$(VENV)/bin/hadolint --config .hadolint.yaml deploy/docker/Dockerfile

@@ -201,6 +201,7 @@ def test_make_images_builds_each_service_target_with_the_project_version(dockerf
     [version] = re.findall(r'^version = "(.+)"$', (REPO_ROOT / "pyproject.toml").read_text(), re.MULTILINE)
     targets = {re.search(r"--tag (\S+)", b).group(1): re.search(r"--target (\S+)", b).group(1) for b in builds}
     expected = {f"llmserve/{service}:{version}": service for service in SERVICES}
-    assert targets == {**expected, f"llmserve/inference:{version}-cpu": "inference"}
-    [cpu_build] = [b for b in builds if f":{version}-cpu" in b]
+    # The CPU build is another repository with the same tag: the chart gives all images one tag.
+    assert targets == {**expected, f"llmserve/inference-cpu:{version}": "inference"}
+    [cpu_build] = [b for b in builds if "llmserve/inference-cpu:" in b]
     assert "--build-arg TORCH_VARIANT=cpu" in cpu_build
