@@ -121,7 +121,8 @@ async def test_inference_metrics_follow_the_requests(tiny_model_dir, tmp_path):
     assert end.delta(after_prefix, "llmserve_inference_admissions_refused_total", reason="RESOURCE_EXHAUSTED") == 1
     assert end.delta(after_prefix, "llmserve_inference_admissions_refused_total", reason="DEADLINE_EXCEEDED") == 0
     assert end.delta(after_prefix, "llmserve_inference_preemptions_total") >= 1
-    assert end.delta(after_prefix, "llmserve_inference_prompt_tokens_total") == 2 * len(LONG_PROMPT)  # once, preempted or not
+    # A prompt counts once, when its request produced its first token, preempted later or not.
+    assert end.delta(after_prefix, "llmserve_inference_prompt_tokens_total") == 2 * len(LONG_PROMPT)
     assert end.delta(after_prefix, "llmserve_inference_generation_tokens_total") == sum(
         usage.completion_tokens for usage in long_usages
     ) == 2 * LONG_SAMPLING.max_tokens

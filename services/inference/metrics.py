@@ -26,7 +26,7 @@ BATCH_SIZE_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
 
 _STEP_DURATION = Histogram(
     "llmserve_inference_step_duration_seconds",
-    "One engine step that ran a batch (with async scheduling: launching one step and processing the one before)",
+    "One engine step that ran a batch (async scheduling: launching it and processing the one before)",
     buckets=STEP_DURATION_BUCKETS_S,
 )
 _BATCH_SIZE = Histogram(

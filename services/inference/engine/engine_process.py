@@ -15,7 +15,8 @@ travel as (request_id, sequence_index, token_ids) tuples: ten times cheaper to p
 the dataclass (measured: 256 outputs, 46 µs vs 620 µs). Prefix-cache changes travel as they
 were recorded, ints in tuples and lists (types.CacheEvent): an empty list in a step without
 any. The step's StepReport (its duration and batch size, two numbers) is what the server's
-metrics need beyond the outputs: every Prometheus object lives in the server process. Commands are pickled on a sender thread, so a full pipe (the core busy in a step) never
+metrics need beyond the outputs: every Prometheus object lives in the server process.
+Commands are pickled on a sender thread, so a full pipe (the core busy in a step) never
 blocks the event loop.
 
 The core is built in the child (weights, KV pool, CUDA graphs): the server process never
