@@ -15,7 +15,7 @@ from collections.abc import Callable, Iterator
 
 from prometheus_client import REGISTRY, Counter, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
-from prometheus_client.registry import Collector, CollectorRegistry
+from prometheus_client.registry import Collector
 
 from llmserve.errors import DeadlineExceeded, InvalidArgument, ResourceExhausted, ServiceError
 from llmserve.inference.engine.types import EngineLoad, StepReport
@@ -86,9 +86,9 @@ class LoadCollector(Collector):
         yield _counter("preemptions", "Sequences preempted for KV space", load.num_preemptions_total)
 
 
-def register_load(load: Callable[[], EngineLoad], registry: CollectorRegistry = REGISTRY) -> None:
+def register_load(load: Callable[[], EngineLoad]) -> None:
     """Export the load `load()` returns (an engine's `load`) with the other inference metrics."""
-    registry.register(LoadCollector(load))
+    REGISTRY.register(LoadCollector(load))
 
 
 def _gauge(name: str, documentation: str, value: int) -> GaugeMetricFamily:
