@@ -91,7 +91,7 @@ async def run_on_loop(model_dir, request: EngineRequest) -> list[EngineOutput]:
     outputs: list[EngineOutput] = []
     done = asyncio.Event()
 
-    def deliver(batch: list[EngineOutput], kv_events) -> None:
+    def deliver(batch: list[EngineOutput], kv_events, steps) -> None:
         outputs.extend(batch)
         if any(output.is_finished for output in batch):
             done.set()

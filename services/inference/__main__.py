@@ -19,6 +19,7 @@ from llmserve.inference.config import DEFAULT_KV_EVENTS_HEARTBEAT_MS, InferenceC
 from llmserve.inference.engine.config import MODEL_GROUP
 from llmserve.inference.engine_flags import add_engine_arguments, engine_config, engine_options
 from llmserve.inference.kv_event_log import KvEventLog
+from llmserve.inference.metrics import register_load
 from llmserve.inference.servicer import SERVICE_NAME, InferenceServicer
 from llmserve.message_limits import token_ids_request_bytes
 from llmserve.model_files import ModelFiles
@@ -75,6 +76,7 @@ async def serve(config: InferenceConfig) -> None:
     except ValueError as exc:  # a model or a flag combination this engine cannot run: say why
         log.error("cannot start the engine: %s", exc)
         raise SystemExit(1) from None
+    register_load(engine.load)
     kv_events = KvEventLog.of(
         engine, replica_id=config.replica_id or "", default_heartbeat_interval_s=config.kv_events_heartbeat_ms / 1000
     )

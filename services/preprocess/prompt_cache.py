@@ -11,6 +11,9 @@ bounded by `max_bytes`; only system prompts go to Redis, which is what replicas 
 The Redis key also names the model, the tokenizer version and the chat template's version:
 another tokenizer or template renders or splits the same messages differently, so its entries
 must never be found. Used from the event loop only (no locks).
+
+Metrics: a lookup counts one memory hit when it found any entry in process, one redis hit when
+Redis had its system prompt (llmserve.preprocess.metrics).
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Sequence
 
+from llmserve.preprocess import metrics
 from llmserve.preprocess.redis_prompt_store import RedisPromptStore, decode_entry, encode_entry
 from llmserve.preprocess.tail_tokenizer import TailTokenizer, TokenizedPrefix
 from llmserve.sampling import ChatMessage
@@ -78,6 +82,8 @@ class PromptCache:
         for digest in reversed(digests[:-1]):
             keys += [prefix_key(digest, True), prefix_key(digest, False)]
         prefixes = tuple(entry for key in keys if (entry := self._get(key)) is not None)
+        if prefixes:
+            metrics.record_memory_hit()
         # The system prompt rendered alone, when the chat has one and more turns after it.
         if len(messages) < 2 or messages[0].role != "system":
             return Lookup(keys[0], prefixes, None)
@@ -86,6 +92,7 @@ class PromptCache:
             return Lookup(keys[0], prefixes, None)
         remote = await self._get_remote(system_key)
         if remote is not None:
+            metrics.record_redis_hit()
             return Lookup(keys[0], prefixes + (remote,), None)
         return Lookup(keys[0], prefixes, system_key)
 

@@ -12,6 +12,7 @@ import logging
 from dataclasses import dataclass
 
 from llmserve.message_limits import prompt_request_bytes
+from llmserve.preprocess import metrics
 from llmserve.preprocess.config import PreprocessConfig
 from llmserve.preprocess.pipeline import PreprocessPipeline
 from llmserve.preprocess.preprocessor import Preprocessor
@@ -44,6 +45,7 @@ async def start_server(config: PreprocessConfig) -> PreprocessServer:
     pipeline = PreprocessPipeline.build(preprocessor, config)
     servicer = PreprocessServicer(pipeline)
     info = preprocessor.info
+    metrics.expose_buckets(info.buckets)
     max_receive_bytes = prompt_request_bytes(info.max_prompt_bytes, info.max_context_tokens)
     running = await create_server(
         config.address,

@@ -17,6 +17,7 @@ import grpc
 from llmserve.buckets import LengthBucket
 from llmserve.errors import ServiceError
 from llmserve.pb import chat_from_pb
+from llmserve.preprocess import metrics
 from llmserve.preprocess.inputs import Chat, PromptInput, PromptTokenIds
 from llmserve.preprocess.pipeline import PreprocessPipeline
 from llmserve.request_context import bind_request_id
@@ -64,9 +65,14 @@ class PreprocessServicer(preprocess_pb2_grpc.PreprocessServiceServicer):
         try:
             result = await self._pipeline.preprocess(prompt_input, max_tokens, request.cache_salt)
         except ServiceError as exc:
+            metrics.record_failed(exc.code)
             log.info("rejected: %s", exc.message)
             raise
+        except Exception:
+            metrics.record_failed(grpc.StatusCode.INTERNAL)  # what the error interceptor answers
+            raise
         elapsed_ns = time.perf_counter_ns() - start_ns
+        metrics.record_preprocessed(len(result.token_ids), result.bucket, elapsed_ns / 1e9)
         log.debug(
             "preprocessed: prompt_tokens=%d bucket=%d max_tokens=%d preprocess_us=%d",
             len(result.token_ids),

@@ -5,8 +5,9 @@ EngineThread (a thread of this process) or an EngineProcess (a process of its ow
     submit()/generate() ──add_request──▶   ──▶ core.add_request
     abort()             ──abort_request─▶  ──▶ core.abort_request (+ CANCELLED outputs)
                                                core.step() → [EngineOutput]
-    each request's on_output ◀── _deliver(outputs, kv_events), per engine step ◀──┘
+    each request's on_output ◀── _deliver(outputs, kv_events, steps), per engine step ◀──┘
     the kv-event sink       ◀──┘ (the step's prefix-cache changes, when it made any)
+    metrics.record_*        ◀──┘ (its StepReport, the tokens routed, refusals at submit)
 
 Two ways to consume a request: `submit(request, on_output)` calls `on_output` for every
 output as it is delivered (the multiplexed stream hands a whole step to its writer this way);
@@ -28,10 +29,11 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import AsyncIterator, Protocol
 
-from llmserve.errors import InvalidArgument, Unavailable
+from llmserve.errors import DeadlineExceeded, InvalidArgument, ResourceExhausted, Unavailable
+from llmserve.inference import metrics
 from llmserve.inference.admission import AdmissionConfig, AdmissionController
 from llmserve.inference.engine.engine_loop import Deliver
-from llmserve.inference.engine.types import CacheEvent, EngineLoad, EngineOutput, EngineRequest, ModelInfo
+from llmserve.inference.engine.types import CacheEvent, EngineLoad, EngineOutput, EngineRequest, ModelInfo, StepReport
 
 log = logging.getLogger(__name__)
 
@@ -67,6 +69,8 @@ class _Stream:
 
     on_output: OnOutput | None  # None once the consumer left: outputs are counted, not passed on
     num_unfinished_sequences: int
+    num_prompt_tokens: int  # counted in the metrics once the request has produced a token
+    is_started: bool = False  # a token was produced
     is_aborting: bool = False
 
 
@@ -124,13 +128,20 @@ class AsyncEngine:
             raise Unavailable("the inference engine is shutting down")
         if request.request_id in self._streams:
             raise InvalidArgument("request_id", f"{request.request_id!r} is already in flight")
-        self._admission.admit(request)
+        try:
+            self._admission.admit(request)
+        except (ResourceExhausted, DeadlineExceeded, InvalidArgument) as refusal:
+            metrics.record_refused(refusal)
+            raise
         log.debug(
             "admitted: %d prompt tokens, n=%d, max_tokens=%d",
             len(request.prompt_token_ids), request.sampling.n, request.sampling.max_tokens,
             extra={"prompt_token_ids": request.prompt_token_ids},
         )
-        self._streams[request.request_id] = _Stream(on_output=on_output, num_unfinished_sequences=request.sampling.n)
+        self._streams[request.request_id] = _Stream(
+            on_output=on_output, num_unfinished_sequences=request.sampling.n,
+            num_prompt_tokens=len(request.prompt_token_ids),
+        )  # fmt: skip
         self._none_in_flight.clear()
         self._client.add_request(request)
 
@@ -182,32 +193,42 @@ class AsyncEngine:
         """The core client's latest snapshot; no call into the core."""
         return self._client.load()
 
-    def _deliver(self, outputs: list[EngineOutput], kv_events: list[CacheEvent]) -> None:
+    def _deliver(self, outputs: list[EngineOutput], kv_events: list[CacheEvent], steps: list[StepReport]) -> None:
         """Runs on the loop: cache changes to the sink first (a client that reads a final
         output and sends the next turn finds its blocks already announced), then route outputs
         to their streams; a request whose every sequence has its final output is no longer in
         flight."""
+        metrics.record_steps(steps)
         if kv_events and self._kv_event_sink is not None:
-            try:
-                self._kv_event_sink(kv_events)
-            except Exception:  # noqa: BLE001 — routing's view may suffer, the requests must not
-                log.exception("the kv-event sink failed")
+            self._announce(kv_events)
         if not outputs:
             return  # admission measures its rates per delivery of outputs
         self._admission.observe(outputs)
+        num_prompt_tokens, num_generation_tokens = 0, 0
         for output in outputs:
             stream = self._streams.get(output.request_id)
             if stream is None:
                 log.error("output for unknown request %r dropped", output.request_id)
                 continue
+            num_generation_tokens += len(output.new_token_ids)
+            if output.new_token_ids and not stream.is_started:
+                stream.is_started = True
+                num_prompt_tokens += stream.num_prompt_tokens
             if stream.on_output is not None:
                 stream.on_output(output)
             if output.is_finished:
                 stream.num_unfinished_sequences -= 1
                 if stream.num_unfinished_sequences == 0:
                     del self._streams[output.request_id]
+        metrics.record_tokens(num_prompt_tokens, num_generation_tokens)
         if not self._streams:
             self._none_in_flight.set()
+
+    def _announce(self, kv_events: list[CacheEvent]) -> None:
+        try:
+            self._kv_event_sink(kv_events)
+        except Exception:  # noqa: BLE001 — routing's view may suffer, the requests must not
+            log.exception("the kv-event sink failed")
 
 
 def coalesced(outputs: list[EngineOutput]) -> list[EngineOutput]:

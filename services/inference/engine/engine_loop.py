@@ -7,8 +7,8 @@ Each iteration reads top to bottom:
   3. abort the requests whose deadline has passed, all at this step boundary (CANCELLED);
   4. step the core once, or, when a stop command came, cancel every unfinished request;
   5. emit the outputs of 2-4 and the prefix-cache changes they made (CacheEvents, usually
-     none) with the core's load, snapshot after the step: a consumer that sees a final output
-     reads a load that already counts it.
+     none) with the core's load, snapshot after the step (a consumer that sees a final output
+     reads a load that already counts it), and the step's StepReport when it ran a batch.
 
 A request is *unfinished* from the add command until each of its sequences has produced its
 final output here: from the core, from an abort (CANCELLED) or from a failure (ERROR). The
@@ -28,7 +28,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from llmserve.inference.engine.types import (
-    CacheEvent, EngineCore, EngineLoad, EngineOutput, EngineRequest, StepFailed,
+    CacheEvent, EngineCore, EngineLoad, EngineOutput, EngineRequest, StepFailed, StepReport,
 )
 from llmserve.sampling import DEADLINE_EXCEEDED_MESSAGE, FinishReason
 
@@ -54,11 +54,12 @@ EngineCommand = AddRequest | AbortRequest | Stop
 
 # take_commands(block) -> the queued commands; with block=True it waits for at least one.
 TakeCommands = Callable[[bool], list[EngineCommand]]
-# emit(outputs, load, kv_events) -> False when nobody is left to read them (the loop then ends).
-Emit = Callable[[list[EngineOutput], EngineLoad, list[CacheEvent]], bool]
-# deliver(outputs, kv_events), on the event loop: what a core client hands AsyncEngine, one call
-# per batch of steps it received.
-Deliver = Callable[[list[EngineOutput], list[CacheEvent]], None]
+# emit(outputs, load, kv_events, step) -> False when nobody is left to read them (the loop then
+# ends); `step` is None when the iteration ran no batch.
+Emit = Callable[[list[EngineOutput], EngineLoad, list[CacheEvent], StepReport | None], bool]
+# deliver(outputs, kv_events, steps), on the event loop: what a core client hands AsyncEngine,
+# one call per batch of steps it received.
+Deliver = Callable[[list[EngineOutput], list[CacheEvent], list[StepReport]], None]
 
 
 @dataclass(slots=True)
@@ -76,6 +77,7 @@ class EngineLoop:
         self._unfinished: dict[str, _UnfinishedRequest] = {}
         self._deadlines: list[tuple[int, str]] = []  # heap of (deadline_ns, request_id)
         self._last_load: EngineLoad | None = None
+        self._step_report: StepReport | None = None  # the current iteration's, set by _step
 
     def run(self, take_commands: TakeCommands, emit: Emit) -> None:
         is_stopping = False
@@ -87,7 +89,9 @@ class EngineLoop:
             outputs += self._guarded(self._cancel_all if is_stopping else self._step)
             kv_events = self._take_kv_events()
             load = self._load()
-            if (outputs or kv_events or load != self._last_load) and not emit(outputs, load, kv_events):
+            step, self._step_report = self._step_report, None
+            is_news = outputs or kv_events or step is not None or load != self._last_load
+            if is_news and not emit(outputs, load, kv_events, step):
                 break
             self._last_load = load
         log.info("engine loop stopped")
@@ -145,6 +149,7 @@ class EngineLoop:
     def _step(self) -> list[EngineOutput]:
         if not self._has_work():
             return []
+        started_s = time.perf_counter()
         try:
             outputs = self._core.step()
         except Exception as exc:  # noqa: BLE001
@@ -152,10 +157,15 @@ class EngineLoop:
             failed_ids = exc.request_ids if isinstance(exc, StepFailed) else list(self._unfinished)
             message = _describe(exc, "engine step")
             return [out for rid in failed_ids for out in self._abort(rid, FinishReason.ERROR, message)]
+        self._step_report = self._report(time.perf_counter() - started_s)
         for output in outputs:
             if output.is_finished:
                 self._finish_sequence(output.request_id, output.sequence_index)
         return outputs
+
+    def _report(self, duration_s: float) -> StepReport | None:
+        num_seqs = self._core.num_scheduled_seqs()
+        return StepReport(duration_s, num_seqs) if num_seqs else None
 
     def _finish_sequence(self, request_id: str, sequence_index: int) -> None:
         unfinished = self._unfinished.get(request_id)

@@ -2,8 +2,8 @@
 
     server process (event loop)                           engine-core process
     add_request/abort_request ─▶ sender thread ─pipe─▶  take_commands ─▶ EngineLoop
-    deliver(outputs, kv_events) ◀─ loop.add_reader ◀pipe─  emit: one message per step
-                                                  (that step's outputs, load, cache changes)
+    deliver(outputs, kv_events, steps) ◀─ loop.add_reader ◀pipe─  emit: one message per step
+                                        (that step's outputs, load, cache changes, StepReport)
 
 Why a process: on a thread, the step loop and gRPC serving share one GIL, and at 256 streams
 each needs 35-60% of a core (measured on the H200, issue 9): the GPU waited on Python. Here
@@ -14,7 +14,9 @@ cost per token is a tuple in a pickle, not a message. Token-only outputs, the co
 travel as (request_id, sequence_index, token_ids) tuples: ten times cheaper to pickle than
 the dataclass (measured: 256 outputs, 46 µs vs 620 µs). Prefix-cache changes travel as they
 were recorded, ints in tuples and lists (types.CacheEvent): an empty list in a step without
-any. Commands are pickled on a sender thread, so a full pipe (the core busy in a step) never
+any. The step's StepReport (its duration and batch size, two numbers) is what the server's
+metrics need beyond the outputs: every Prometheus object lives in the server process.
+Commands are pickled on a sender thread, so a full pipe (the core busy in a step) never
 blocks the event loop.
 
 The core is built in the child (weights, KV pool, CUDA graphs): the server process never
@@ -41,7 +43,7 @@ from llmserve.inference.engine.config import EngineConfig
 from llmserve.inference.engine.engine_loop import (
     AbortRequest, AddRequest, Deliver, Emit, EngineCommand, EngineLoop, Stop,
 )
-from llmserve.inference.engine.types import CacheEvent, EngineLoad, EngineOutput, EngineRequest, ModelInfo
+from llmserve.inference.engine.types import CacheEvent, EngineLoad, EngineOutput, EngineRequest, ModelInfo, StepReport
 from llmserve.observability import ObservabilityConfig
 from llmserve.sampling import FinishReason
 from llmserve.server import configure_logging
@@ -146,18 +148,21 @@ class EngineProcess:
     def _on_readable(self) -> None:
         outputs: list[EngineOutput] = []
         kv_events: list[CacheEvent] = []
+        steps: list[StepReport] = []
         try:
             while self._output_reader.poll():
-                wire_outputs, self._load_snapshot, step_kv_events = self._output_reader.recv()
+                wire_outputs, self._load_snapshot, step_kv_events, step = self._output_reader.recv()
                 outputs += [_from_wire(output) for output in wire_outputs]
                 kv_events += step_kv_events
+                if step is not None:
+                    steps.append(step)
         except (EOFError, OSError):
             outputs += self._on_process_exit()
         for output in outputs:
             if output.is_finished:
                 self._finish_sequence(output)
-        if outputs or kv_events:
-            self._deliver(outputs, kv_events)
+        if outputs or kv_events or steps:
+            self._deliver(outputs, kv_events, steps)
 
     def _finish_sequence(self, output: EngineOutput) -> None:
         indexes = self._unfinished.get(output.request_id)
@@ -234,9 +239,11 @@ def _command_taker(commands: Connection) -> Callable[[bool], list[EngineCommand]
 
 
 def _emitter(outputs: Connection) -> Emit:
-    def emit(step_outputs: list[EngineOutput], load: EngineLoad, kv_events: list[CacheEvent]) -> bool:
+    def emit(
+        step_outputs: list[EngineOutput], load: EngineLoad, kv_events: list[CacheEvent], step: StepReport | None
+    ) -> bool:
         try:
-            outputs.send(([_to_wire(output) for output in step_outputs], load, kv_events))
+            outputs.send(([_to_wire(output) for output in step_outputs], load, kv_events, step))
         except (BrokenPipeError, OSError):
             return False
         return True

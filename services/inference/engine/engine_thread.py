@@ -13,7 +13,9 @@ import queue
 import threading
 
 from llmserve.inference.engine.engine_loop import AbortRequest, AddRequest, Deliver, EngineCommand, EngineLoop, Stop
-from llmserve.inference.engine.types import CacheEvent, EngineCore, EngineLoad, EngineOutput, EngineRequest, ModelInfo
+from llmserve.inference.engine.types import (
+    CacheEvent, EngineCore, EngineLoad, EngineOutput, EngineRequest, ModelInfo, StepReport,
+)
 
 log = logging.getLogger(__name__)
 
@@ -32,8 +34,8 @@ class EngineThread:
         self._deliver: Deliver | None = None
 
     def start(self, loop: asyncio.AbstractEventLoop, deliver: Deliver) -> None:
-        """Start the thread; it hands every step's outputs and cache changes to `deliver`, run
-        on `loop`."""
+        """Start the thread; it hands every step's outputs, cache changes and StepReport to
+        `deliver`, run on `loop`."""
         self._event_loop, self._deliver = loop, deliver
         self._thread = threading.Thread(
             target=self._loop_body.run, args=(self._take_commands, self._emit), name="engine", daemon=True
@@ -69,13 +71,15 @@ class EngineThread:
             except queue.Empty:
                 return commands
 
-    def _emit(self, outputs: list[EngineOutput], load: EngineLoad, kv_events: list[CacheEvent]) -> bool:
-        """On the thread: store the load, hand the outputs and cache changes to the event loop."""
+    def _emit(
+        self, outputs: list[EngineOutput], load: EngineLoad, kv_events: list[CacheEvent], step: StepReport | None
+    ) -> bool:
+        """On the thread: store the load, hand the rest to the event loop."""
         self._load_snapshot = load
-        if not outputs and not kv_events:
+        if not outputs and not kv_events and step is None:
             return True
         try:
-            self._event_loop.call_soon_threadsafe(self._deliver, outputs, kv_events)
+            self._event_loop.call_soon_threadsafe(self._deliver, outputs, kv_events, [step] if step else [])
         except RuntimeError:  # the event loop is closed: nobody is left to read
             log.warning("event loop closed; engine thread exits")
             return False

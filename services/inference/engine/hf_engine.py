@@ -67,6 +67,7 @@ class HFEngineCore:
         self._num_requests_added = 0  # seeds requests that bring none: config.seed + this
         self._num_aborted_total = 0
         self._num_finished_total = 0
+        self._num_scheduled_seqs = 0  # the latest step's: 1, or 0 when nothing was waiting
 
     # --- EngineCore interface -------------------------------------------------------------
 
@@ -97,7 +98,8 @@ class HFEngineCore:
 
     def step(self) -> list[EngineOutput]:
         """Generate one token of the running sequence (prefilling it first if new)."""
-        if self._running is None and not self._schedule_next():
+        self._num_scheduled_seqs = int(self._running is not None or self._schedule_next())
+        if not self._num_scheduled_seqs:
             return []
         running = self._running
         try:
@@ -121,6 +123,9 @@ class HFEngineCore:
             num_aborted_total=self._num_aborted_total,
             num_finished_total=self._num_finished_total,
         )
+
+    def num_scheduled_seqs(self) -> int:
+        return self._num_scheduled_seqs
 
     def take_kv_events(self) -> list[CacheEvent]:
         return []

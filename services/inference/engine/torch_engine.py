@@ -104,6 +104,7 @@ class TorchEngineCore:
         self._requests = RequestTracker()
         self.step_stats = step_stats
         self._unprocessed_step: _UnprocessedStep | None = None
+        self._num_scheduled_seqs = 0
 
     # --- EngineCore interface ----------------------------------------------------------------
 
@@ -127,6 +128,7 @@ class TorchEngineCore:
         tokens of the step the previous call launched."""
         timer = StepTimer(self.step_stats, self.runner.device) if self.step_stats is not None else UNTIMED
         batch = timer.measure("schedule_s", self.scheduler.schedule)
+        self._num_scheduled_seqs = len(batch.seqs)
         previous, self._unprocessed_step = self._unprocessed_step, None
         outputs: list[EngineOutput] = []
         launched = None
@@ -164,6 +166,10 @@ class TorchEngineCore:
             prefix_cache_hit_tokens_total=stats.prefix_hit_tokens_total,
             num_preemptions_total=self.scheduler.num_preemptions_total,
         )
+
+    def num_scheduled_seqs(self) -> int:
+        """The batch the latest step() launched (with async scheduling, it processed the one before)."""
+        return self._num_scheduled_seqs
 
     def take_kv_events(self) -> list[CacheEvent]:
         return self.block_manager.take_events()

@@ -135,6 +135,16 @@ class EngineLoad:
 CacheEvent = tuple[int | None, list[int]] | int
 
 
+@dataclass(frozen=True, slots=True)
+class StepReport:
+    """One EngineCore.step() that ran a batch, as the engine loop measured it: what the server's
+    metrics need and the outputs do not say. It crosses the engine-process pipe with the step's
+    outputs, so the metrics stay in the server process."""
+
+    duration_s: float  # wall time of the call; with async scheduling about one step period
+    num_seqs: int  # sequences in the batch it ran (EngineCore.num_scheduled_seqs)
+
+
 class StepFailed(RuntimeError):
     """EngineCore.step() failed for `request_ids` only: the engine thread fails those requests
     and the others go on. Any other exception from step() fails every unfinished request."""
@@ -169,6 +179,10 @@ class EngineCore(Protocol):
         ...
 
     def load(self) -> EngineLoad: ...
+
+    def num_scheduled_seqs(self) -> int:
+        """Sequences in the batch the latest step() ran (0: it ran none)."""
+        ...
 
     def take_kv_events(self) -> list[CacheEvent]:
         """The prefix-cache changes since the previous call, in order; [] for a core without a
