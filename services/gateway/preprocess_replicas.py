@@ -98,9 +98,9 @@ class PreprocessReplicas:
         reference_address, reference = self._reference
         if info != reference:
             log.error(
-                "preprocess at %s refused: %s differ from preprocess at %s's; start every preprocess "
-                "replica with the same --model and engine flags", address,
-                ", ".join(_differences(info, reference)), reference_address,
+                "preprocess at %s refused: its model info differs from preprocess at %s's (%s); start every "
+                "preprocess replica with the same --model and engine flags", address, reference_address,
+                ", ".join(_differences(info, reference)),
             )
             self._refused.add(address)
             return
