@@ -86,7 +86,8 @@ class PreprocessReplicas:
         try:
             info = await self._info_of(address)
         except ServiceError as error:
-            log.error("preprocess at %s not added: %s", address, error.message)
+            reason = error.message.removeprefix(f"preprocess at {address} ")  # named once is enough
+            log.error("preprocess at %s not added: %s", address, reason)
             self._refused.add(address)
             return
         finally:
