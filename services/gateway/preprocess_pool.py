@@ -124,6 +124,8 @@ class PreprocessPool:
 
     def _pick(self, tried: set[str]) -> _Replica:
         self._sync()
+        if len(self._replicas) == 1 and not tried:  # the one replica is called, up or not: skip the choosing
+            return next(iter(self._replicas.values()))
         candidates = [r for address, r in self._replicas.items() if address not in tried]
         if not candidates:
             raise Unavailable("no preprocess replica to send the request to")
