@@ -3,6 +3,7 @@ latency, and throughput with 1, 2 and 4 replicas, all in one run.
 
     python bench/bench_preprocess.py                        # Qwen3 tokenizer ($LLMSERVE_SHARED_ASSETS)
     python bench/bench_preprocess.py --tokenizer DIR --seconds 5 --replicas 1,2,4
+    python bench/bench_preprocess.py --via pool         # through the gateway's PreprocessPool
 
 Workload: --num-prompts distinct prompts of about --prompt-tokens tokens (words drawn from this
 repo's docs, seeded), sent as `Preprocess` requests (text prompts, max_tokens 16), pre-serialized.
@@ -12,9 +13,16 @@ repo's docs, seeded), sent as `Preprocess` requests (text prompts, max_tokens 16
   - latency: one request at a time to one replica: the gRPC round trip as the client sees it, and
     the service's own `preprocess_time_ns` (handler start to response built);
   - throughput: N replicas (processes, --workers left at its default, the cores), driven for
-    --seconds by --client-processes processes with --concurrency calls in flight each, spread
-    round-robin over the replicas; CPU of the replicas from /proc over the window. Per core =
-    tokens / replica CPU-seconds, the ratio is to the baseline's tokens per CPU-second.
+    --seconds by --client-processes processes with --concurrency calls in flight each; CPU of
+    the replicas from /proc over the window. Per core = tokens / replica CPU-seconds, the ratio
+    is to the baseline's tokens per CPU-second. Requests/s and tokens/s are also given as a
+    ratio to the 1-replica row. How a client spreads its calls (--via):
+      channel  pre-serialized requests on one raw channel per replica, round-robin (the
+               service's own cost, the least client CPU);
+      pool     the gateway's client: services/gateway/preprocess_pool.PreprocessPool over the
+               replicas (least in flight, health-aware), typed requests and responses built
+               and parsed as the gateway does. What the gateway gets from N preprocess replicas,
+               without an inference hop in the way.
 Prints a table and writes JSON to --results-dir.
 """
 
@@ -42,6 +50,8 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO_ROOT))
 
 from bench.proc_cpu import CLOCK_TICKS_PER_S, snapshot  # noqa: E402
+from llmserve.gateway.preprocess_client import PromptInput  # noqa: E402
+from llmserve.gateway.preprocess_pool import PreprocessPool  # noqa: E402
 from llmserve.service_process import ServiceProcess, stop_services  # noqa: E402
 from llmserve.v1 import preprocess_pb2  # noqa: E402
 
@@ -62,6 +72,8 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--replicas", default="1,2,4", help="replica counts, comma-separated")
     parser.add_argument("--client-processes", type=int, default=2)
     parser.add_argument("--concurrency", type=int, default=16, help="calls in flight per client process")
+    parser.add_argument("--via", choices=("channel", "pool"), default="channel",
+                        help="how clients reach the replicas (see above; default: %(default)s)")
     parser.add_argument("--rounds", type=int, default=3, help="alternating baseline/service rounds per cell")
     parser.add_argument("--latency-requests", type=int, default=200, help="requests per latency round")
     parser.add_argument("--service-env", action="append", default=[], metavar="KEY=VALUE",
@@ -155,50 +167,91 @@ def latency(address: str, tokenizer: tokenizers.Tokenizer, prompt: str, args) ->
     return {key: statistics.median(r[key] for r in rounds) for key in rounds[0]}
 
 
-async def _drive(addresses: list[str], payloads: list[bytes], concurrency: int, commands, results) -> None:
+class _ChannelSender:
+    """Pre-serialized requests, round-robin over one raw channel per replica."""
+
+    def __init__(self, addresses: list[str], payloads: list[bytes]):
+        self._channels = [grpc.aio.insecure_channel(a, options=[("grpc.use_local_subchannel_pool", 1)])
+                          for a in addresses]
+        self._calls = [c.unary_unary(METHOD, request_serializer=None, response_deserializer=None)
+                       for c in self._channels]
+        self._payloads = payloads
+
+    async def warm_up(self) -> None:
+        for call in self._calls:
+            await call(self._payloads[0], timeout=30)
+
+    async def send(self, index: int) -> None:
+        await self._calls[index % len(self._calls)](self._payloads[index % len(self._payloads)], timeout=30)
+
+    async def close(self) -> None:
+        for channel in self._channels:
+            await channel.close()
+
+
+class _PoolSender:
+    """Text prompts through the gateway's PreprocessPool (it picks the replica)."""
+
+    def __init__(self, addresses: list[str], prompts: list[str]):
+        self._pool = PreprocessPool(lambda: addresses)
+        self._inputs = [PromptInput(prompt=prompt) for prompt in prompts]
+        self._num_replicas = len(addresses)
+
+    async def warm_up(self) -> None:
+        # Concurrent, so that least-in-flight reaches every replica's channel.
+        await asyncio.gather(*(self.send(i) for i in range(2 * self._num_replicas)))
+
+    async def send(self, index: int) -> None:
+        await self._pool.preprocess(f"bench-{index}", self._inputs[index % len(self._inputs)], max_tokens=16,
+                                    cache_salt="", timeout_s=30)
+
+    async def close(self) -> None:
+        await self._pool.close()
+
+
+async def _drive(via: str, addresses: list[str], prompts: list[str], concurrency: int, commands, results) -> None:
     """Run a slice per command (start time, seconds), reporting each prompt's completed count."""
-    channels = [grpc.aio.insecure_channel(a, options=[("grpc.use_local_subchannel_pool", 1)]) for a in addresses]
-    calls = [c.unary_unary(METHOD, request_serializer=None, response_deserializer=None) for c in channels]
-    for call in calls:  # connect and warm up before the first slice
-        await call(payloads[0], timeout=30)
+    sender = _PoolSender(addresses, prompts) if via == "pool" else _ChannelSender(addresses, requests_bytes(prompts))
+    await sender.warm_up()  # connect before the first slice
+    results.put("ready")
     while (command := await asyncio.to_thread(commands.get)) is not None:
         start_at, seconds = command
-        counts = [0] * len(payloads)
+        counts = [0] * len(prompts)
         await asyncio.sleep(max(0.0, start_at - time.time()))
         deadline = start_at + seconds
 
-        async def sender(index: int) -> None:
+        async def loop(index: int) -> None:
             while time.time() < deadline:
-                prompt = index % len(payloads)
-                await calls[index % len(calls)](payloads[prompt], timeout=30)
-                counts[prompt] += 1
+                await sender.send(index)
+                counts[index % len(prompts)] += 1
                 index += concurrency
 
-        await asyncio.gather(*(sender(i) for i in range(concurrency)))
+        await asyncio.gather(*(loop(i) for i in range(concurrency)))
         results.put((counts, time.time()))
-    for channel in channels:
-        await channel.close()
+    await sender.close()
 
 
-def client_process(addresses, payloads, concurrency, commands, results) -> None:
-    asyncio.run(_drive(addresses, payloads, concurrency, commands, results))
+def client_process(via, addresses, prompts, concurrency, commands, results) -> None:
+    asyncio.run(_drive(via, addresses, prompts, concurrency, commands, results))
 
 
 class Clients:
-    """--client-processes load generators spread round-robin over the replicas, driven in slices."""
+    """--client-processes load generators spread over the replicas (--via), driven in slices."""
 
-    def __init__(self, services: list[ServiceProcess], payloads: list[bytes], args):
+    def __init__(self, services: list[ServiceProcess], prompts: list[str], args):
         context = mp.get_context("spawn")  # grpc must not be forked
         self._results = context.Queue()
         self._commands = [context.Queue() for _ in range(args.client_processes)]
         addresses = [s.address for s in services]
         self._processes = [
             context.Process(target=client_process, daemon=True, args=(
-                addresses[i:] + addresses[:i], payloads, args.concurrency, self._commands[i], self._results))
+                args.via, addresses[i:] + addresses[:i], prompts, args.concurrency, self._commands[i], self._results))
             for i in range(args.client_processes)
         ]
         for process in self._processes:
             process.start()
+        for _ in self._processes:  # spawned, importing and connecting can outlast a slice's 1 s lead
+            assert self._results.get(timeout=STARTUP_TIMEOUT_S) == "ready"
         self.role_pids = {"preprocess": [s.process.pid for s in services], "clients": [p.pid for p in self._processes]}
 
     def run_slice(self, seconds: float, tokens_per_prompt: list[int]) -> dict:
@@ -211,10 +264,11 @@ class Clients:
         after = snapshot(self.role_pids)
         window_s = max(end for _, end in outcomes) - start_at
         num_tokens = sum(n * tokens_per_prompt[i] for counts, _ in outcomes for i, n in enumerate(counts))
+        num_requests = sum(sum(counts) for counts, _ in outcomes)
         cpu_s = {role: sum(after.process_ticks[pid][1] - before.process_ticks[pid][1] for pid in pids) / CLOCK_TICKS_PER_S
                  for role, pids in self.role_pids.items()}
         return {
-            "requests": sum(sum(counts) for counts, _ in outcomes), "window_s": window_s,
+            "requests": num_requests, "window_s": window_s, "requests_per_s": num_requests / window_s,
             "tokens_per_s": num_tokens / window_s, "preprocess_cpu_pct": 100 * cpu_s["preprocess"] / window_s,
             "client_cpu_pct": 100 * cpu_s["clients"] / window_s,
             "tokens_per_preprocess_cpu_s": num_tokens / cpu_s["preprocess"],
@@ -227,10 +281,10 @@ class Clients:
             process.join(timeout=30)
 
 
-def throughput(services, payloads, tokens_per_prompt, tokenizer, prompts, args) -> dict:
+def throughput(services, tokens_per_prompt, tokenizer, prompts, args) -> dict:
     """Alternating slices of the baseline and of the service; the ratio is the median of the
     per-round ratios, so that a change in the machine's load hits both sides of each."""
-    clients = Clients(services, payloads, args)
+    clients = Clients(services, prompts, args)
     try:
         rounds = []
         for _ in range(args.rounds):
@@ -245,6 +299,7 @@ def throughput(services, payloads, tokens_per_prompt, tokenizer, prompts, args) 
         "replicas": len(services),
         "requests": sum(r["service"]["requests"] for r in rounds),
         "per_core_ratio": median(r["service"]["per_core_ratio"] for r in rounds),
+        "requests_per_s": median(r["service"]["requests_per_s"] for r in rounds),
         "tokens_per_s": median(r["service"]["tokens_per_s"] for r in rounds),
         "preprocess_cpu_pct": median(r["service"]["preprocess_cpu_pct"] for r in rounds),
         "client_cpu_pct": median(r["service"]["client_cpu_pct"] for r in rounds),
@@ -282,18 +337,27 @@ def start_replicas(model: Path, count: int, log_dir: Path, stack: contextlib.Exi
     return services
 
 
+def add_ratios(rows: list[dict]) -> None:
+    """Each row's requests/s and tokens/s over the 1-replica row's (the first row's without one)."""
+    base = next((row for row in rows if row["replicas"] == 1), rows[0])
+    for row in rows:
+        for key in ("requests_per_s", "tokens_per_s"):
+            row[f"{key}_ratio"] = row[key] / base[key]
+
+
 def report(result: dict) -> str:
     lat = result["latency"]
     lines = [
         f"{result['num_prompts']} prompts x {result['prompt_tokens']} tokens (mean), {result['cores']} cores, "
-        f"{result['rounds']} alternating rounds of {result['seconds']} s per cell (medians)",
+        f"{result['rounds']} alternating rounds of {result['seconds']} s per cell (medians), clients --via {result['via']}",
         "",
-        "| replicas | preprocess tokens/s | preprocess CPU % | tokens per preprocess CPU-s | raw encode_batch tokens per CPU-s (same rounds) | per-core ratio | clients CPU % |",
-        "| --- | --- | --- | --- | --- | --- | --- |",
+        "| replicas | requests/s | preprocess tokens/s | vs 1 replica (requests/s, tokens/s) | preprocess CPU % | tokens per preprocess CPU-s | raw encode_batch tokens per CPU-s (same rounds) | per-core ratio | clients CPU % |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     for row in result["throughput"]:
         lines.append(
-            f"| {row['replicas']} | {row['tokens_per_s']:,.0f} | {row['preprocess_cpu_pct']:.0f} | "
+            f"| {row['replicas']} | {row['requests_per_s']:,.0f} | {row['tokens_per_s']:,.0f} | "
+            f"**{row['requests_per_s_ratio']:.2f}x**, {row['tokens_per_s_ratio']:.2f}x | {row['preprocess_cpu_pct']:.0f} | "
             f"{row['tokens_per_preprocess_cpu_s']:,.0f} | {row['baseline_tokens_per_cpu_s']:,.0f} "
             f"({row['baseline_tokens_per_s']:,.0f}/s at {row['baseline_cpu_pct']:.0f}% CPU) | "
             f"**{row['per_core_ratio']:.2f}** | {row['client_cpu_pct']:.0f} |"
@@ -319,11 +383,10 @@ def main() -> int:
     tokenizer = tokenizers.Tokenizer.from_file(str(args.tokenizer / "tokenizer.json"))
     prompts = make_prompts(tokenizer, args.num_prompts, args.prompt_tokens)
     tokens_per_prompt = [len(e.ids) for e in tokenizer.encode_batch(prompts)]
-    payloads = requests_bytes(prompts)
     result = {
         "num_prompts": len(prompts), "prompt_tokens": round(statistics.mean(tokens_per_prompt)),
         "cores": os.cpu_count(), "tokenizer": str(args.tokenizer), "rounds": args.rounds, "seconds": args.seconds,
-        "service_env": args.service_env, "service_args": args.service_arg, "throughput": [],
+        "service_env": args.service_env, "service_args": args.service_arg, "via": args.via, "throughput": [],
     }
     with tempfile.TemporaryDirectory() as tmp:
         model = model_dir(args.tokenizer, Path(tmp))
@@ -334,9 +397,10 @@ def main() -> int:
                 if "latency" not in result:
                     result["latency"] = latency(services[0].address, tokenizer, prompts[0], args)
                     print(f"latency: {result['latency']}", flush=True)
-                row = throughput(services, payloads, tokens_per_prompt, tokenizer, prompts, args)
+                row = throughput(services, tokens_per_prompt, tokenizer, prompts, args)
                 result["throughput"].append(row)
                 print(f"throughput: { {k: v for k, v in row.items() if k != 'rounds'} }", flush=True)
+    add_ratios(result["throughput"])
     table = report(result)
     print(table)
     args.results_dir.mkdir(parents=True, exist_ok=True)

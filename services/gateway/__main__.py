@@ -1,7 +1,8 @@
 """`python -m llmserve.gateway`: the public API in front of preprocess and inference.
 
-Start-up: wait (bounded) for both hops to report SERVING → check that their block layouts agree
-(exit 1 naming both values if not) → read the model card → bind → SERVING → write the port file.
+Start-up: wait (bounded) for a preprocess replica and the inference replicas to report SERVING →
+check that their block layouts agree (exit 1 naming both values if not) → read the model card →
+bind → SERVING → write the port file.
 SIGTERM/SIGINT: NOT_SERVING → drain in-flight requests → exit 0. With `--workers N` (N > 1) this
 process runs N such gateways as children on its port (gateway.worker_group).
 """
@@ -35,7 +36,14 @@ def build_parser() -> argparse.ArgumentParser:
         help="gateway processes sharing the port (SO_REUSEPORT: the kernel spreads connections over them); "
         "each uses up to a core, about one per 8k output tokens/s (default: %(default)s)",
     )
-    parser.add_argument("--preprocess", required=True, metavar="HOST:PORT", help="preprocess service address")
+    parser.add_argument(
+        "--preprocess",
+        required=True,
+        action="append",
+        metavar="HOST:PORT|dns:///NAME:PORT",
+        help="preprocess replicas (repeatable, as --inference): each request goes to the one with the fewest "
+        "calls in flight that reports SERVING, and one refused UNAVAILABLE is sent once more to another",
+    )
     parser.add_argument(
         "--inference",
         required=True,
@@ -78,7 +86,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def config_from_args(args: argparse.Namespace) -> GatewayConfig:
     return GatewayConfig(
-        preprocess_address=args.preprocess,
+        preprocess_targets=tuple(Target.parse(text) for text in args.preprocess),
         inference_targets=tuple(Target.parse(text) for text in args.inference),
         model_path=Path(args.model).expanduser().resolve(),
         model_name=args.model_name,

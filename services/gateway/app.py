@@ -1,10 +1,11 @@
 """Assembling a running gateway from its config: clients, tokenizer, router, servicer, server.
 
 `start_gateway` is what __main__ runs and what in-process tests call. Start-up order: wait
-(bounded) for preprocess, open the prefix index (in memory, or Redis), bring up the inference
-replicas discovery finds (replica_set: each must serve, with preprocess's block layout, or
-BlockLayoutMismatch refuses to start), keep the first replica's model card, bind with a
-receive-message limit sized from preprocess's prompt byte cap, then report SERVING ourselves.
+(bounded) for a preprocess replica (preprocess_replicas: the others join as they serve), open
+the prefix index (in memory, or Redis), bring up the inference replicas discovery finds
+(replica_set: each must serve, with preprocess's block layout, or BlockLayoutMismatch refuses
+to start), keep the first replica's model card, bind with a receive-message limit sized from
+preprocess's prompt byte cap, then report SERVING ourselves.
 Writing the port file is left to the caller (__main__), since it is the last step of start-up.
 """
 
@@ -18,7 +19,7 @@ from llmserve.gateway.config import GatewayConfig
 from llmserve.gateway.detokenizer import Detokenizer
 from llmserve.gateway.generation import GenerationPipeline
 from llmserve.gateway.inference_client import ModelCard
-from llmserve.gateway.preprocess_client import PreprocessClient
+from llmserve.gateway.preprocess_replicas import PreprocessReplicas
 from llmserve.gateway.replica_set import ReplicaSet
 from llmserve.gateway.router import Router
 from llmserve.gateway.routing_index import RoutingIndex
@@ -33,7 +34,7 @@ log = logging.getLogger(__name__)
 @dataclass
 class RunningGateway:
     server: RunningServer
-    preprocess: PreprocessClient
+    preprocess: PreprocessReplicas
     replicas: ReplicaSet
     index: RoutingIndex
     model: ModelCard
@@ -54,14 +55,13 @@ async def start_gateway(config: GatewayConfig, worker_id: int = 0) -> RunningGat
     `worker_id` names this process among the gateway's workers (gateway.worker_group); each worker
     binds `config.port` itself (grpc sets SO_REUSEPORT, so they share it).
     """
-    preprocess = PreprocessClient(config.preprocess_address)
+    preprocess = PreprocessReplicas(config)
     index: RoutingIndex | None = None
     replicas: ReplicaSet | None = None
     try:
         # Loading the tokenizer overlaps with waiting for the hops.
         detokenizer_task = asyncio.create_task(asyncio.to_thread(Detokenizer.from_model_dir, config.model_path))
-        await preprocess.wait_until_serving(config.downstream_ready_timeout_s)
-        preprocess_info = await preprocess.get_info()
+        preprocess_info = await preprocess.start()
         index = RoutingIndex.open(config)
         replicas = ReplicaSet(config, preprocess_info.block_layout, index.events)
         model = await replicas.start()
@@ -74,7 +74,7 @@ async def start_gateway(config: GatewayConfig, worker_id: int = 0) -> RunningGat
     model_name = config.model_name or model.model_name
     router = Router(config.routing, replicas.live, index.lookups)
     servicer = GatewayServicer(
-        GenerationPipeline(preprocess, router, detokenizer), model, model_name,
+        GenerationPipeline(preprocess.pool, router, detokenizer), model, model_name,
         worker_id=worker_id, max_unsent_tokens=config.max_unsent_tokens,
     )
     server = await create_server(
@@ -87,7 +87,8 @@ async def start_gateway(config: GatewayConfig, worker_id: int = 0) -> RunningGat
     await server.set_serving(True)
     log.info(
         "gateway serving %s (%s, backend %s) on %s:%d; preprocess %s, inference %s (%d live, routing %s, index %s)",
-        model_name, model.architecture, model.backend, config.host, server.port, config.preprocess_address,
+        model_name, model.architecture, model.backend, config.host, server.port,
+        ", ".join(map(str, config.preprocess_targets)),
         ", ".join(map(str, config.inference_targets)), len(replicas.live()), config.routing.policy.value,
         "in Redis" if config.redis else "in memory",
     )

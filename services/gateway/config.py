@@ -19,7 +19,7 @@ DEFAULT_DOWNSTREAM_READY_TIMEOUT_S = 600.0
 
 @dataclass(frozen=True, slots=True)
 class GatewayConfig:
-    preprocess_address: str  # "host:port" of the preprocess service
+    preprocess_targets: tuple[Target, ...]  # preprocess replicas: host:port or dns:///name:port (discovery)
     inference_targets: tuple[Target, ...]  # inference replicas: host:port or dns:///name:port (discovery)
     model_path: Path  # checkpoint dir whose tokenizer.json detokenizes the output
     model_name: str | None = None  # None: the name the inference replica reports
@@ -39,7 +39,7 @@ class GatewayConfig:
     # All requests to a replica on one Multiplex stream; False: a GenerateTokens call each.
     multiplex: bool = True
     routing: RoutingConfig = RoutingConfig()
-    # Seconds between DNS resolutions of dns:/// targets.
+    # Seconds between DNS resolutions of dns:/// targets (preprocess and inference).
     resolve_interval_s: float = DEFAULT_RESOLVE_INTERVAL_S
     # Asked of each replica's WatchKvEvents; 0: the replica's default.
     heartbeat_interval_ms: int = 0
@@ -50,6 +50,8 @@ class GatewayConfig:
     sweep_interval_s: float = 1.0
 
     def __post_init__(self) -> None:
+        if not self.preprocess_targets:
+            raise ValueError("at least one preprocess address is required")
         if not self.inference_targets:
             raise ValueError("at least one inference address is required")
         if self.grace_period_s < 0:

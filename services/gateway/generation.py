@@ -26,7 +26,8 @@ from llmserve.errors import ServiceError
 from llmserve.gateway.detokenizer import Detokenizer, DetokenizerStream
 from llmserve.gateway.hop_errors import DownstreamError
 from llmserve.gateway.metrics import record_finished, record_first_tokens, record_next_tokens
-from llmserve.gateway.preprocess_client import PreparedPrompt, PreprocessClient, PromptInput
+from llmserve.gateway.preprocess_client import PreparedPrompt, PromptInput
+from llmserve.gateway.preprocess_pool import PreprocessPool
 from llmserve.gateway.router import RouteDecision, Router
 from llmserve.gateway.stop_strings import StopStringMatcher
 from llmserve.gateway.token_chunks import TokenChunk
@@ -100,7 +101,7 @@ class _RequestState:
 class GenerationPipeline:
     """Runs requests through preprocess and inference; shared by all requests."""
 
-    def __init__(self, preprocess: PreprocessClient, router: Router, detokenizer: Detokenizer):
+    def __init__(self, preprocess: PreprocessPool, router: Router, detokenizer: Detokenizer):
         self._preprocess = preprocess
         self._router = router
         self._detokenizer = detokenizer

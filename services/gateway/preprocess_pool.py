@@ -1,8 +1,10 @@
 """The gateway's client for several preprocess replicas: least in flight, health-aware.
 
-Preprocess is stateless, so any replica can take any request and a request refused as
-UNAVAILABLE (the replica is down, draining, or its connection broke) is simply sent to another
-one. Each call goes to the replica with the fewest calls in flight, ties taken in turn. A
+Preprocess is stateless, so any replica can take any request, and a request refused as
+UNAVAILABLE (the replica is down, draining, or its connection broke: a replica killed mid-call)
+is sent once more, to another replica, within the time left on its deadline. One retry, not one
+per replica: when the whole tier is failing, a retry per replica would multiply the load on it
+by its size. Each call goes to the replica with the fewest calls in flight, ties taken in turn. A
 replica whose call fails UNAVAILABLE, or whose health check does not answer SERVING, is skipped
 for `retry_after_s`; after that it gets calls again (and a health check that answers SERVING
 brings it back at once). When every replica is skipped, the one skipped longest is tried anyway,
@@ -10,7 +12,9 @@ so that a pool whose replicas all came back is not refused for a stale view.
 
 Addresses come from a callable, read before each pick, so discovery (a DNS name resolved to
 pod IPs, a watch on endpoints) plugs in without the pool knowing how: a replica that appears
-gets a client, one that disappears is closed once its calls finish.
+gets a client, one that disappears is closed once its calls finish. The pool runs on the event
+loop of its gateway process and takes no lock: one address costs a tuple comparison per call
+over a bare PreprocessClient.
 """
 
 from __future__ import annotations
@@ -22,10 +26,11 @@ from dataclasses import dataclass
 from typing import Callable, Sequence
 
 from llmserve.errors import Unavailable
-from llmserve.gateway.preprocess_client import PreparedPrompt, PreprocessClient, PreprocessInfo, PromptInput
+from llmserve.gateway.preprocess_client import PreparedPrompt, PreprocessClient, PromptInput
 
 DEFAULT_RETRY_AFTER_S = 1.0
 HEALTH_CHECK_TIMEOUT_S = 1.0  # a replica not SERVING within this is skipped
+MAX_ATTEMPTS = 2  # a call refused UNAVAILABLE is retried once, on another replica
 
 
 @dataclass(slots=True)
@@ -50,12 +55,13 @@ class _Replica:
 
 
 class PreprocessPool:
-    """`preprocess` and `get_info` like PreprocessClient, over the replicas `addresses()` names."""
+    """`preprocess` like PreprocessClient's, over the replicas `addresses()` names."""
 
     def __init__(self, addresses: Callable[[], Sequence[str]], *, retry_after_s: float = DEFAULT_RETRY_AFTER_S):
         self._addresses = addresses
         self._retry_after_s = retry_after_s
         self._replicas: dict[str, _Replica] = {}
+        self._synced: tuple[str, ...] = ()  # what addresses() said at the last sync
         self._retired: list[_Replica] = []  # gone from discovery, closed once idle
         self._turn = itertools.count()
 
@@ -63,8 +69,9 @@ class PreprocessPool:
         self, request_id: str, prompt_input: PromptInput, *, max_tokens: int | None, cache_salt: str,
         timeout_s: float | None,
     ) -> PreparedPrompt:
-        """As PreprocessClient.preprocess, on the least busy replica that is up; an UNAVAILABLE
-        replica is skipped and the request sent to the next, until every one was tried."""
+        """As PreprocessClient.preprocess, on the least busy replica that is up; a call refused
+        UNAVAILABLE skips its replica and is sent once more to another, in the time left."""
+        deadline_s = None if timeout_s is None else time.monotonic() + timeout_s
         tried: set[str] = set()
         while True:
             replica = self._pick(tried)
@@ -73,28 +80,17 @@ class PreprocessPool:
             replica.num_calls += 1
             try:
                 return await replica.client.preprocess(
-                    request_id, prompt_input, max_tokens=max_tokens, cache_salt=cache_salt, timeout_s=timeout_s
+                    request_id, prompt_input, max_tokens=max_tokens, cache_salt=cache_salt,
+                    timeout_s=None if deadline_s is None else deadline_s - time.monotonic(),
                 )
             except Unavailable:
                 self._skip(replica)
-                if len(tried) == len(self._replicas):
+                if not self._can_retry(tried, deadline_s):
                     raise
             finally:
                 replica.num_in_flight -= 1
-                await self._close_retired()
-
-    async def get_info(self, timeout_s: float | None = 10.0) -> PreprocessInfo:
-        """GetPreprocessInfo of a replica that answers (they serve one model: any will do)."""
-        tried: set[str] = set()
-        while True:
-            replica = self._pick(tried)
-            tried.add(replica.client.address)
-            try:
-                return await replica.client.get_info(timeout_s)
-            except Unavailable:
-                self._skip(replica)
-                if len(tried) == len(self._replicas):
-                    raise
+                if self._retired:
+                    await self._close_retired()
 
     async def check_health(self) -> None:
         """Ask every replica's grpc.health.v1 once: SERVING → up now, anything else → skipped."""
@@ -128,6 +124,8 @@ class PreprocessPool:
 
     def _pick(self, tried: set[str]) -> _Replica:
         self._sync()
+        if len(self._replicas) == 1 and not tried:  # the one replica is called, up or not: skip the choosing
+            return next(iter(self._replicas.values()))
         candidates = [r for address, r in self._replicas.items() if address not in tried]
         if not candidates:
             raise Unavailable("no preprocess replica to send the request to")
@@ -139,12 +137,19 @@ class PreprocessPool:
         rotated = up[turn % len(up) :] + up[: turn % len(up)]
         return min(rotated, key=lambda r: r.num_in_flight)
 
+    def _can_retry(self, tried: set[str], deadline_s: float | None) -> bool:
+        has_time = deadline_s is None or deadline_s > time.monotonic()
+        return has_time and len(tried) < min(MAX_ATTEMPTS, len(self._replicas))
+
     def _skip(self, replica: _Replica) -> None:
         replica.skipped_until_s = time.monotonic() + self._retry_after_s
 
     def _sync(self) -> None:
         """Follow `addresses()`: clients for new replicas, retire the ones no longer named."""
-        addresses = list(dict.fromkeys(self._addresses()))
+        addresses = tuple(self._addresses())
+        if addresses == self._synced:
+            return
+        self._synced = addresses
         for address in addresses:
             if address not in self._replicas:
                 self._replicas[address] = _Replica(address)
