@@ -211,8 +211,11 @@ def test_gateway_finds_replicas_through_the_headless_service(rendered, mode):
     assert service["spec"]["clusterIP"] == "None"
     assert int(port) in {p["port"] for p in service["spec"]["ports"]}
     assert any(c["name"] == "inference" for pod in _pods_behind(docs, service["spec"]["selector"]) for c in pod.containers)
-    preprocess_host, preprocess_port = flag_value(args, "--preprocess").rsplit(":", 1)
+    preprocess_target = flag_value(args, "--preprocess")
+    assert preprocess_target.startswith("dns:///"), "the gateway balances over every preprocess pod"
+    preprocess_host, preprocess_port = preprocess_target.removeprefix("dns:///").rsplit(":", 1)
     preprocess = named(docs, "Service", preprocess_host.split(".")[0])
+    assert preprocess["spec"]["clusterIP"] == "None"
     assert int(preprocess_port) in {p["port"] for p in preprocess["spec"]["ports"]}
 
 

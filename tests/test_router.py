@@ -3,6 +3,8 @@ the routing metrics they move, read from this process's registry."""
 
 from __future__ import annotations
 
+import time
+
 import pytest
 from prometheus_client import REGISTRY
 
@@ -178,3 +180,12 @@ async def test_dns_targets_resolve_to_every_address_and_a_failing_name_drops_non
     assert "127.0.0.1:9" in first
     assert await watcher.resolve() == first
     assert AddressWatcher([Target.parse("127.0.0.1:9")]).is_static
+
+
+async def test_start_up_waits_for_a_name_that_lists_nothing_yet():
+    # A headless Service lists no pod before one is ready: resolve again until the timeout.
+    assert "127.0.0.1:9" in await AddressWatcher([Target.parse("dns:///localhost:9")], 0.05).resolve_some(5)
+    watcher = AddressWatcher([Target.parse("dns:///no-such-host.invalid:9")], interval_s=0.05)
+    started = time.monotonic()
+    assert await watcher.resolve_some(0.3) == frozenset()
+    assert time.monotonic() - started >= 0.3

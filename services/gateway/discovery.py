@@ -15,6 +15,7 @@ import asyncio
 import ipaddress
 import logging
 import socket
+import time
 from dataclasses import dataclass
 from typing import AsyncIterator, Sequence
 
@@ -82,6 +83,19 @@ class AddressWatcher:
                 log.warning("cannot resolve %s (%s); keeping its last %d addresses",
                             target, error, len(self._last.get(target, ())))
         return frozenset().union(*self._last.values())
+
+    async def resolve_some(self, timeout_s: float) -> frozenset[str]:
+        """Addresses as soon as the targets name any, resolving every interval for up to
+        `timeout_s` (empty after that): a headless Service lists no pod until one is ready, and
+        a gateway started beside its replicas must wait for them, not exit."""
+        deadline = time.monotonic() + timeout_s
+        while not (addresses := await self.resolve()):
+            left_s = deadline - time.monotonic()
+            if left_s <= 0:
+                break
+            log.info("no address for %s yet; resolving again", ", ".join(map(str, self._targets)))
+            await asyncio.sleep(min(self._interval_s, left_s))
+        return addresses
 
     async def changes(self, current: frozenset[str]) -> AsyncIterator[frozenset[str]]:
         """Each new set of addresses after `current`, checked every interval; forever."""

@@ -50,7 +50,7 @@ class PreprocessReplicas:
 
     async def start(self) -> PreprocessInfo:
         """Resolve, wait for a first replica to be admitted; its info."""
-        self._listed = await self._watcher.resolve()
+        self._listed = await self._watcher.resolve_some(self._config.downstream_ready_timeout_s)
         targets = ", ".join(map(str, self._config.preprocess_targets))
         if not self._listed:
             raise Unavailable(f"preprocess: no address found for {targets}")

@@ -51,7 +51,7 @@ class ReplicaSet:
 
     async def start(self) -> ModelCard:
         """Bring up the replicas found now; the first one's model card."""
-        addresses = await self._addresses.resolve()
+        addresses = await self._addresses.resolve_some(self._config.downstream_ready_timeout_s)
         if not addresses:
             raise Unavailable(f"inference: no address found for {', '.join(map(str, self._config.inference_targets))}")
         ordered = sorted(addresses)

@@ -8,8 +8,10 @@
   command: [python, -m, llmserve.gateway]
   args:
     {{- include "llmserve.serverArgs" (dict "root" . "port" $v.port "metricsPort" .Values.metrics.port "drain" $v.drain) | nindent 4 }}
+    # Every ready preprocess pod behind its headless Service: the gateway balances over them
+    # (one ClusterIP would pin each gateway's one connection to one pod).
     - --preprocess
-    - {{ printf "%s:%v" (include "llmserve.serviceHost" (dict "root" . "component" "preprocess")) .Values.preprocess.port }}
+    - {{ printf "dns:///%s:%v" (include "llmserve.serviceHost" (dict "root" . "component" "preprocess")) .Values.preprocess.port }}
     # Every ready replica behind the headless Service, re-resolved as pods come and go.
     - --inference
     - {{ printf "dns:///%s:%v" (include "llmserve.serviceHost" (dict "root" . "component" "inference")) .Values.inference.port }}
