@@ -152,7 +152,10 @@ class KvEventLog:
                     async with asyncio.timeout(heartbeat_interval_s):
                         await subscription.wake.wait()
                 except TimeoutError:
-                    yield self._batch((), ttl_ms)
+                    # A batch recorded as the timeout fired goes first: the heartbeat carries
+                    # the last number recorded, which this subscriber must already have.
+                    if not subscription.queued:
+                        yield self._batch((), ttl_ms)
         finally:
             self._subscriptions.discard(subscription)
 
