@@ -36,8 +36,10 @@ class Scrape:
         return self.value(name, **labels) - before.value(name, **labels)
 
 
-def scrape(port: int) -> Scrape:
-    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=SCRAPE_TIMEOUT_S) as response:
+def scrape(where: int | str) -> Scrape:
+    """`where`: a metrics port on 127.0.0.1, or the endpoint's URL."""
+    url = where if isinstance(where, str) else f"http://127.0.0.1:{where}/metrics"
+    with urllib.request.urlopen(url, timeout=SCRAPE_TIMEOUT_S) as response:
         text = response.read().decode("utf-8")
     samples, types = {}, {}
     for family in text_string_to_metric_families(text):

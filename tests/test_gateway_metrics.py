@@ -9,16 +9,14 @@ from __future__ import annotations
 
 import re
 import time
-import urllib.request
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
 
 import grpc
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
 
 from llmserve.service_process import ServiceProcess
 from llmserve.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc
+from tests.metrics_scrape import Scrape, scrape
 from tests.procs import launch_service, running_service, stop_service
 
 POLL_TIMEOUT_S = 30.0
@@ -33,16 +31,6 @@ MAX_CHANNELS = 64  # channels opened until requests ran on every worker (all on 
 OWN_CONNECTION = (("grpc.use_local_subchannel_pool", 1),)
 
 
-@dataclass(frozen=True)
-class Samples:
-    """One scrape: sample name and labels → value."""
-
-    values: dict[tuple[str, frozenset], float]
-
-    def get(self, name: str, **labels: str) -> float:
-        return self.values.get((name, frozenset(labels.items())), 0.0)
-
-
 def metrics_url(service: ServiceProcess) -> str:
     """The /metrics address a service started with --metrics-port 0 logged."""
     deadline = time.monotonic() + POLL_TIMEOUT_S
@@ -52,17 +40,7 @@ def metrics_url(service: ServiceProcess) -> str:
     return found.group(1)
 
 
-def scrape(url: str) -> Samples:
-    with urllib.request.urlopen(url, timeout=10) as response:
-        text = response.read().decode()
-    return Samples({
-        (sample.name, frozenset(sample.labels.items())): sample.value
-        for family in text_string_to_metric_families(text)
-        for sample in family.samples
-    })
-
-
-def scrape_when(url: str, condition) -> Samples:
+def scrape_when(url: str, condition) -> Scrape:
     """Scrape until `condition(samples)`: a stream's outcome is counted as its handler ends, just
     after the client has its last message."""
     deadline = time.monotonic() + POLL_TIMEOUT_S
@@ -72,8 +50,8 @@ def scrape_when(url: str, condition) -> Samples:
     return samples
 
 
-def moved(before: Samples, after: Samples, name: str, **labels: str) -> float:
-    return after.get(name, **labels) - before.get(name, **labels)
+def moved(before: Scrape, after: Scrape, name: str, **labels: str) -> float:
+    return after.delta(before, name, **labels)
 
 
 def gateway_name(suffix: str) -> str:
@@ -141,9 +119,9 @@ def generate_stream(stub, params: gateway_pb2.GenerateParams) -> gateway_pb2.Gen
     return list(stub.GenerateStream(gateway_pb2.GenerateStreamRequest(params=params), timeout=60.0))[-1].result
 
 
-def requests_ended(samples: Samples) -> float:
+def requests_ended(samples: Scrape) -> float:
     return sum(
-        samples.get(gateway_name("requests_total"), finish_reason=reason)
+        samples.value(gateway_name("requests_total"), finish_reason=reason)
         for reason in ("stop", "length", "abort", "error")
     )
 
@@ -169,7 +147,7 @@ def test_finished_and_refused_requests_move_every_counter_by_their_usage_and_tim
         assert moved(before, after, gateway_name("requests_total"), finish_reason=reason) == count, reason
     assert moved(before, after, gateway_name("request_errors_total"), code="INVALID_ARGUMENT") == 1
     assert moved(before, after, gateway_name("client_disconnects_total")) == 0
-    assert after.get(gateway_name("streams_in_flight")) == 0
+    assert after.value(gateway_name("streams_in_flight")) == 0
     for name, field in (("prompt", "prompt_tokens"), ("completion", "completion_tokens"),
                         ("cached_prompt", "cached_tokens")):
         assert moved(before, after, gateway_name(f"{name}_tokens_total")) == sum(
@@ -194,7 +172,7 @@ def test_finished_and_refused_requests_move_every_counter_by_their_usage_and_tim
     assert moved(before, after, routing_name("actual_cached_tokens_total"), replica="r0") == sum(
         r.usage.cached_tokens for r in finished
     )
-    assert after.get(routing_name("replicas_live")) == 1
+    assert after.value(routing_name("replicas_live")) == 1
 
 
 def test_a_client_cancel_is_a_disconnect_and_an_abort(gateway):
@@ -204,13 +182,13 @@ def test_a_client_cancel_is_a_disconnect_and_an_abort(gateway):
         gateway_pb2.GenerateStreamRequest(params=text_params("Hello", max_tokens=LONG_MAX_TOKENS, ignore_eos=True))
     )
     assert next(stream).text is not None
-    assert scrape(url).get(gateway_name("streams_in_flight")) == 1
+    assert scrape(url).value(gateway_name("streams_in_flight")) == 1
     assert stream.cancel()
     after = scrape_when(url, lambda samples: requests_ended(samples) == requests_ended(before) + 1)
     assert moved(before, after, gateway_name("requests_total"), finish_reason="abort") == 1
     assert moved(before, after, gateway_name("client_disconnects_total")) == 1
     assert moved(before, after, gateway_name("request_errors_total"), code="CANCELLED") == 0
-    assert after.get(gateway_name("streams_in_flight")) == 0
+    assert after.value(gateway_name("streams_in_flight")) == 0
     # It had a first token, and no result: no usage, no e2e latency.
     assert moved(before, after, gateway_name("time_to_first_token_seconds_count")) == 1
     assert moved(before, after, gateway_name("e2e_request_latency_seconds_count")) == 0
@@ -229,7 +207,7 @@ def test_a_passed_deadline_is_an_error_not_a_disconnect(gateway):
     assert moved(before, after, gateway_name("requests_total"), finish_reason="error") == 1
     assert moved(before, after, gateway_name("request_errors_total"), code="DEADLINE_EXCEEDED") == 1
     assert moved(before, after, gateway_name("client_disconnects_total")) == 0
-    assert after.get(gateway_name("streams_in_flight")) == 0
+    assert after.value(gateway_name("streams_in_flight")) == 0
 
 
 def generate_on_own_channel(address: str, params: gateway_pb2.GenerateParams) -> tuple[str, gateway_pb2.GenerationResult]:
@@ -257,8 +235,8 @@ def test_two_workers_serve_their_sum_at_the_parent(stack):
         assert moved(before, after, gateway_name("e2e_request_latency_seconds_count")) == len(served)
         assert moved(before, after, routing_name("decisions_total"), replica="r0", reason="load") == len(served)
         # Gauges: in flight adds up over the workers (none now); each worker sees the one replica.
-        assert after.get(gateway_name("streams_in_flight")) == 0
-        assert after.get(routing_name("replicas_live")) == 1
+        assert after.value(gateway_name("streams_in_flight")) == 0
+        assert after.value(routing_name("replicas_live")) == 1
 
 
 def test_kv_routing_counts_its_decisions_and_the_cached_tokens_per_replica(stack):
@@ -267,7 +245,7 @@ def test_kv_routing_counts_its_decisions_and_the_cached_tokens_per_replica(stack
         url = metrics_url(service)
         stub = gateway_pb2_grpc.GatewayServiceStub(grpc.insecure_channel(service.address))
         before = scrape(url)
-        assert before.get(routing_name("replicas_live")) == 2
+        assert before.value(routing_name("replicas_live")) == 2
         # The first request finds nothing; a later one finds the prompt where the first ran, once
         # that replica's events have reached the gateway.
         results = [generate(stub, token_params(prompt, max_tokens=2))]
