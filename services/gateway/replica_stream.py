@@ -27,7 +27,6 @@ from google.rpc import status_pb2
 from llmserve.errors import ServiceError, Unavailable
 from llmserve.gateway.hop_errors import error_from_rpc, error_from_status
 from llmserve.gateway.token_chunks import TokenChunk, chunk_from_pb, joined_chunks
-from llmserve.request_context import context_without_request
 from llmserve.v1 import inference_pb2, inference_pb2_grpc
 
 log = logging.getLogger(__name__)
@@ -132,8 +131,7 @@ class ReplicaStream:
         return self._connection
 
     def _spawn(self, work) -> asyncio.Task:
-        # Started by the request that opened the connection, serving all of them: labelled with none.
-        task = asyncio.get_running_loop().create_task(work, context=context_without_request())
+        task = asyncio.get_running_loop().create_task(work)
         self._tasks.add(task)  # kept so it is not garbage-collected mid-flight
         task.add_done_callback(self._tasks.discard)
         return task
