@@ -36,7 +36,11 @@ PREPROCESS_ENGINE_OPTIONS = ("block_size_tokens", "max_context_tokens")
 
 
 def _common_args(config: ServeConfig, model_dir: Path, model_name: str | None) -> list[str]:
-    args = ["--model", str(model_dir), "--log-level", config.log_level, "--grace-period-s", str(config.grace_period_s)]
+    args = [
+        "--model", str(model_dir), "--log-level", config.log_level, "--grace-period-s", str(config.grace_period_s),
+        *(["--log-format", config.log_format] if config.log_format != "text" else []),
+        *(["--log-prompts"] if config.log_prompts else []),
+    ]
     if model_name:
         args += ["--model-name", model_name]
     return args

@@ -18,6 +18,7 @@ from llmserve.inference.engine_flags import (
     default_engine_options,
     engine_options,
 )
+from llmserve.observability import LOG_FORMATS
 from llmserve.preprocess.config import DEFAULT_MAX_OUTPUT_TOKENS
 from llmserve.server_flags import DEFAULT_GRACE_PERIOD_S, DEFAULT_HOST, GATEWAY_PORT, LOG_LEVELS
 
@@ -50,6 +51,8 @@ class ServeConfig:
     num_replicas: int = 1  # inference replicas behind the gateway, routed by their KV events
     # Set: /metrics of the gateway on this port, preprocess on the next, replica i on the next + i.
     metrics_port: int | None = None
+    log_format: str = "text"  # of every service (docs/observability.md)
+    log_prompts: bool = False
     # The inference engine's options by EngineConfig field name, every flagged field present.
     engine: EngineOptions = field(default_factory=default_engine_options)
 
@@ -111,6 +114,14 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
         help="log level of the launcher and all services (default: %(default)s)",
     )
     server.add_argument(
+        "--log-format", default="text", choices=LOG_FORMATS,
+        help="the services' log lines: json is one object per line, with the request id (default: %(default)s)",
+    )
+    server.add_argument(
+        "--log-prompts", action="store_true",
+        help="let the services log prompt and completion text at DEBUG (off: they may hold personal data)",
+    )
+    server.add_argument(
         "--grace-period-s", type=float, default=DEFAULT_GRACE_PERIOD_S, metavar="SECONDS",
         help="on stop, how long in-flight requests may finish (default: %(default)s)",
     )
@@ -135,5 +146,7 @@ def serve_config_from_args(args: argparse.Namespace) -> ServeConfig:
         gateway_workers=args.gateway_workers,
         num_replicas=args.replicas,
         metrics_port=args.metrics_port,
+        log_format=args.log_format,
+        log_prompts=args.log_prompts,
         engine=engine_options(args),
     )

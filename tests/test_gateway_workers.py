@@ -130,7 +130,8 @@ def test_serve_passes_its_gateway_workers_to_the_gateway(tmp_path):
     hops = [ServiceProcess(name, f"llmserve.{name}", [], port_file=tmp_path / name) for name in ("preprocess", "inference")]
     for port, hop in enumerate(hops, start=1):
         hop.port = port
-    command = _gateway_args(config, _common_args(config, tmp_path, None), *hops)
+    preprocess, inference = hops
+    command = _gateway_args(config, _common_args(config, tmp_path, None), preprocess, [inference])
     assert gateway_config_from_args(build_gateway_parser().parse_args(command)).num_workers == 3
     assert ServeConfig().gateway_workers == default_gateway_workers() >= 1
 

@@ -200,6 +200,12 @@ def test_serve_metrics_port_gives_each_service_its_own(tiny_model_dir):
     assert "--metrics-port" not in _inference_args(serve_config(), common, 0)
 
 
+def test_serve_log_flags_reach_every_service(tiny_model_dir):
+    config = serve_config("--log-format", "json", "--log-prompts")
+    observability = config_from_args(parse_args(_inference_args(config, _common_args(config, tiny_model_dir, None), 0))).observability
+    assert (observability.log_format, observability.log_prompts) == ("json", True)
+
+
 def test_serve_flags_reach_the_inference_engine_config(tiny_model_dir):
     serve_flags = [
         "--attention-backend", "triton", "--kv-cache-dtype", "fp8", "--quantization", "int8",
