@@ -48,6 +48,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from llmserve.block_hash import HashNamespace
 from llmserve.errors import DeadlineExceeded, InvalidArgument, ResourceExhausted
 from llmserve.inference.drain_meter import DrainMeter, StepPace
 from llmserve.inference.engine.config import (
@@ -59,6 +60,7 @@ from llmserve.inference.engine.config import (
     default_max_waiting_requests,
 )
 from llmserve.inference.engine.types import EngineOutput, EngineRequest
+from llmserve.inference.prefix_charge import PrefixCharge, prompt_block_hashes
 
 DEFAULT_RETRY_AFTER_MS = 1000  # before the drain rate is measured
 MIN_RETRY_AFTER_MS = 50  # about one step of a busy GPU: sooner would only be refused again
@@ -73,23 +75,39 @@ class AdmissionConfig:
     max_waiting_requests: int = default_max_waiting_requests("cuda", DEFAULT_MAX_NUM_SEQS)
     max_waiting_prompt_tokens: int | None = None  # None: see WAITING_PROMPT_CONTEXTS
     kv_overcommit: float = DEFAULT_KV_OVERCOMMIT
+    shares_prefix_blocks: bool = True  # the core's prefix cache is on (where it has a pool)
+    max_batched_tokens: int = 2048  # the core's per-step token budget (EngineConfig's default)
 
     @classmethod
     def of(cls, config: EngineConfig) -> "AdmissionConfig":
         max_waiting_requests = config.max_waiting_requests
         if max_waiting_requests is None:
             max_waiting_requests = default_max_waiting_requests(config.device, config.max_num_seqs)
-        return cls(max_waiting_requests, config.max_waiting_prompt_tokens, config.kv_overcommit)
+        return cls(
+            max_waiting_requests, config.max_waiting_prompt_tokens, config.kv_overcommit,
+            config.enable_prefix_caching, config.max_batched_tokens,
+        )  # fmt: skip
+
+
+@dataclass(slots=True)
+class _Demand:
+    """What one request brings to the budgets, given what the in-flight requests hold."""
+
+    block_hashes: list[int]  # its full prompt blocks' (PrefixCharge's keys); none if nothing is shared
+    num_own_kv_blocks: int  # its blocks at full length besides those full prompt blocks
+    num_new_kv_blocks: int  # what admitting it adds to the KV demand
+    num_twin_kv_blocks: int  # its full prompt blocks held by requests none of which has started
+    num_prompt_tokens_to_prefill: int  # its prompt less the leading blocks another one holds
 
 
 @dataclass(slots=True)
 class _Admitted:
     """The demand one in-flight request was admitted with, and its progress."""
 
-    num_prompt_tokens: int
-    num_kv_blocks: int
+    demand: _Demand
     num_unfinished_sequences: int
     is_waiting: bool = True  # no token produced yet
+    has_started: bool = False  # produced a token (not merely ended while waiting)
 
 
 def kv_blocks_needed(request: EngineRequest, block_size_tokens: int, max_context_tokens: int) -> int:
@@ -113,7 +131,7 @@ class AdmissionController:
         config: AdmissionConfig,
         *,
         kv_blocks_total: int,
-        block_size_tokens: int,
+        hash_namespace: HashNamespace,
         max_context_tokens: int,
         step_grows_with_batch: bool = True,
         clock: Callable[[], int] = time.monotonic_ns,
@@ -126,7 +144,12 @@ class AdmissionController:
         self.kv_overcommit = config.kv_overcommit
         self._step_grows_with_batch = step_grows_with_batch
         self._max_kv_blocks = int(kv_blocks_total * config.kv_overcommit)
-        self._block_size_tokens = block_size_tokens
+        self._block_size_tokens = hash_namespace.block_size_tokens
+        # No pool (hf) or no prefix cache: each request holds its whole prompt's blocks itself.
+        self._hash_namespace = hash_namespace if kv_blocks_total and config.shares_prefix_blocks else None
+        self._prefix_charge = PrefixCharge()
+        self._max_twin_blocks = -(-config.max_batched_tokens // self._block_size_tokens)
+        self._num_twin_kv_blocks_waiting = 0
         self._max_context_tokens = max_context_tokens
         self._clock = clock
         self._admitted: dict[str, _Admitted] = {}
@@ -147,18 +170,46 @@ class AdmissionController:
         now_ns = self._clock()
         self.kv_drain.advance(now_ns, was_busy=bool(self._admitted))
         num_prompt_tokens = len(request.prompt_token_ids)
-        num_kv_blocks = kv_blocks_needed(request, self._block_size_tokens, self._max_context_tokens)
-        self._check_fits_alone(num_prompt_tokens, num_kv_blocks)
-        self._check_budgets(num_prompt_tokens, num_kv_blocks, now_ns)
+        self._check_fits_alone(
+            num_prompt_tokens, kv_blocks_needed(request, self._block_size_tokens, self._max_context_tokens)
+        )
+        demand = self._demand(request)
+        self._check_budgets(demand, now_ns)
         if request.deadline_ns:
-            self._check_deadline(request, now_ns)
+            self._check_deadline(request, demand, now_ns)
         if not self._admitted:
             self.pace.start(now_ns)
-        self._admitted[request.request_id] = _Admitted(num_prompt_tokens, num_kv_blocks, request.sampling.n)
+        self._admitted[request.request_id] = _Admitted(demand, request.sampling.n)
         self.num_waiting_requests += 1
-        self.num_waiting_prompt_tokens += num_prompt_tokens
-        self.num_kv_blocks_demanded += num_kv_blocks
+        self.num_waiting_prompt_tokens += demand.num_prompt_tokens_to_prefill
+        self.num_kv_blocks_demanded += demand.num_own_kv_blocks + self._prefix_charge.hold(demand.block_hashes)
+        self._num_twin_kv_blocks_waiting += demand.num_twin_kv_blocks
         self.num_sequences_in_flight += request.sampling.n
+
+    def _demand(self, request: EngineRequest) -> _Demand:
+        """The request's blocks and prefill against what the in-flight requests hold: O(prompt
+        blocks), the hashing included."""
+        num_prompt_tokens = len(request.prompt_token_ids)
+        num_kv_blocks = kv_blocks_needed(request, self._block_size_tokens, self._max_context_tokens)
+        if self._hash_namespace is None:
+            return _Demand([], num_kv_blocks, num_kv_blocks, 0, num_prompt_tokens)
+        block_hashes = prompt_block_hashes(request, self._hash_namespace)
+        num_own_kv_blocks = num_kv_blocks - len(block_hashes)
+        num_unheld = self._prefix_charge.num_unheld(block_hashes)
+        # The engine computes a prompt's last token whatever is cached (find_cached_blocks).
+        num_held_leading = self._prefix_charge.num_leading_held(block_hashes)
+        num_cached_blocks = min(num_held_leading, (num_prompt_tokens - 1) // self._block_size_tokens)
+        return _Demand(
+            block_hashes,
+            num_own_kv_blocks,
+            num_new_kv_blocks=num_own_kv_blocks + num_unheld,
+            num_twin_kv_blocks=self._prefix_charge.num_held_uncomputed(block_hashes),
+            num_prompt_tokens_to_prefill=num_prompt_tokens - num_cached_blocks * self._block_size_tokens,
+        )
+
+    def _twin_reserve_blocks(self, demand: _Demand) -> int:
+        """Blocks kept free beyond the demand for twins (module docstring)."""
+        return min(self._max_twin_blocks, self._num_twin_kv_blocks_waiting + demand.num_twin_kv_blocks)
 
     def _check_fits_alone(self, num_prompt_tokens: int, num_kv_blocks: int) -> None:
         if num_prompt_tokens > self.max_waiting_prompt_tokens:
@@ -175,7 +226,8 @@ class AdmissionController:
                 f"(the pool x --kv-overcommit {self.kv_overcommit:g})",
             )
 
-    def _check_budgets(self, num_prompt_tokens: int, num_kv_blocks: int, now_ns: int) -> None:
+    def _check_budgets(self, demand: _Demand, now_ns: int) -> None:
+        num_prompt_tokens, num_kv_blocks = demand.num_prompt_tokens_to_prefill, demand.num_new_kv_blocks
         queue_turnover_ms = self._retry_after_ms(self.num_waiting_prompt_tokens, self.pace.prefill_tokens_per_s, now_ns)
         if self.num_waiting_requests + 1 > self.max_waiting_requests:
             _refuse(
@@ -190,11 +242,13 @@ class AdmissionController:
                 f"(--max-waiting-prompt-tokens)",
                 queue_turnover_ms,
             )  # fmt: skip
-        excess_blocks = self.num_kv_blocks_demanded + num_kv_blocks - self._max_kv_blocks
+        num_reserve_blocks = self._twin_reserve_blocks(demand)
+        excess_blocks = self.num_kv_blocks_demanded + num_kv_blocks + num_reserve_blocks - self._max_kv_blocks
         if self._max_kv_blocks and excess_blocks > 0:
+            reserve = f" and {num_reserve_blocks} kept free for twins" if num_reserve_blocks else ""
             _refuse(
                 f"admitted requests will need {self.num_kv_blocks_demanded} KV blocks and this one "
-                f"{num_kv_blocks}, over the {self._max_kv_blocks} this replica admits (the pool x "
+                f"{num_kv_blocks}{reserve}, over the {self._max_kv_blocks} this replica admits (the pool x "
                 f"--kv-overcommit {self.kv_overcommit:g})",
                 self._retry_after_ms(excess_blocks, self.kv_drain.per_s, now_ns),
             )  # fmt: skip
@@ -206,11 +260,11 @@ class AdmissionController:
             return _clamped_ms(max(DEFAULT_RETRY_AFTER_MS, running_step_ms))
         return _clamped_ms(1000 * amount / drain_per_s if drain_per_s > 0 else MAX_RETRY_AFTER_MS)
 
-    def _check_deadline(self, request: EngineRequest, now_ns: int) -> None:
+    def _check_deadline(self, request: EngineRequest, demand: _Demand, now_ns: int) -> None:
         time_left_s = (request.deadline_ns - now_ns) / 1e9
         if time_left_s <= 0:
             raise DeadlineExceeded(f"the deadline passed {-time_left_s:.3f} s before admission")
-        estimate = self.finish_estimate(request)
+        estimate = self._finish_estimate(request, demand.num_prompt_tokens_to_prefill)
         if estimate.total_s > time_left_s:
             raise DeadlineExceeded(
                 f"the request cannot finish in the {time_left_s:.1f} s its deadline leaves: estimated "
@@ -219,7 +273,10 @@ class AdmissionController:
 
     def finish_estimate(self, request: EngineRequest) -> "FinishEstimate":
         """How long the request would take if admitted now, from what is measured so far."""
-        prompt_tokens_ahead = self.num_waiting_prompt_tokens + len(request.prompt_token_ids)
+        return self._finish_estimate(request, self._demand(request).num_prompt_tokens_to_prefill)
+
+    def _finish_estimate(self, request: EngineRequest, num_prompt_tokens_to_prefill: int) -> "FinishEstimate":
+        prompt_tokens_ahead = self.num_waiting_prompt_tokens + num_prompt_tokens_to_prefill
         drain_per_s = self.pace.prefill_tokens_per_s
         wait_s = 0.0 if drain_per_s is None else prompt_tokens_ahead / drain_per_s
         max_tokens = request.sampling.max_tokens or self._max_context_tokens - len(request.prompt_token_ids)
@@ -240,19 +297,26 @@ class AdmissionController:
             if admitted is None:
                 continue  # not admitted here (AsyncEngine logs it)
             num_token_outputs += bool(output.new_token_ids)
+            demand = admitted.demand
             if admitted.is_waiting and (output.new_token_ids or output.is_finished):
                 admitted.is_waiting = False
                 self.num_waiting_requests -= 1
-                self.num_waiting_prompt_tokens -= admitted.num_prompt_tokens
+                self.num_waiting_prompt_tokens -= demand.num_prompt_tokens_to_prefill
+                self._num_twin_kv_blocks_waiting -= demand.num_twin_kv_blocks
                 if output.new_token_ids:  # else aborted or failed while waiting: nothing was computed
-                    num_started_prompt_tokens += admitted.num_prompt_tokens
+                    num_started_prompt_tokens += demand.num_prompt_tokens_to_prefill
+                    admitted.has_started = True
+                    self._prefix_charge.start(demand.block_hashes)
             if output.is_finished:
                 admitted.num_unfinished_sequences -= 1
                 self.num_sequences_in_flight -= 1
                 if admitted.num_unfinished_sequences == 0:
                     del self._admitted[output.request_id]
-                    self.num_kv_blocks_demanded -= admitted.num_kv_blocks
-                    num_released_blocks += admitted.num_kv_blocks
+                    num_released = demand.num_own_kv_blocks + self._prefix_charge.release(
+                        demand.block_hashes, has_started=admitted.has_started
+                    )
+                    self.num_kv_blocks_demanded -= num_released
+                    num_released_blocks += num_released
         self.kv_drain.add(num_released_blocks)
         self.pace.advance(
             now_ns, num_token_outputs=num_token_outputs, num_started_prompt_tokens=num_started_prompt_tokens
