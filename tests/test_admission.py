@@ -5,11 +5,12 @@ Time is a clock the test advances, so every rate and hint is exact.
 
 from __future__ import annotations
 
+import random
 import zlib
 
 import pytest
 
-from llmserve.block_hash import HashNamespace
+from llmserve.block_hash import HASH_VERSION, HashNamespace
 from llmserve.errors import DeadlineExceeded, InvalidArgument, ResourceExhausted
 from llmserve.inference.admission import (
     DEFAULT_RETRY_AFTER_MS,
@@ -20,6 +21,7 @@ from llmserve.inference.admission import (
     kv_blocks_needed,
 )
 from llmserve.inference.engine.types import EngineOutput, EngineRequest
+from llmserve.inference.prefix_charge import prompt_block_hashes
 from llmserve.sampling import FinishReason, SamplingParams
 
 BLOCK = 16
@@ -142,6 +144,17 @@ def test_kv_demand_over_the_pool_is_refused_until_a_request_finishes():
         admission.admit(request("c", 48, 48))
     assert refused.value.retry_after_ms == 666  # 2 blocks too many at 3 blocks/s
     assert admission.num_kv_blocks_demanded == 6
+
+
+def test_until_a_request_has_finished_the_kv_drain_is_unmeasured():
+    clock = Clock()
+    admission = controller(clock, kv_blocks_total=10)
+    admission.admit(request("a", 48, 48))
+    clock.advance(1.0)
+    admission.observe([token("a")])  # a slow first step: 1 s in flight, no block released yet
+    with pytest.raises(ResourceExhausted) as refused:
+        admission.admit(request("b", 48, 48))
+    assert refused.value.retry_after_ms == DEFAULT_RETRY_AFTER_MS  # not MAX_RETRY_AFTER_MS
 
 
 def test_overcommit_scales_the_kv_budget():
@@ -344,3 +357,62 @@ def test_the_deadline_estimate_waits_only_for_prompt_tokens_not_held_by_another(
     admission.admit(sharer("b"))
     # 520 tokens of b waiting; c's 512 shared ones are b's: 528 tokens ahead, 0.528 s
     assert admission.finish_estimate(sharer("c")).wait_s == pytest.approx(0.528)
+
+
+def test_the_hashes_are_the_engines_own():
+    tokens = SYSTEM_PROMPT[: 3 * BLOCK + 5]
+    expected = NAMESPACE.block_hashes(tokens, "salt")
+
+    def with_hashes(block_hashes, block_hash_version=HASH_VERSION):
+        return EngineRequest(
+            "r", tokens, SamplingParams(max_tokens=1), arrival_ns=0, block_hashes=block_hashes, block_size_tokens=BLOCK,
+            block_hash_version=block_hash_version, cache_salt="salt",
+        )  # fmt: skip
+
+    assert prompt_block_hashes(with_hashes([]), NAMESPACE) == expected
+    assert prompt_block_hashes(with_hashes(expected[:1]), NAMESPACE) == expected  # the rest chained on
+    assert prompt_block_hashes(with_hashes([7, 8, 9]), NAMESPACE) == [7, 8, 9]  # preprocess's, trusted
+    assert prompt_block_hashes(with_hashes([7, 8, 9], HASH_VERSION + 1), NAMESPACE) == expected
+
+
+def test_random_traffic_keeps_the_charge_exact_and_leaves_none():
+    rng = random.Random(10)
+    clock = Clock()
+    pool = 200
+    admission = controller(clock, kv_blocks_total=pool, max_batched_tokens=4 * BLOCK)
+    in_flight: dict[str, tuple[list[int], int, int]] = {}  # id -> (hashes, own blocks, unfinished sequences)
+    num_refused, num_admitted = 0, 0
+    for step in range(1000):
+        clock.advance(0.01)
+        if rng.random() < 0.5:
+            num_shared = rng.choice([0, BLOCK, 5 * BLOCK, 20 * BLOCK, 40 * BLOCK])
+            new = request(
+                f"r{step}", num_shared + rng.randrange(0, 3 * BLOCK), rng.randrange(1, 40), n=rng.choice([1, 2]),
+                num_shared_tokens=num_shared, cache_salt=rng.choice(["", "", "t"]),
+            )  # fmt: skip
+            try:
+                admission.admit(new)
+            except ResourceExhausted:
+                num_refused += 1
+            else:
+                num_admitted += 1
+                hashes = NAMESPACE.block_hashes(new.prompt_token_ids, new.cache_salt)
+                own = kv_blocks_needed(new, BLOCK, CONTEXT) - len(hashes)
+                in_flight[new.request_id] = (hashes, own, new.sampling.n)
+        elif in_flight:
+            request_id = rng.choice(list(in_flight))
+            hashes, own, num_unfinished = in_flight[request_id]
+            ends = rng.random() < 0.4
+            admission.observe([(finished if ends else token)(request_id, num_unfinished - 1)])
+            if ends and num_unfinished == 1:
+                del in_flight[request_id]
+            elif ends:
+                in_flight[request_id] = (hashes, own, num_unfinished - 1)
+        distinct_hashes = {block_hash for hashes, _, _ in in_flight.values() for block_hash in hashes}
+        expected = len(distinct_hashes) + sum(own for _, own, _ in in_flight.values())
+        assert admission.num_kv_blocks_demanded == expected <= pool
+    assert num_refused > 100 and num_admitted > 100  # the budget binds, and is freed again
+    for request_id, (_, _, num_unfinished) in list(in_flight.items()):
+        admission.observe([finished(request_id, index) for index in range(num_unfinished)])
+    assert admission.num_kv_blocks_demanded == 0 and admission.num_waiting_prompt_tokens == 0
+    assert admission.num_waiting_requests == 0 and admission.num_sequences_in_flight == 0

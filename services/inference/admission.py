@@ -160,6 +160,9 @@ class AdmissionController:
         now_ns = clock()
         self.pace = StepPace(now_ns)
         self.kv_drain = DrainMeter(now_ns)  # blocks per second
+        # Until a request has finished, a slow first step would measure a drain of 0 (a hint of
+        # MAX_RETRY_AFTER_MS) where nothing is known yet.
+        self._has_drained = False
 
     # --- admission --------------------------------------------------------------------------
 
@@ -250,7 +253,7 @@ class AdmissionController:
                 f"admitted requests will need {self.num_kv_blocks_demanded} KV blocks and this one "
                 f"{num_kv_blocks}{reserve}, over the {self._max_kv_blocks} this replica admits (the pool x "
                 f"--kv-overcommit {self.kv_overcommit:g})",
-                self._retry_after_ms(excess_blocks, self.kv_drain.per_s, now_ns),
+                self._retry_after_ms(excess_blocks, self.kv_drain.per_s if self._has_drained else None, now_ns),
             )  # fmt: skip
 
     def _retry_after_ms(self, amount: float, drain_per_s: float | None, now_ns: int) -> int:
@@ -318,6 +321,7 @@ class AdmissionController:
                     self.num_kv_blocks_demanded -= num_released
                     num_released_blocks += num_released
         self.kv_drain.add(num_released_blocks)
+        self._has_drained = self._has_drained or num_released_blocks > 0
         self.pace.advance(
             now_ns, num_token_outputs=num_token_outputs, num_started_prompt_tokens=num_started_prompt_tokens
         )
