@@ -18,10 +18,9 @@ from llmserve.inference.admission import (
     MIN_RETRY_AFTER_MS,
     AdmissionConfig,
     AdmissionController,
-    kv_blocks_needed,
 )
 from llmserve.inference.engine.types import EngineOutput, EngineRequest
-from llmserve.inference.prefix_charge import prompt_block_hashes
+from llmserve.inference.kv_demand import kv_blocks_needed, prompt_block_hashes
 from llmserve.sampling import FinishReason, SamplingParams
 
 BLOCK = 16
