@@ -94,6 +94,7 @@ class KvDemand:
         self.num_blocks = 0  # distinct held hashes + every in-flight request's own blocks
 
     def of(self, request: EngineRequest) -> RequestDemand:
+        """What `request` would bring, given what is held now (nothing changes)."""
         num_prompt_tokens = len(request.prompt_token_ids)
         num_kv_blocks = kv_blocks_needed(request, self._block_size_tokens, self._max_context_tokens)
         if self._hash_namespace is None:
@@ -104,7 +105,9 @@ class KvDemand:
         # computes a prompt's last token whatever is cached (BlockManager.find_cached_blocks).
         num_held = sum(1 for block_hash in hashes if block_hash in self._num_holders)
         num_cached_blocks = min(num_held, (num_prompt_tokens - 1) // self._block_size_tokens)
-        num_twin = sum(1 for h in hashes if h in self._num_holders and h not in self._num_started_holders)
+        num_twin = sum(
+            1 for block_hash in hashes if block_hash in self._num_holders and block_hash not in self._num_started_holders
+        )
         return RequestDemand(
             num_kv_blocks,
             hashes,
