@@ -59,7 +59,6 @@ from dataclasses import dataclass
 from llmserve.block_hash import HashNamespace
 from llmserve.errors import DeadlineExceeded, InvalidArgument, ResourceExhausted
 from llmserve.inference.drain_meter import DrainMeter, StepPace
-from llmserve.inference.finish_estimate import FinishEstimate
 from llmserve.inference.engine.config import (
     DEFAULT_KV_OVERCOMMIT,
     DEFAULT_MAX_NUM_SEQS,
@@ -69,6 +68,7 @@ from llmserve.inference.engine.config import (
     default_max_waiting_requests,
 )
 from llmserve.inference.engine.types import EngineOutput, EngineRequest
+from llmserve.inference.finish_estimate import FinishEstimate
 from llmserve.inference.kv_demand import KvDemand, RequestDemand
 
 DEFAULT_RETRY_AFTER_MS = 1000  # before the drain rate is measured
