@@ -5,8 +5,12 @@ Time is a clock the test advances, so every rate and hint is exact.
 
 from __future__ import annotations
 
+import random
+import zlib
+
 import pytest
 
+from llmserve.block_hash import HASH_VERSION, HashNamespace
 from llmserve.errors import DeadlineExceeded, InvalidArgument, ResourceExhausted
 from llmserve.inference.admission import (
     DEFAULT_RETRY_AFTER_MS,
@@ -14,14 +18,16 @@ from llmserve.inference.admission import (
     MIN_RETRY_AFTER_MS,
     AdmissionConfig,
     AdmissionController,
-    kv_blocks_needed,
 )
 from llmserve.inference.engine.types import EngineOutput, EngineRequest
+from llmserve.inference.kv_demand import kv_blocks_needed, prompt_block_hashes
 from llmserve.sampling import FinishReason, SamplingParams
 
 BLOCK = 16
+NAMESPACE = HashNamespace(model_fingerprint=1, tokenizer_fingerprint=2, block_size_tokens=BLOCK)
 CONTEXT = 1024
 S = 1_000_000_000  # ns per second
+SYSTEM_PROMPT = list(range(50_000, 50_000 + 40 * BLOCK))
 
 
 class Clock:
@@ -39,14 +45,21 @@ def controller(
     clock: Clock, *, kv_blocks_total: int = 0, step_grows_with_batch: bool = True, **budgets
 ) -> AdmissionController:
     return AdmissionController(
-        AdmissionConfig(**budgets), kv_blocks_total=kv_blocks_total, block_size_tokens=BLOCK,
+        AdmissionConfig(**budgets), kv_blocks_total=kv_blocks_total, hash_namespace=NAMESPACE,
         max_context_tokens=CONTEXT, step_grows_with_batch=step_grows_with_batch, clock=clock,
     )  # fmt: skip
 
 
-def request(request_id: str, num_prompt_tokens: int, max_tokens: int = 8, *, n: int = 1, deadline_ns: int = 0):
+def request(
+    request_id: str, num_prompt_tokens: int, max_tokens: int = 8, *, n: int = 1, deadline_ns: int = 0,
+    num_shared_tokens: int = 0, cache_salt: str = "",
+):  # fmt: skip
+    """A prompt of its own (its tokens named by its id) after the first `num_shared_tokens` of
+    SYSTEM_PROMPT."""
+    own_token_id = zlib.crc32(request_id.encode()) % 50_000
+    prompt = SYSTEM_PROMPT[:num_shared_tokens] + [own_token_id] * (num_prompt_tokens - num_shared_tokens)
     sampling = SamplingParams(max_tokens=max_tokens, n=n)
-    return EngineRequest(request_id, [1] * num_prompt_tokens, sampling, arrival_ns=0, deadline_ns=deadline_ns)
+    return EngineRequest(request_id, prompt, sampling, arrival_ns=0, deadline_ns=deadline_ns, cache_salt=cache_salt)
 
 
 def token(request_id: str, sequence_index: int = 0) -> EngineOutput:
@@ -132,6 +145,17 @@ def test_kv_demand_over_the_pool_is_refused_until_a_request_finishes():
     assert admission.num_kv_blocks_demanded == 6
 
 
+def test_until_a_request_has_finished_the_kv_drain_is_unmeasured():
+    clock = Clock()
+    admission = controller(clock, kv_blocks_total=10)
+    admission.admit(request("a", 48, 48))
+    clock.advance(1.0)
+    admission.observe([token("a")])  # a slow first step: 1 s in flight, no block released yet
+    with pytest.raises(ResourceExhausted) as refused:
+        admission.admit(request("b", 48, 48))
+    assert refused.value.retry_after_ms == DEFAULT_RETRY_AFTER_MS  # not MAX_RETRY_AFTER_MS
+
+
 def test_overcommit_scales_the_kv_budget():
     admission = controller(Clock(), kv_blocks_total=10, kv_overcommit=2.0)
     for request_id in "abc":
@@ -209,3 +233,185 @@ def test_retry_hints_are_clamped(step_s, expected_ms):
     with pytest.raises(ResourceExhausted) as refused:
         admission.admit(request("c", 1))
     assert refused.value.retry_after_ms == expected_ms
+
+
+# --- shared prefixes (prefix_charge.PrefixCharge) ----------------------------------------------
+
+# 520 prompt tokens: the 32 blocks of SYSTEM_PROMPT[:512], then 8 tokens of its own; 24 more
+# tokens make 544 = 34 blocks at full length, so each holds 2 blocks of its own.
+SHARED_TOKENS, PROMPT_TOKENS, MAX_TOKENS = 32 * BLOCK, 32 * BLOCK + 8, 24
+NUM_SHARERS = 8
+PREFIX_ONCE_AND_TAILS = 32 + NUM_SHARERS * 2
+
+
+def sharer(request_id: str, **options) -> EngineRequest:
+    return request(request_id, PROMPT_TOKENS, MAX_TOKENS, num_shared_tokens=SHARED_TOKENS, **options)
+
+
+def test_requests_sharing_a_prefix_are_charged_its_blocks_once():
+    admission = controller(Clock(), kv_blocks_total=PREFIX_ONCE_AND_TAILS)
+    admission.admit(sharer("s0"))
+    admission.observe([token("s0")])  # its prompt's blocks are computed: the others find them cached
+    for index in range(1, NUM_SHARERS):
+        admission.admit(sharer(f"s{index}"))
+    assert admission.num_kv_blocks_demanded == PREFIX_ONCE_AND_TAILS
+    assert admission.num_waiting_prompt_tokens == (NUM_SHARERS - 1) * 8  # their own tokens only
+    with pytest.raises(ResourceExhausted) as refused:
+        admission.admit(sharer("one-too-many"))
+    assert "need 48 KV blocks and this one 2, over the 48" in refused.value.message
+
+
+def test_while_no_holder_has_started_a_chunk_of_blocks_is_kept_free_for_twins():
+    clock = Clock()
+    admission = controller(clock, kv_blocks_total=PREFIX_ONCE_AND_TAILS)
+    admission.admit(sharer("s0"))
+    with pytest.raises(ResourceExhausted) as refused:  # 2048 tokens per step: 128 blocks, at most its 32
+        admission.admit(sharer("s1"))
+    assert "need 34 KV blocks and this one 2 and 32 kept free for twins, over the 48" in refused.value.message
+    admission.observe([token("s0")])
+    admission.admit(sharer("s1"))
+    # a step of 2 blocks' tokens computes at most 2 blocks twice at once, however many wait
+    admission = controller(clock, kv_blocks_total=PREFIX_ONCE_AND_TAILS + 2, max_batched_tokens=2 * BLOCK)
+    for index in range(NUM_SHARERS):
+        admission.admit(sharer(f"s{index}"))
+    with pytest.raises(ResourceExhausted) as refused:
+        admission.admit(sharer("one-too-many"))
+    assert "this one 2 and 2 kept free for twins, over the 50" in refused.value.message
+    # once they have all started, none can be computing the prefix again
+    admission.observe([token(f"s{index}") for index in range(NUM_SHARERS)])
+    admission.admit(sharer("one-more"))
+
+
+def test_distinct_prompts_of_the_same_length_are_charged_in_full():
+    admission = controller(Clock(), kv_blocks_total=PREFIX_ONCE_AND_TAILS)
+    admission.admit(request("a", PROMPT_TOKENS, MAX_TOKENS))
+    with pytest.raises(ResourceExhausted) as refused:
+        admission.admit(request("b", PROMPT_TOKENS, MAX_TOKENS))
+    assert "need 34 KV blocks and this one 34, over the 48" in refused.value.message
+
+
+def test_different_cache_salts_share_no_charge():
+    admission = controller(Clock(), kv_blocks_total=PREFIX_ONCE_AND_TAILS)
+    admission.admit(sharer("a", cache_salt="tenant-1"))
+    admission.observe([token("a")])
+    with pytest.raises(ResourceExhausted):
+        admission.admit(sharer("b", cache_salt="tenant-2"))
+    admission.admit(sharer("c", cache_salt="tenant-1"))
+
+
+def test_without_a_prefix_cache_every_prompt_is_charged_in_full():
+    admission = controller(Clock(), kv_blocks_total=PREFIX_ONCE_AND_TAILS, shares_prefix_blocks=False)
+    admission.admit(sharer("a"))
+    assert admission.num_waiting_prompt_tokens == PROMPT_TOKENS
+    with pytest.raises(ResourceExhausted):
+        admission.admit(sharer("b"))
+
+
+def test_a_shared_prefix_stays_charged_until_its_last_holder_ends():
+    clock = Clock()
+    admission = controller(clock, kv_blocks_total=PREFIX_ONCE_AND_TAILS)
+    admission.admit(sharer("first"))
+    admission.observe([token("first")])
+    admission.admit(sharer("second"))
+    admission.admit(sharer("third"))
+    assert admission.num_kv_blocks_demanded == 32 + 3 * 2
+    clock.advance(1.0)
+    admission.observe([finished("first")])  # the prefix was charged to it: the others hold it now
+    assert admission.num_kv_blocks_demanded == 32 + 2 * 2
+    clock.advance(1.0)
+    admission.observe([finished("third")])
+    assert admission.num_kv_blocks_demanded == 32 + 2
+    admission.observe([finished("second")])
+    assert admission.num_kv_blocks_demanded == 0
+    # the drain measured what the demand lost: 4 blocks in the first 2 s in flight, not 68
+    assert admission.kv_drain.per_s == pytest.approx(2.0)
+    # nothing leaked: a request as large as the whole budget fits again
+    admission.admit(request("whole", PREFIX_ONCE_AND_TAILS * BLOCK - MAX_TOKENS, MAX_TOKENS))
+
+
+def test_refusals_and_aborts_leave_no_charge_behind():
+    clock = Clock()
+    admission = controller(clock, kv_blocks_total=PREFIX_ONCE_AND_TAILS)
+    admission.admit(sharer("a"))
+    with pytest.raises(ResourceExhausted, match="kept free for twins"):
+        admission.admit(sharer("early"))
+    admission.observe([token("a")])
+    with pytest.raises(DeadlineExceeded):
+        admission.admit(sharer("late", deadline_ns=clock.now_ns))
+    with pytest.raises(ResourceExhausted):
+        admission.admit(request("distinct", PROMPT_TOKENS, MAX_TOKENS))
+    admission.admit(sharer("b"))
+    cancelled = EngineOutput("b", 0, [], finish_reason=FinishReason.CANCELLED)
+    admission.observe([cancelled, finished("a")])
+    assert admission.num_kv_blocks_demanded == 0 and admission.num_waiting_prompt_tokens == 0
+    admission.admit(request("whole", PREFIX_ONCE_AND_TAILS * BLOCK - MAX_TOKENS, MAX_TOKENS))
+
+
+def test_the_deadline_estimate_waits_only_for_prompt_tokens_not_held_by_another():
+    clock = Clock()
+    admission = controller(clock, kv_blocks_total=1000)
+    admission.admit(request("a", 100, 100))
+    clock.advance(0.1)
+    admission.observe([token("a")])  # prefill: 1000 tokens/s
+    admission.admit(sharer("b"))
+    # 520 tokens of b waiting; c's 512 shared ones are b's: 528 tokens ahead, 0.528 s
+    assert admission.finish_estimate(sharer("c")).wait_s == pytest.approx(0.528)
+
+
+def test_the_hashes_are_the_engines_own():
+    tokens = SYSTEM_PROMPT[: 3 * BLOCK + 5]
+    expected = NAMESPACE.block_hashes(tokens, "salt")
+
+    def with_hashes(block_hashes, block_hash_version=HASH_VERSION):
+        return EngineRequest(
+            "r", tokens, SamplingParams(max_tokens=1), arrival_ns=0, block_hashes=block_hashes, block_size_tokens=BLOCK,
+            block_hash_version=block_hash_version, cache_salt="salt",
+        )  # fmt: skip
+
+    assert prompt_block_hashes(with_hashes([]), NAMESPACE) == expected
+    assert prompt_block_hashes(with_hashes(expected[:1]), NAMESPACE) == expected  # the rest chained on
+    assert prompt_block_hashes(with_hashes([7, 8, 9]), NAMESPACE) == [7, 8, 9]  # preprocess's, trusted
+    assert prompt_block_hashes(with_hashes([7, 8, 9], HASH_VERSION + 1), NAMESPACE) == expected
+
+
+def test_random_traffic_keeps_the_charge_exact_and_leaves_none():
+    rng = random.Random(10)
+    clock = Clock()
+    pool = 200
+    admission = controller(clock, kv_blocks_total=pool, max_batched_tokens=4 * BLOCK)
+    in_flight: dict[str, tuple[list[int], int, int]] = {}  # id -> (hashes, own blocks, unfinished sequences)
+    num_refused, num_admitted = 0, 0
+    for step in range(1000):
+        clock.advance(0.01)
+        if rng.random() < 0.5:
+            num_shared = rng.choice([0, BLOCK, 5 * BLOCK, 20 * BLOCK, 40 * BLOCK])
+            new = request(
+                f"r{step}", num_shared + rng.randrange(0, 3 * BLOCK), rng.randrange(1, 40), n=rng.choice([1, 2]),
+                num_shared_tokens=num_shared, cache_salt=rng.choice(["", "", "t"]),
+            )  # fmt: skip
+            try:
+                admission.admit(new)
+            except ResourceExhausted:
+                num_refused += 1
+            else:
+                num_admitted += 1
+                hashes = NAMESPACE.block_hashes(new.prompt_token_ids, new.cache_salt)
+                own = kv_blocks_needed(new, BLOCK, CONTEXT) - len(hashes)
+                in_flight[new.request_id] = (hashes, own, new.sampling.n)
+        elif in_flight:
+            request_id = rng.choice(list(in_flight))
+            hashes, own, num_unfinished = in_flight[request_id]
+            ends = rng.random() < 0.4
+            admission.observe([(finished if ends else token)(request_id, num_unfinished - 1)])
+            if ends and num_unfinished == 1:
+                del in_flight[request_id]
+            elif ends:
+                in_flight[request_id] = (hashes, own, num_unfinished - 1)
+        distinct_hashes = {block_hash for hashes, _, _ in in_flight.values() for block_hash in hashes}
+        expected = len(distinct_hashes) + sum(own for _, own, _ in in_flight.values())
+        assert admission.num_kv_blocks_demanded == expected <= pool
+    assert num_refused > 100 and num_admitted > 100  # the budget binds, and is freed again
+    for request_id, (_, _, num_unfinished) in list(in_flight.items()):
+        admission.observe([finished(request_id, index) for index in range(num_unfinished)])
+    assert admission.num_kv_blocks_demanded == 0 and admission.num_waiting_prompt_tokens == 0
+    assert admission.num_waiting_requests == 0 and admission.num_sequences_in_flight == 0

@@ -83,7 +83,7 @@ class AsyncEngine:
         self._admission = AdmissionController(
             admission,
             kv_blocks_total=client.load().kv_blocks_total,
-            block_size_tokens=self.model_info.block_size_tokens,
+            hash_namespace=self.model_info.hash_namespace,
             max_context_tokens=self.model_info.max_context_tokens,
             step_grows_with_batch=self.model_info.device == "cpu",
         )
