@@ -188,8 +188,8 @@ class EngineConfig:
     )  # fmt: skip
     kv_overcommit: float = _flagged(
         DEFAULT_KV_OVERCOMMIT, "--kv-overcommit", "KV blocks that admitted requests may need at their full length "
-        "(prompt + max_tokens), as a multiple of the pool; above 1 admits more but may preempt "
-        "(recompute) running sequences when they all grow long",
+        "(prompt + max_tokens; prompt blocks shared by requests in flight count once), as a multiple of the "
+        "pool; above 1 admits more but may preempt (recompute) running sequences when they all grow long",
         group=ADMISSION_GROUP, metavar="FACTOR",
     )  # fmt: skip
 
