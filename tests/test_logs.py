@@ -236,6 +236,8 @@ def test_the_gateway_stack_labels_every_hop_and_keeps_text_in_the_text_fields(ti
     assert gateway_lines["accepted"]["prompt"]["prompt"] == SECRET
     assert gateway_lines["completion sent"]["completion"] == response.text
     assert gateway_lines["completion sent"]["completion_token_ids"] == list(response.token_ids)
+    # Bound to the RPC, not passed line by line: the pipeline's own line carries it too.
+    assert any(key.startswith(f"request {request_id} finished") for key in gateway_lines), list(gateway_lines)
     (preprocessed,) = [line for line in logs["preprocess"] if line["message"].startswith("preprocessed")]
     (admitted,) = [line for line in logs["inference"] if line["message"].startswith("admitted")]
     assert preprocessed["request_id"] == admitted["request_id"] == request_id

@@ -223,5 +223,5 @@ def _log_finished(request_id: str, result: GenerationResult) -> None:
         result.predicted_cached_tokens,
         result.preprocess_time_ns / 1e6, result.queue_time_ns / 1e6,
         result.time_to_first_token_ns / 1e6, result.total_time_ns / 1e6,
-        extra={"request_id": request_id, "matched_stop": result.matched_stop},  # a text field (llmserve.log_format): completion text
+        extra={"matched_stop": result.matched_stop},  # a text field (llmserve.log_format): completion text
     )

@@ -27,6 +27,7 @@ from google.rpc import status_pb2
 from llmserve.errors import ServiceError, Unavailable
 from llmserve.gateway.hop_errors import error_from_rpc, error_from_status
 from llmserve.gateway.token_chunks import TokenChunk, chunk_from_pb, joined_chunks
+from llmserve.request_context import context_without_request
 from llmserve.v1 import inference_pb2, inference_pb2_grpc
 
 log = logging.getLogger(__name__)
@@ -131,7 +132,9 @@ class ReplicaStream:
         return self._connection
 
     def _spawn(self, work) -> asyncio.Task:
-        task = asyncio.get_running_loop().create_task(work)
+        # Opened by whichever request came first, the connection serves them all: its lines
+        # must not carry that first request's id.
+        task = asyncio.get_running_loop().create_task(work, context=context_without_request())
         self._tasks.add(task)  # kept so it is not garbage-collected mid-flight
         task.add_done_callback(self._tasks.discard)
         return task

@@ -1,9 +1,9 @@
 """The Gateway gRPC service: protobuf in and out; the work happens in GenerationPipeline.
 
 Every request gets a request id (uuid4 hex) sent back in the `x-request-id` initial metadata
-and in the response, and in the `request_id` field of the request's log lines (passed with
-`extra=`: binding it to the RPC's context, llmserve.request_context, broke the drain of
-test_gateway_workers for a reason not yet found); `x-gateway-worker` names the worker process that served it. Sampling
+and in the response, and bound to the RPC's context (llmserve.request_context), so that every
+line logged while serving it carries it; `x-gateway-worker` names the worker process that
+served it. Sampling
 parameters are validated here, at the edge; errors from the hops come through as the statuses
 `hop_errors.error_from_rpc` chose. Each request is counted by how it ended (gateway.metrics).
 """
@@ -24,6 +24,7 @@ from llmserve.gateway.inference_client import ModelCard
 from llmserve.gateway.metrics import tracked_request
 from llmserve.gateway.preprocess_client import PromptInput
 from llmserve.gateway.request_id import REQUEST_ID_METADATA_KEY, new_request_id
+from llmserve.request_context import bind_request_id
 from llmserve.pb import chat_from_pb, finish_reason_to_pb, logprobs_to_pb, sampling_from_pb
 from llmserve.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc
 
@@ -98,9 +99,10 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
         """Mint the request id, send it as metadata, validate the request."""
         arrival_ns = time.monotonic_ns()
         request_id = new_request_id()
+        bind_request_id(request_id)
         await context.send_initial_metadata(((REQUEST_ID_METADATA_KEY, request_id), self._worker_metadata))
         generation = self._request_from_pb(request, request_id, arrival_ns)
-        log.debug("accepted", extra={"request_id": request_id, "prompt": generation.prompt_input})
+        log.debug("accepted", extra={"prompt": generation.prompt_input})
         return generation
 
     def _generate(
@@ -108,7 +110,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
     ) -> AsyncIterator[GenerationDelta]:
         deltas = self._pipeline.generate(generation, context.time_remaining)
         # Only at DEBUG: collecting the completion costs a little on every delta.
-        return _logging_completion(generation.request_id, deltas) if log.isEnabledFor(logging.DEBUG) else deltas
+        return _logging_completion(deltas) if log.isEnabledFor(logging.DEBUG) else deltas
 
     def _request_from_pb(
         self, request: gateway_pb2.GenerateParams, request_id: str, arrival_ns: int
@@ -145,9 +147,7 @@ def _prompt_input_from_pb(request: gateway_pb2.GenerateParams) -> PromptInput:
     raise InvalidArgument("input", "set one of prompt, chat or prompt_token_ids")
 
 
-async def _logging_completion(
-    request_id: str, deltas: AsyncIterator[GenerationDelta]
-) -> AsyncIterator[GenerationDelta]:
+async def _logging_completion(deltas: AsyncIterator[GenerationDelta]) -> AsyncIterator[GenerationDelta]:
     """`deltas`, passed on; once they end, a DEBUG line with the completion (text fields: llmserve.log_format)."""
     texts: list[str] = []
     token_ids: list[int] = []
@@ -158,7 +158,7 @@ async def _logging_completion(
             yield delta
     log.debug(
         "completion sent: %d tokens", len(token_ids),
-        extra={"request_id": request_id, "completion": "".join(texts), "completion_token_ids": token_ids},
+        extra={"completion": "".join(texts), "completion_token_ids": token_ids},
     )
 
 
