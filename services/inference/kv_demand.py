@@ -35,7 +35,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from llmserve.block_hash import HASH_VERSION, HashNamespace, chain_block_hashes
+from llmserve.block_hash import HashNamespace, chain_block_hashes
 from llmserve.inference.engine.types import EngineRequest
 
 
@@ -55,10 +55,7 @@ def prompt_block_hashes(request: EngineRequest, namespace: HashNamespace) -> lis
     """The hashes the engine gives the request's full prompt blocks: its own when cut and
     defined like ours (extended where it sent fewer), else computed like Sequence.block_hash."""
     block_size = namespace.block_size_tokens
-    num_full_blocks = len(request.prompt_token_ids) // block_size
-    hashes: list[int] = []
-    if request.block_size_tokens == block_size and request.block_hash_version == HASH_VERSION:
-        hashes = list(request.block_hashes[:num_full_blocks])
+    hashes = request.usable_block_hashes(block_size)
     parent = hashes[-1] if hashes else namespace.seed(request.cache_salt)
     hashes += chain_block_hashes(request.prompt_token_ids[len(hashes) * block_size :], block_size, parent)
     return hashes

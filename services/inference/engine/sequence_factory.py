@@ -16,7 +16,7 @@ import struct
 
 import torch
 
-from llmserve.block_hash import HASH_VERSION, HashNamespace
+from llmserve.block_hash import HashNamespace
 from llmserve.inference.engine.config import EngineConfig
 from llmserve.inference.engine.kv_cache import device_tensor
 from llmserve.inference.engine.sequence import Sequence
@@ -47,7 +47,7 @@ class SequenceFactory:
             sampling=request.sampling,
             arrival_ns=request.arrival_ns,
             priority=request.priority,
-            block_hashes=self._usable_block_hashes(request),
+            block_hashes=request.usable_block_hashes(self._block_size),
             hash_seed=self._hash_namespace.seed(request.cache_salt),
             rng=self._generator(seed),
         )
@@ -84,12 +84,6 @@ class SequenceFactory:
             rng=self._generator(_derived_seed(parent.rng.initial_seed(), index)),
             first_scheduled_ns=parent.first_scheduled_ns,
         )
-
-    def _usable_block_hashes(self, request: EngineRequest) -> list[int]:
-        """The request's block hashes when computed like ours; else none (computed lazily)."""
-        if request.block_size_tokens != self._block_size or request.block_hash_version != HASH_VERSION:
-            return []
-        return list(request.block_hashes[: len(request.prompt_token_ids) // self._block_size])
 
     def _generator(self, seed: int) -> torch.Generator:
         generator = torch.Generator(device=self._device)

@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from llmserve.block_hash import HashNamespace
+from llmserve.block_hash import HASH_VERSION, HashNamespace
 from llmserve.sampling import FinishReason, SamplingParams, TokenLogprob
 
 
@@ -30,6 +30,13 @@ class EngineRequest:
     cache_salt: str = field(default="", repr=False)  # never logged: it names a tenant
     priority: int = 0
     deadline_ns: int = 0  # time.monotonic_ns() when the caller stops waiting; 0 = no deadline
+
+    def usable_block_hashes(self, block_size: int) -> list[int]:
+        """Its full prompt blocks' hashes when computed like the engine's (this block size and
+        hash version); else none, and the engine computes them."""
+        if self.block_size_tokens != block_size or self.block_hash_version != HASH_VERSION:
+            return []
+        return list(self.block_hashes[: len(self.prompt_token_ids) // block_size])
 
 
 @dataclass(slots=True)
