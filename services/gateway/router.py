@@ -119,7 +119,7 @@ class Router:
             is_held = any(matches.get(replica.replica_id or "", 0) for replica in replicas)
             cause = FallbackCause.IMBALANCE if is_held else FallbackCause.NO_MATCH
             return _uncached(prompt, self._least_loaded(replicas), RouteReason.FALLBACK, cause)
-        num_blocks = _num_blocks(prompt, len(prompt.token_ids))
+        num_blocks = _num_blocks(prompt)
         queue_weight = self._config.queue_weight
 
         def blocks_before_first_token(replica: Replica) -> tuple[float, int, float]:
@@ -147,11 +147,11 @@ class Router:
 def _uncached(
     prompt: PreparedPrompt, replica: Replica, reason: RouteReason, cause: FallbackCause | None = None
 ) -> RouteDecision:
-    return RouteDecision(replica, 0, _num_blocks(prompt, len(prompt.token_ids)), reason, cause)
+    return RouteDecision(replica, 0, _num_blocks(prompt), reason, cause)
 
 
-def _num_blocks(prompt: PreparedPrompt, num_tokens: int) -> int:
-    return -(-num_tokens // prompt.block_size_tokens)
+def _num_blocks(prompt: PreparedPrompt) -> int:
+    return -(-len(prompt.token_ids) // prompt.block_size_tokens)
 
 
 def _reusable_tokens(prompt: PreparedPrompt, num_cached_blocks: int) -> int:
