@@ -133,7 +133,12 @@ def _add_fetch_model(commands) -> None:
 def _run_serve(args: argparse.Namespace) -> int:
     from llmserve.launcher import serve
 
-    return serve(serve_config_from_args(args))
+    try:
+        config = serve_config_from_args(args)
+    except ValueError as error:  # flags that parse but do not fit together: argparse's usage error
+        print(f"llmserve serve: error: {error}", file=sys.stderr)
+        return 2
+    return serve(config)
 
 
 def _run_fetch_model(args: argparse.Namespace) -> int:

@@ -187,6 +187,13 @@ def test_serve_replicas_get_ids_and_one_gpu_each_on_cuda(tiny_model_dir):
         serve_config("--replicas", "0")
 
 
+def test_serve_refuses_flags_that_do_not_fit_in_one_line(capsys):
+    assert cli_main(["serve", "--replicas", "0"]) == 2
+    assert capsys.readouterr().err == "llmserve serve: error: --replicas must be >= 1, got 0\n"
+    assert cli_main(["serve", "--metrics-port", "70000"]) == 2
+    assert "--metrics-port must leave room for every service's port" in capsys.readouterr().err
+
+
 def test_serve_metrics_port_gives_each_service_its_own(tiny_model_dir):
     config = serve_config("--replicas", "2", "--metrics-port", "9400")
     common = _common_args(config, tiny_model_dir, None)
