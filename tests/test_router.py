@@ -85,6 +85,20 @@ async def test_a_holder_s_prefill_queue_counts_against_what_it_holds():
     assert replicas[0].pending_prefill_blocks == 0
 
 
+async def test_requests_in_flight_count_against_what_a_replica_holds():
+    index = MemoryPrefixIndex()
+    # PROMPT has 5 blocks: r0 computes 1, r1 computes 3; no bound in the way (slack 10).
+    replicas = await fleet(index, {"r0": 4, "r1": 2}, {"r0": 4, "r1": 1})
+    # Weight 1: r0 costs 1 + 4 in flight, r1 3 + 1: the quieter replica wins a 2-block difference.
+    decision = await router(replicas, index, load_slack=10, load_weight=1).choose(PROMPT)
+    assert (decision.replica.replica_id, decision.predicted_cached_tokens) == ("r1", 2 * BLOCK)
+    # Weight 0.5: 1 + 2 < 3 + 0.5: the longer prefix still wins.
+    assert (await router(replicas, index, load_slack=10, load_weight=0.5).choose(PROMPT)).replica.replica_id == "r0"
+    assert (await router(replicas, index, load_slack=10).choose(PROMPT)).replica.replica_id == "r0"
+    with pytest.raises(ValueError, match="load weight"):
+        RoutingConfig(load_weight=-1)
+
+
 async def test_nothing_cached_goes_to_the_least_loaded():
     index = MemoryPrefixIndex()
     replicas = await fleet(index, {"r0": 0, "r1": 0, "r2": 0}, {"r0": 2, "r1": 1, "r2": 3})

@@ -18,9 +18,11 @@ load_slack). Past that, recomputing the prefix elsewhere is cheaper than queuein
 Cost: the blocks the replica would prefill before this request's first token: the prompt's
 blocks it does not hold, plus queue_weight x those this gateway's requests there have yet to
 prefill (known until each reports its first token; other gateways' queues show only in the
-load). So a holder with a prefill queue loses to a replica that recomputes less than that
-queue; decode load is left to the bound: on the H200 a decode step barely grows with the
-batch, a prefill does. queue_weight 0: the longest cached prefix within the bound.
+load), plus load_weight x its requests in flight. So a holder with a prefill queue loses to a
+replica that recomputes less than that queue, and with load_weight > 0 a request whose cached
+prefix is short (a system prompt) goes to a quieter replica before the bound forces one whose
+prefix is long (a conversation's history) to move. Both 0: the longest cached prefix within
+the bound.
 """
 
 from __future__ import annotations
@@ -41,6 +43,7 @@ DEFAULT_LOAD_SLACK = 4  # requests
 # 0 until measured on a GPU: at 1 the CPU routing show (tests/test_routing.py) kept 0.86 of the
 # conversations' history cached instead of >= 0.9, trading hits for shorter prefill queues.
 DEFAULT_QUEUE_WEIGHT = 0.0
+DEFAULT_LOAD_WEIGHT = 0.0  # blocks per request in flight
 
 
 class RoutingPolicy(enum.Enum):
@@ -55,8 +58,11 @@ class RoutingConfig:
     load_ratio: float = DEFAULT_LOAD_RATIO
     load_slack: int = DEFAULT_LOAD_SLACK
     queue_weight: float = DEFAULT_QUEUE_WEIGHT
+    load_weight: float = DEFAULT_LOAD_WEIGHT
 
     def __post_init__(self) -> None:
+        if self.load_weight < 0:
+            raise ValueError(f"routing load weight must be >= 0, got {self.load_weight}")
         if self.queue_weight < 0:
             raise ValueError(f"routing queue weight must be >= 0, got {self.queue_weight}")
         if self.load_ratio < 1:
@@ -120,13 +126,14 @@ class Router:
             cause = FallbackCause.IMBALANCE if is_held else FallbackCause.NO_MATCH
             return _uncached(prompt, self._least_loaded(replicas), RouteReason.FALLBACK, cause)
         num_blocks = _num_blocks(prompt)
-        queue_weight = self._config.queue_weight
+        queue_weight, load_weight = self._config.queue_weight, self._config.load_weight
 
-        def blocks_before_first_token(replica: Replica) -> tuple[float, int, float]:
+        def cost(replica: Replica) -> tuple[float, int, float]:
             new_blocks = num_blocks - cached[id(replica)] // prompt.block_size_tokens
-            return new_blocks + queue_weight * replica.pending_prefill_blocks, *replica.load_key
+            queued = queue_weight * replica.pending_prefill_blocks + load_weight * replica.num_requests
+            return new_blocks + queued, *replica.load_key
 
-        best = min(self._rotated(eligible), key=blocks_before_first_token)
+        best = min(self._rotated(eligible), key=cost)
         tokens = cached[id(best)]
         return RouteDecision(best, tokens, num_blocks - tokens // prompt.block_size_tokens, RouteReason.PREFIX)
 

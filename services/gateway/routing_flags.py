@@ -9,6 +9,7 @@ from llmserve.gateway.discovery import DEFAULT_RESOLVE_INTERVAL_S
 from llmserve.gateway.router import (
     DEFAULT_LOAD_RATIO,
     DEFAULT_LOAD_SLACK,
+    DEFAULT_LOAD_WEIGHT,
     DEFAULT_QUEUE_WEIGHT,
     RoutingConfig,
     RoutingPolicy,
@@ -40,6 +41,12 @@ def add_routing_arguments(parser: argparse.ArgumentParser) -> None:
         help="kv routing counts W x the prefill this gateway has queued on a replica against the prompt "
         "blocks it holds; 0: the longest cached prefix within the load bound (default: %(default)s)",
     )
+    group.add_argument(
+        "--routing-load-weight", type=float, default=DEFAULT_LOAD_WEIGHT, metavar="BLOCKS",
+        help="kv routing counts BLOCKS x each request in flight on a replica against the prompt blocks it "
+        "holds, so a request whose cached prefix is short goes to a quieter replica before the load bound "
+        "forces one whose prefix is long to move (default: %(default)s)",
+    )
     add_redis_arguments(
         group,
         "keep the prefix index in this Redis (redis://host:port/db), written by the inference replicas "
@@ -61,7 +68,8 @@ def routing_options(args: argparse.Namespace) -> dict[str, Any]:
     """GatewayConfig fields from the parsed routing flags."""
     return dict(
         routing=RoutingConfig(
-            RoutingPolicy(args.routing), args.routing_load_ratio, args.routing_load_slack, args.routing_queue_weight
+            RoutingPolicy(args.routing), args.routing_load_ratio, args.routing_load_slack,
+            args.routing_queue_weight, args.routing_load_weight,
         ),
         redis=redis_config_from_args(args),
         resolve_interval_s=args.resolve_interval_s,
