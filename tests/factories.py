@@ -6,6 +6,7 @@ model.safetensors + tokenizer.json + tokenizer_config.json with a ChatML templat
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 CHATML_TEMPLATE = (
@@ -127,3 +128,14 @@ def build_tiny_model(out_dir: Path, arch: str = "llama", seed: int = 0) -> Path:
                 p.normal_(0.0, 0.05)
     model.save_pretrained(out_dir, safe_serialization=True)
     return out_dir
+
+
+def with_context(model_dir: Path, out_dir: Path, context_tokens: int) -> Path:
+    """A copy of `model_dir` under `out_dir` whose config allows `context_tokens` positions (a
+    tiny model's weights do not depend on it): room for long prompts or long generations."""
+    out = out_dir / "model"
+    shutil.copytree(model_dir, out)
+    config = json.loads((out / "config.json").read_text())
+    config["max_position_embeddings"] = context_tokens
+    (out / "config.json").write_text(json.dumps(config))
+    return out

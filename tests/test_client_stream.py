@@ -8,9 +8,7 @@ what Generate says, and a client that stops reading has its request aborted and 
 from __future__ import annotations
 
 import asyncio
-import json
 import re
-import shutil
 import time
 from contextlib import aclosing
 from pathlib import Path
@@ -23,6 +21,7 @@ from llmserve.gateway.client_stream import ClientNotReading, coalesced, merge_de
 from llmserve.gateway.generation import GenerationDelta, GenerationResult
 from llmserve.sampling import FinishReason, TokenLogprob
 from llmserve.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc, inference_pb2, inference_pb2_grpc
+from tests.factories import with_context
 from tests.procs import running_stack
 
 RESULT = GenerationResult(
@@ -135,12 +134,7 @@ WAIT_TIMEOUT_S = 60.0
 
 @pytest.fixture(scope="module")
 def long_context_model_dir(tiny_model_dir, tmp_path_factory) -> Path:
-    out = tmp_path_factory.mktemp("tiny-llama-long") / "model"
-    shutil.copytree(tiny_model_dir, out)
-    config_path = out / "config.json"
-    config = {**json.loads(config_path.read_text()), "max_position_embeddings": CONTEXT_TOKENS}
-    config_path.write_text(json.dumps(config))
-    return out
+    return with_context(tiny_model_dir, tmp_path_factory.mktemp("tiny-llama-long"), CONTEXT_TOKENS)
 
 
 @pytest.fixture(scope="module")

@@ -7,8 +7,6 @@ deadline pass or matches a stop string: those tests then see inference abort it.
 
 from __future__ import annotations
 
-import json
-import shutil
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -26,6 +24,7 @@ from llmserve.v1 import (
     preprocess_pb2,
     preprocess_pb2_grpc,
 )
+from tests.factories import with_context
 from tests.procs import start_service, stop_service
 from tests.rich_status import field_violation, retry_delay_ms
 
@@ -38,12 +37,7 @@ GREEDY = dict(temperature=0.0)
 
 @pytest.fixture(scope="module")
 def model_dir(tiny_model_dir, tmp_path_factory) -> Path:
-    out = tmp_path_factory.mktemp("tiny-llama-4k") / "model"
-    shutil.copytree(tiny_model_dir, out)
-    config = json.loads((out / "config.json").read_text())
-    config["max_position_embeddings"] = LONG_CONTEXT_TOKENS
-    (out / "config.json").write_text(json.dumps(config))
-    return out
+    return with_context(tiny_model_dir, tmp_path_factory.mktemp("tiny-llama-4k"), LONG_CONTEXT_TOKENS)
 
 
 # name → (inference flags, gateway flags): the default data plane on each backend, and the

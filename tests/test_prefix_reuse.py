@@ -8,8 +8,6 @@ A tiny random Llama (tests/factories.py) with a 512-token context; block size 16
 
 from __future__ import annotations
 
-import json
-import shutil
 from pathlib import Path
 
 import pytest
@@ -17,6 +15,7 @@ import pytest
 from llmserve.inference.engine.torch_engine import TorchEngineCore
 from llmserve.preprocess.config import PreprocessConfig
 from llmserve.preprocess.preprocessor import TOKEN_IDS_FIELD, Preprocessor
+from tests.factories import with_context
 from tests.test_torch_engine import Result, assert_pool_full, drain, greedy, make_engine, make_prompt, request, run
 
 NUM_NEW_TOKENS = 4
@@ -25,12 +24,7 @@ NUM_NEW_TOKENS = 4
 @pytest.fixture(scope="module")
 def long_context_model_dir(tiny_model_dir, tmp_path_factory) -> Path:
     """The tiny Llama with room for 300-token prompts (its weights do not depend on it)."""
-    model_dir = tmp_path_factory.mktemp("tiny-llama-512") / "model"
-    shutil.copytree(tiny_model_dir, model_dir)
-    config = json.loads((model_dir / "config.json").read_text())
-    config["max_position_embeddings"] = 512
-    (model_dir / "config.json").write_text(json.dumps(config))
-    return model_dir
+    return with_context(tiny_model_dir, tmp_path_factory.mktemp("tiny-llama-512"), 512)
 
 
 def long_engine(model_dir: Path, **overrides) -> TorchEngineCore:

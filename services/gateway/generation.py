@@ -7,6 +7,9 @@ Lifecycle (the servicer turns each step's output into protobuf):
   3. each chunk → incremental detokenizer (whole characters only) → stop-string matcher
      (holds back text that may start a stop string) → a GenerationDelta.
   4. the last delta carries finish reason, usage, timings and the routing decision.
+     A replica that refuses it at admission (RESOURCE_EXHAUSTED, before any token) passes it
+     on: the router picks again among the live replicas that have not refused it, so the
+     client is refused only when every replica is full.
   5. if the request ends before inference finished it (client cancel, deadline, stop string,
      error), the inference request is cancelled (an abort on the Multiplex stream, or the call
      cancelled plus Abort(request_id)), so its KV blocks are freed at once.
@@ -25,9 +28,10 @@ import grpc
 from llmserve.errors import ServiceError
 from llmserve.gateway.detokenizer import Detokenizer, DetokenizerStream
 from llmserve.gateway.hop_errors import DownstreamError
-from llmserve.gateway.metrics import record_finished, record_first_tokens, record_next_tokens
+from llmserve.gateway.metrics import record_finished, record_first_tokens, record_next_tokens, record_reroute
 from llmserve.gateway.preprocess_client import PreparedPrompt, PromptInput
 from llmserve.gateway.preprocess_pool import PreprocessPool
+from llmserve.gateway.replica import Replica
 from llmserve.gateway.router import RouteDecision, Router
 from llmserve.gateway.stop_strings import StopStringMatcher
 from llmserve.gateway.token_chunks import TokenChunk
@@ -117,13 +121,26 @@ class GenerationPipeline:
             cache_salt=request.cache_salt,
             timeout_s=time_remaining(),
         )
-        route = await self._router.choose(prompt)
-        with route.replica.dispatched(route.prefill_blocks) as dispatch:
-            async with aclosing(self._generate_on(route, request, prompt, time_remaining)) as deltas:
-                async for delta in deltas:
-                    if delta.token_ids:
-                        dispatch.prefilled()
-                    yield delta
+        refused: list[Replica] = []
+        while True:
+            route = await self._router.choose(prompt, excluding=refused)
+            has_output = False
+            try:
+                with route.replica.dispatched(route.prefill_blocks) as dispatch:
+                    async with aclosing(self._generate_on(route, request, prompt, time_remaining)) as deltas:
+                        async for delta in deltas:
+                            has_output = True
+                            if delta.token_ids:
+                                dispatch.prefilled()
+                            yield delta
+                return
+            except DownstreamError as error:
+                refused.append(route.replica)
+                if has_output or not _is_admission_refusal(error) or not self._router.has_replica_beyond(refused):
+                    raise
+                record_reroute(route.replica.name)
+                log.info("replica %s refused request %s (%s); routing it again", route.replica.name,
+                         request.request_id, error)
 
     async def _generate_on(
         self, route: RouteDecision, request: GenerationRequest, prompt: PreparedPrompt, time_remaining: TimeRemaining
@@ -212,6 +229,12 @@ class GenerationPipeline:
             replica_id=state.route.replica.name,
             predicted_cached_tokens=state.route.predicted_cached_tokens,
         )
+
+
+def _is_admission_refusal(error: DownstreamError) -> bool:
+    """A replica's admission turned the request away (full KV pool, queue or step budget): it
+    ran nothing, and another replica may have room."""
+    return error.code == grpc.StatusCode.RESOURCE_EXHAUSTED
 
 
 def _log_finished(request_id: str, result: GenerationResult) -> None:

@@ -91,6 +91,11 @@ ROUTING_ACTUAL_CACHED_TOKENS = Counter(
 ROUTING_FALLBACKS = Counter(
     _ROUTING_PREFIX + "fallbacks", "Requests the kv policy routed by load alone, and why.", ["cause"]
 )
+ROUTING_REROUTES = Counter(
+    _ROUTING_PREFIX + "reroutes",
+    "Requests a replica refused at admission (RESOURCE_EXHAUSTED) that were routed to another replica.",
+    ["replica"],
+)
 # Every worker routes to the same replicas: the one that sees the most tells how many are up
 # (a worker that is still starting sees none).
 ROUTING_REPLICAS_LIVE = Gauge(
@@ -147,6 +152,10 @@ def record_route(replica: str, reason: str, fallback_cause: str | None) -> None:
     ROUTING_DECISIONS.labels(replica, reason).inc()
     if fallback_cause is not None:
         ROUTING_FALLBACKS.labels(fallback_cause).inc()
+
+
+def record_reroute(refusing_replica: str) -> None:
+    ROUTING_REROUTES.labels(refusing_replica).inc()
 
 
 def record_replica_liveness(is_live: bool) -> None:

@@ -30,7 +30,7 @@ from __future__ import annotations
 import enum
 import itertools
 from dataclasses import dataclass
-from typing import Callable, Sequence
+from typing import Callable, Collection, Sequence
 
 from llmserve.errors import Unavailable
 from llmserve.gateway.metrics import record_route
@@ -101,14 +101,17 @@ class Router:
         self._index = index
         self._turns = itertools.count()  # round-robin, and the tie-break among equals
 
-    async def choose(self, prompt: PreparedPrompt) -> RouteDecision:
-        decision = await self._decide(prompt)
+    async def choose(self, prompt: PreparedPrompt, excluding: Collection[Replica] = ()) -> RouteDecision:
+        """Route among the live replicas less `excluding` (those that refused this request)."""
+        decision = await self._decide(prompt, [replica for replica in self._live_replicas() if replica not in excluding])
         cause = decision.fallback_cause.value if decision.fallback_cause is not None else None
         record_route(decision.replica.name, decision.reason.value, cause)
         return decision
 
-    async def _decide(self, prompt: PreparedPrompt) -> RouteDecision:
-        replicas = self._live_replicas()
+    def has_replica_beyond(self, excluding: Collection[Replica]) -> bool:
+        return any(replica not in excluding for replica in self._live_replicas())
+
+    async def _decide(self, prompt: PreparedPrompt, replicas: Sequence[Replica]) -> RouteDecision:
         if not replicas:
             raise Unavailable("inference unavailable: no inference replica is live")
         if self._config.policy is RoutingPolicy.ROUND_ROBIN:
