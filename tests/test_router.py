@@ -40,6 +40,8 @@ async def fleet(index: MemoryPrefixIndex, held_blocks: dict[str, int], running: 
 
 
 def router(replicas, index, policy=RoutingPolicy.KV, **bound) -> Router:
+    """Without the load weight unless asked: these tests pin the other terms of the cost."""
+    bound.setdefault("load_weight", 0.0)
     return Router(RoutingConfig(policy, **bound), lambda: [r for r in replicas if r.is_live], index)
 
 
@@ -94,7 +96,8 @@ async def test_requests_in_flight_count_against_what_a_replica_holds():
     assert (decision.replica.replica_id, decision.predicted_cached_tokens) == ("r1", 2 * BLOCK)
     # Weight 0.5: 1 + 2 < 3 + 0.5: the longer prefix still wins.
     assert (await router(replicas, index, load_slack=10, load_weight=0.5).choose(PROMPT)).replica.replica_id == "r0"
-    assert (await router(replicas, index, load_slack=10).choose(PROMPT)).replica.replica_id == "r0"
+    assert (await router(replicas, index, load_slack=10, load_weight=0).choose(PROMPT)).replica.replica_id == "r0"
+    assert RoutingConfig().load_weight == 1  # the default
     with pytest.raises(ValueError, match="load weight"):
         RoutingConfig(load_weight=-1)
 

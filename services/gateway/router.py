@@ -43,7 +43,7 @@ DEFAULT_LOAD_SLACK = 4  # requests
 # 0 until measured on a GPU: at 1 the CPU routing show (tests/test_routing.py) kept 0.86 of the
 # conversations' history cached instead of >= 0.9, trading hits for shorter prefill queues.
 DEFAULT_QUEUE_WEIGHT = 0.0
-DEFAULT_LOAD_WEIGHT = 0.0  # blocks per request in flight
+DEFAULT_LOAD_WEIGHT = 1.0  # blocks per request in flight
 
 
 class RoutingPolicy(enum.Enum):
