@@ -40,10 +40,13 @@ from llmserve.prefix_index import PrefixIndex
 
 DEFAULT_LOAD_RATIO = 1.5
 DEFAULT_LOAD_SLACK = 4  # requests
-# 0 until measured on a GPU: at 1 the CPU routing show (tests/test_routing.py) kept 0.86 of the
-# conversations' history cached instead of >= 0.9, trading hits for shorter prefill queues.
+# 0: at 1 the CPU routing show (tests/test_routing.py) keeps 0.72-0.80 of the conversations'
+# history cached instead of >= 0.9, and on the H200 it bought a shorter tail for fewer hits and,
+# on the 8B shape, less throughput (docs/benchmarks.md, runs V-Y).
 DEFAULT_QUEUE_WEIGHT = 0.0
-DEFAULT_LOAD_WEIGHT = 1.0  # blocks per request in flight
+# 1 block per request in flight: spreads requests whose cached prefix is short (the CPU show's
+# loads stay within 1.25x); a 128-block prefix on the H200 shapes outweighs it.
+DEFAULT_LOAD_WEIGHT = 1.0
 
 
 class RoutingPolicy(enum.Enum):
