@@ -22,7 +22,7 @@ def add_routing_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument(
         "--routing", default=RoutingPolicy.KV.value, choices=[policy.value for policy in RoutingPolicy],
         help="kv: the replica with the least prefill before the request's first token (the prompt blocks "
-        "it does not hold plus the prefill this gateway has queued there), within the load bound below "
+        "it does not hold, plus --routing-queue-weight and --routing-load-weight terms), within the load bound "
         "(least-loaded when no replica holds any of the prompt); least-loaded: fewest requests in flight; round-robin: "
         "each replica in turn (default: %(default)s)",
     )
