@@ -126,13 +126,10 @@ class GenerationPipeline:
             route = await self._router.choose(prompt, excluding=refused)
             has_output = False
             try:
-                with route.replica.dispatched(route.prefill_blocks) as dispatch:
-                    async with aclosing(self._generate_on(route, request, prompt, time_remaining)) as deltas:
-                        async for delta in deltas:
-                            has_output = True
-                            if delta.token_ids:
-                                dispatch.prefilled()
-                            yield delta
+                async with aclosing(self._generate_routed(route, request, prompt, time_remaining)) as deltas:
+                    async for delta in deltas:
+                        has_output = True
+                        yield delta
                 return
             except DownstreamError as error:
                 refused.append(route.replica)
@@ -141,6 +138,18 @@ class GenerationPipeline:
                 record_reroute(route.replica.name)
                 log.info("replica %s refused request %s (%s); routing it again", route.replica.name,
                          request.request_id, error)
+
+    async def _generate_routed(
+        self, route: RouteDecision, request: GenerationRequest, prompt: PreparedPrompt, time_remaining: TimeRemaining
+    ) -> AsyncIterator[GenerationDelta]:
+        """The request on the route's replica, counted in flight there (its prefill pending until
+        its first token)."""
+        with route.replica.dispatched(route.prefill_blocks) as dispatch:
+            async with aclosing(self._generate_on(route, request, prompt, time_remaining)) as deltas:
+                async for delta in deltas:
+                    if delta.token_ids:
+                        dispatch.prefilled()
+                    yield delta
 
     async def _generate_on(
         self, route: RouteDecision, request: GenerationRequest, prompt: PreparedPrompt, time_remaining: TimeRemaining

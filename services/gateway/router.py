@@ -106,13 +106,16 @@ class Router:
 
     async def choose(self, prompt: PreparedPrompt, excluding: Collection[Replica] = ()) -> RouteDecision:
         """Route among the live replicas less `excluding` (those that refused this request)."""
-        decision = await self._decide(prompt, [replica for replica in self._live_replicas() if replica not in excluding])
+        decision = await self._decide(prompt, self._routable(excluding))
         cause = decision.fallback_cause.value if decision.fallback_cause is not None else None
         record_route(decision.replica.name, decision.reason.value, cause)
         return decision
 
     def has_replica_beyond(self, excluding: Collection[Replica]) -> bool:
-        return any(replica not in excluding for replica in self._live_replicas())
+        return bool(self._routable(excluding))
+
+    def _routable(self, excluding: Collection[Replica]) -> list[Replica]:
+        return [replica for replica in self._live_replicas() if replica not in excluding]
 
     async def _decide(self, prompt: PreparedPrompt, replicas: Sequence[Replica]) -> RouteDecision:
         if not replicas:
@@ -136,8 +139,8 @@ class Router:
 
         def cost(replica: Replica) -> tuple[float, int, float]:
             new_blocks = num_blocks - cached[id(replica)] // prompt.block_size_tokens
-            queued = queue_weight * replica.pending_prefill_blocks + load_weight * replica.num_requests
-            return new_blocks + queued, *replica.load_key
+            weighted_load = queue_weight * replica.pending_prefill_blocks + load_weight * replica.num_requests
+            return new_blocks + weighted_load, *replica.load_key
 
         best = min(self._rotated(eligible), key=cost)
         tokens = cached[id(best)]

@@ -24,8 +24,8 @@ from llmserve.gateway.inference_client import ModelCard
 from llmserve.gateway.metrics import tracked_request
 from llmserve.gateway.preprocess_client import PromptInput
 from llmserve.gateway.request_id import REQUEST_ID_METADATA_KEY, new_request_id
-from llmserve.request_context import bind_request_id
 from llmserve.pb import chat_from_pb, finish_reason_to_pb, logprobs_to_pb, sampling_from_pb
+from llmserve.request_context import bind_request_id
 from llmserve.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc
 
 log = logging.getLogger(__name__)
