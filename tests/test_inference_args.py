@@ -13,6 +13,8 @@ import torch
 from llmserve.cli import build_parser as build_cli_parser
 from llmserve.cli import main as cli_main
 from llmserve.gateway.__main__ import build_parser as build_gateway_parser
+from llmserve.gateway.__main__ import config_from_args as gateway_config_from_args
+from llmserve.gateway.__main__ import main as gateway_main
 from llmserve.inference.__main__ import config_from_args, parse_args
 from llmserve.inference.engine.config import EngineConfig
 from llmserve.inference.models.attention_backend import resolve_attention_backend
@@ -308,3 +310,14 @@ def test_a_flag_combination_the_engine_cannot_run_fails_with_one_clear_line(tiny
     assert "cannot start the engine: kv_cache_dtype 'fp8' needs the triton attention backend" in completed.stderr
     assert "Traceback" not in completed.stderr
     assert not port_file.exists()
+
+
+def test_gateway_routing_weights_reach_the_config_and_a_negative_one_is_a_usage_error(capsys):
+    routing = gateway_config_from_args(gateway_args("--routing-load-weight", "2.5", "--routing-queue-weight", "1")).routing
+    assert (routing.load_weight, routing.queue_weight) == (2.5, 1.0)
+    assert gateway_config_from_args(gateway_args()).routing.load_weight == 1.0  # the default
+    for flag in ("--routing-load-weight", "--routing-queue-weight"):
+        with pytest.raises(SystemExit) as info:
+            gateway_main(["--preprocess", "127.0.0.1:1", "--inference", "127.0.0.1:2", "--model", "m", flag, "-1"])
+        assert info.value.code == 2
+        assert "must be >= 0, got -1.0" in capsys.readouterr().err
