@@ -204,5 +204,7 @@ def stop_services(
             service.send_signal(signal.SIGTERM)
         for service in started:
             if service.wait(timeout_s, force=force) is None:
-                log.warning("%s did not exit within %.0fs: killing it", service.name, timeout_s)
+                is_forced = force is not None and force.is_set()
+                why = "a second stop signal" if is_forced else f"not exited within {timeout_s:.0f}s"
+                log.warning("%s: killing it (%s)", service.name, why)
             service.kill()
