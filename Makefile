@@ -6,7 +6,7 @@ PROTO_SRC := $(wildcard protos/llmserve/v1/*.proto)
 PROTO_OUT := llmserve/v1
 # The Node.js client test's project (tests/test_node_client.py).
 NODE_DIR := tests/node
-# Where the launcher keeps the converted default model (see llmserve/model_store.py).
+# Where the launcher keeps the converted default model (see tools/model_store.py).
 export LLMSERVE_CACHE_DIR ?= $(HOME)/.cache/llmserve
 # The torch of `make setup` (its CPU build) and of the inference images (CUDA or CPU build).
 TORCH_VERSION := 2.13.0

@@ -52,7 +52,7 @@ sys.path.insert(0, str(REPO_ROOT))
 from bench.proc_cpu import CLOCK_TICKS_PER_S, snapshot  # noqa: E402
 from llmserve.gateway.preprocess_client import PromptInput  # noqa: E402
 from llmserve.gateway.preprocess_pool import PreprocessPool  # noqa: E402
-from llmserve.service_process import ServiceProcess, stop_services  # noqa: E402
+from llmserve.tools.service_process import ServiceProcess, stop_services  # noqa: E402
 from llmserve.v1 import preprocess_pb2  # noqa: E402
 
 METHOD = "/llmserve.v1.PreprocessService/Preprocess"

@@ -41,7 +41,7 @@ import grpc
 REPO_ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO_ROOT))
 
-from llmserve.service_process import ServiceProcess, stop_services  # noqa: E402
+from llmserve.tools.service_process import ServiceProcess, stop_services  # noqa: E402
 from llmserve.v1 import common_pb2, gateway_pb2, preprocess_pb2  # noqa: E402
 
 TEN_MB = 10 * 1024 * 1024
@@ -231,7 +231,7 @@ def main() -> None:
     if args.model:
         model = Path(args.model).expanduser()
     else:
-        from llmserve.model_store import resolve_model
+        from llmserve.tools.model_store import resolve_model
 
         model = resolve_model(None)
     rows = [run_config(name, model, args) for name in configs]

@@ -33,9 +33,9 @@ sys.path.insert(0, str(REPO_ROOT))
 sys.path.insert(0, str(REPO_ROOT / "bench"))
 
 import bench_stack  # noqa: E402
-from llmserve.loadgen.runner import RunConfig, run_workload  # noqa: E402
-from llmserve.loadgen.stats import summarize  # noqa: E402
-from llmserve.loadgen.workload import LengthDistribution, PromptBuilder, PromptForm, WorkloadConfig, plan_requests  # noqa: E402
+from llmserve.tools.loadgen.runner import RunConfig, run_workload  # noqa: E402
+from llmserve.tools.loadgen.stats import summarize  # noqa: E402
+from llmserve.tools.loadgen.workload import LengthDistribution, PromptBuilder, PromptForm, WorkloadConfig, plan_requests  # noqa: E402
 from tests.procs import launch_service, start_service, stop_service  # noqa: E402
 
 BLOCK_SIZE = 16

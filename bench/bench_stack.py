@@ -11,8 +11,8 @@ Paths (each on a fresh engine: the same weights, the same engine flags):
   async    AsyncEngine in process: create_engine(config), what the inference service wraps
            (engine thread + event loop), one asyncio task per stream;
   grpc     inference over gRPC: `python -m llmserve.inference` (token ids in), driven by
-           llmserve.loadgen's workers calling GenerateTokens;
-  gateway  full stack: preprocess + inference + gateway processes, driven by llmserve.loadgen
+           llmserve.tools.loadgen's workers calling GenerateTokens;
+  gateway  full stack: preprocess + inference + gateway processes, driven by llmserve.tools.loadgen
            (`llmserve bench`'s load generator) with text prompts of exactly --prompt-tokens
            tokens (the server's prompt count is in the JSON as prompt_tokens_per_request).
 
@@ -29,7 +29,7 @@ core loop runs torch's CPU kernels on the main thread, whose OpenMP team crawls 
 machine.
 
 Per (path, streams): output tok/s and its ratio to `core` at the same streams, TTFT p50/p99,
-ITL p50 and its ratio to `core` (llmserve.loadgen.stats definitions, measured where the
+ITL p50 and its ratio to `core` (llmserve.tools.loadgen.stats definitions, measured where the
 client sees tokens), and the CPU% of each process over the measured window (bench process:
 the client, and for core/async the engine too; gateway; preprocess; inference), with its
 busiest threads; gateway output tok/s per gateway CPU core (tok/s / (gateway CPU% / 100)).
@@ -77,8 +77,8 @@ import stack_report  # noqa: E402
 import stack_services  # noqa: E402
 from llmserve.inference.engine.config import default_dtype  # noqa: E402
 from llmserve.inference.engine_flags import add_engine_arguments, engine_config, engine_options  # noqa: E402
-from llmserve.loadgen.stats import summarize  # noqa: E402
-from llmserve.loadgen.workload import PromptBuilder  # noqa: E402
+from llmserve.tools.loadgen.stats import summarize  # noqa: E402
+from llmserve.tools.loadgen.workload import PromptBuilder  # noqa: E402
 from llmserve.model_files import ModelFiles  # noqa: E402
 
 PATHS = {

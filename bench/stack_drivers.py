@@ -1,7 +1,7 @@
 """How bench_stack.py drives each path: the same planned requests, `concurrency` in flight (a new
 one starts as one finishes), greedy, ignore_eos; every request recorded as a loadgen
 RequestRecord (monotonic times of each message that carried tokens), so one set of statistics
-(llmserve.loadgen.stats) measures every path the same way.
+(llmserve.tools.loadgen.stats) measures every path the same way.
 
   drive_core          an EngineCore stepped by a plain loop on this thread;
   drive_async_engine  an AsyncEngine (engine thread + this event loop), one task per stream;
@@ -23,8 +23,8 @@ from dataclasses import dataclass
 import grpc
 
 from llmserve.inference.engine.types import EngineCore, EngineOutput, EngineRequest
-from llmserve.loadgen.client import RequestRecord, WorkerPlan, record_stream
-from llmserve.loadgen.workload import (
+from llmserve.tools.loadgen.client import RequestRecord, WorkerPlan, record_stream
+from llmserve.tools.loadgen.workload import (
     LengthDistribution, PlannedRequest, PromptBuilder, PromptForm, WorkloadConfig, plan_requests,
 )
 from llmserve.sampling import SamplingParams

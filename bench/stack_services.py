@@ -1,6 +1,6 @@
 """The service paths of bench_stack.py (`grpc`: the inference service; `gateway`: preprocess,
 inference and the gateway): start the processes as the tests do (tests/procs.py: port 0, wait
-for SERVING, SIGTERM at the end), drive them with llmserve.loadgen's spawned workers, and
+for SERVING, SIGTERM at the end), drive them with llmserve.tools.loadgen's spawned workers, and
 sample the CPU of every process (the bench process and its workers, each service) over each
 cell's window.
 """
@@ -15,9 +15,9 @@ import proc_cpu
 import stack_drivers
 import stack_report
 from llmserve.inference.engine_flags import engine_argv
-from llmserve.launcher import PREPROCESS_ENGINE_OPTIONS
-from llmserve.loadgen.runner import RunConfig, run_workload
-from llmserve.loadgen.stats import summarize
+from llmserve.tools.launcher import PREPROCESS_ENGINE_OPTIONS
+from llmserve.tools.loadgen.runner import RunConfig, run_workload
+from llmserve.tools.loadgen.stats import summarize
 from tests.procs import start_service, stop_service
 
 

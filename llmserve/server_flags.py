@@ -1,6 +1,6 @@
 """The command-line contract of every service: the flags they all take and their defaults.
 
-The launcher (llmserve.launcher) starts its children with these flags, and `llmserve serve`
+The launcher (llmserve.tools.launcher) starts its children with these flags, and `llmserve serve`
 and the client commands take their defaults from here, so each value is defined once.
 """
 
@@ -27,7 +27,7 @@ def add_server_arguments(
     """Add the flags every service takes: --host, --port, --port-file, --log-level, --grace-period-s,
     and those of what it shows an operator (--metrics-port, --log-format, --log-prompts).
 
-    They are the launcher's contract with its children (see llmserve.launcher), so they are
+    They are the launcher's contract with its children (see llmserve.tools.launcher), so they are
     defined once. Returns the "server" group, for service-specific server flags (--replica-id).
     """
     group = parser.add_argument_group("server")

@@ -10,7 +10,7 @@ from __future__ import annotations
 import functools
 from pathlib import Path
 
-from llmserve.model_store import resolve_model
+from llmserve.tools.model_store import resolve_model
 
 
 @functools.cache

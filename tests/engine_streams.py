@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import time
 
-from llmserve.inference.engine.async_engine import AsyncEngine
+from llmserve.inference.async_engine import AsyncEngine
 from llmserve.inference.engine.types import EngineOutput, EngineRequest
 
 HANG_GUARD_S = 60.0

@@ -15,7 +15,7 @@ import signal
 from pathlib import Path
 from typing import Iterator, Sequence
 
-from llmserve.service_process import ServiceProcess
+from llmserve.tools.service_process import ServiceProcess
 
 STARTUP_TIMEOUT_S = 180.0
 STOP_TIMEOUT_S = 20.0

@@ -15,7 +15,7 @@ import pytest
 from llmserve.errors import DeadlineExceeded, InvalidArgument, ResourceExhausted
 from llmserve.inference.admission import DEFAULT_RETRY_AFTER_MS, MAX_RETRY_AFTER_MS, MIN_RETRY_AFTER_MS, AdmissionConfig
 from llmserve.inference.drain_meter import MIN_SAMPLE_S
-from llmserve.inference.engine.async_engine import AsyncEngine
+from llmserve.inference.async_engine import AsyncEngine
 from llmserve.inference.engine.config import EngineConfig
 from llmserve.inference.engine.engine_thread import EngineThread
 from llmserve.inference.engine.torch_engine import TorchEngineCore

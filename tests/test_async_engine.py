@@ -9,7 +9,7 @@ from contextlib import aclosing
 import pytest
 
 from llmserve.errors import InvalidArgument, Unavailable
-from llmserve.inference.engine.async_engine import AsyncEngine
+from llmserve.inference.async_engine import AsyncEngine
 from llmserve.inference.engine.config import EngineConfig
 from llmserve.inference.engine.engine_thread import EngineThread
 from llmserve.inference.engine.hf_engine import HFEngineCore

@@ -16,7 +16,7 @@ from pathlib import Path
 import grpc
 import pytest
 
-from llmserve.cli import main
+from llmserve.tools.cli import main
 from llmserve.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc
 
 SERVE_START_TIMEOUT_S = 180.0
@@ -28,7 +28,7 @@ LISTENING_PREFIX = "gateway listening on "
 def llmserve_command() -> list[str]:
     """The installed console script if there is one, else the module."""
     script = Path(sys.executable).parent / "llmserve"
-    return [str(script)] if script.exists() else [sys.executable, "-m", "llmserve.cli"]
+    return [str(script)] if script.exists() else [sys.executable, "-m", "llmserve.tools.cli"]
 
 
 def pids_with_argument(argument: str) -> set[int]:
@@ -250,6 +250,6 @@ def test_unreachable_gateway_is_an_error_with_a_hint():
 def test_the_services_import_without_redis_py():
     """Serving on the embedded defaults needs no Redis: redis-py is imported only with --redis-url."""
     code = ("import sys; sys.modules['redis'] = None\n"  # any `import redis...` now raises ImportError
-            "import llmserve.preprocess.__main__, llmserve.inference.__main__, llmserve.gateway.__main__, llmserve.launcher")
+            "import llmserve.preprocess.__main__, llmserve.inference.__main__, llmserve.gateway.__main__, llmserve.tools.launcher")
     completed = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert completed.returncode == 0, completed.stderr[-2000:]

@@ -22,7 +22,7 @@ from llmserve.inference.engine.prefill_graphs import pad_prefill_step, prefill_g
 from llmserve.inference.engine.scheduler import ScheduledBatch
 from llmserve.inference.engine.sequence import Sequence
 from llmserve.inference.engine.static_inputs import StaticInputs
-from llmserve.inference.engine.step_inputs import build_step_inputs
+from llmserve.inference.engine.batch_inputs import build_step_inputs
 from llmserve.inference.models.attention_backend import (
     BACKENDS,
     PADDING_SLOT,

@@ -12,7 +12,7 @@ import time
 import pytest
 
 from llmserve.errors import Unavailable
-from llmserve.inference.engine.async_engine import AsyncEngine, coalesced
+from llmserve.inference.async_engine import AsyncEngine, coalesced
 from llmserve.inference.engine.config import EngineConfig
 from llmserve.inference.engine.engine_process import EngineProcess
 from llmserve.inference.engine.engine_thread import EngineThread

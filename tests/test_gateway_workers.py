@@ -16,12 +16,12 @@ from concurrent.futures import ThreadPoolExecutor
 import grpc
 import pytest
 
-from llmserve.cli import build_parser as build_cli_parser
+from llmserve.tools.cli import build_parser as build_cli_parser
 from llmserve.gateway.__main__ import build_parser as build_gateway_parser
 from llmserve.gateway.__main__ import config_from_args as gateway_config_from_args
-from llmserve.launcher import _common_args, _gateway_args
-from llmserve.serve_config import ServeConfig, default_gateway_workers, serve_config_from_args
-from llmserve.service_process import ServiceProcess
+from llmserve.tools.launcher import _common_args, _gateway_args
+from llmserve.tools.serve_config import ServeConfig, default_gateway_workers, serve_config_from_args
+from llmserve.tools.service_process import ServiceProcess
 from llmserve.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc
 from tests.procs import running_service, running_stack
 

@@ -161,7 +161,7 @@ def test_the_runtime_puts_the_venv_and_the_llmserve_command_on_path(dockerfile):
     assert "PATH=/opt/venv/bin:$PATH" in env
     # The wheel installed there brings the console script the chart's init container runs.
     [script] = importlib.metadata.entry_points(group="console_scripts", name="llmserve")
-    assert script.value == "llmserve.cli:main"
+    assert script.value == "llmserve.tools.cli:main"
 
 
 def context_paths() -> set[str]:

@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from llmserve.cli import build_parser as build_cli_parser
-from llmserve.cli import main as cli_main
+from llmserve.tools.cli import build_parser as build_cli_parser
+from llmserve.tools.cli import main as cli_main
 from llmserve.gateway.__main__ import build_parser as build_gateway_parser
 from llmserve.gateway.__main__ import config_from_args as gateway_config_from_args
 from llmserve.gateway.__main__ import main as gateway_main
@@ -19,10 +19,10 @@ from llmserve.inference.__main__ import config_from_args, parse_args
 from llmserve.inference.engine.config import EngineConfig
 from llmserve.inference.models.attention_backend import resolve_attention_backend
 from llmserve.inference.engine_flags import flag_of, flagged_fields, parsed_default, value_type
-from llmserve.launcher import PREPROCESS_ENGINE_OPTIONS, _common_args, _inference_args, _preprocess_args
+from llmserve.tools.launcher import PREPROCESS_ENGINE_OPTIONS, _common_args, _inference_args, _preprocess_args
 from llmserve.preprocess.__main__ import build_parser as build_preprocess_parser
 from llmserve.preprocess.__main__ import config_from_args as preprocess_config_from_args
-from llmserve.serve_config import ServeConfig, serve_config_from_args
+from llmserve.tools.serve_config import ServeConfig, serve_config_from_args
 
 NEW_FLAGS = ("--attention-backend", "--kv-cache-dtype", "--quantization", "--no-async-scheduling")
 SERVER_FLAGS = ("--host", "--port", "--port-file", "--log-level", "--grace-period-s")

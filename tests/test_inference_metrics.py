@@ -10,7 +10,7 @@ import time
 import grpc
 import pytest
 
-from llmserve.inference.engine.async_engine import AsyncEngine
+from llmserve.inference.async_engine import AsyncEngine
 from llmserve.inference.engine.config import EngineConfig
 from llmserve.inference.engine.engine_thread import EngineThread
 from llmserve.inference.engine.torch_engine import TorchEngineCore

@@ -18,7 +18,7 @@ from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
 from llmserve.block_hash import HASH_VERSION, fingerprint
 from llmserve.inference.backends import BackendUnavailable, create_engine, create_engine_core
-from llmserve.inference.engine.async_engine import AsyncEngine
+from llmserve.inference.async_engine import AsyncEngine
 from llmserve.inference.engine.config import EngineConfig
 from llmserve.inference.engine.engine_thread import EngineThread
 from llmserve.inference.engine.hf_engine import HFEngineCore

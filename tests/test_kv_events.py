@@ -15,7 +15,7 @@ import grpc
 import pytest
 
 from llmserve.block_hash import HashNamespace, chain_block_hashes
-from llmserve.inference.engine.async_engine import AsyncEngine
+from llmserve.inference.async_engine import AsyncEngine
 from llmserve.inference.engine.block_manager import BlockManager
 from llmserve.inference.engine.config import EngineConfig
 from llmserve.inference.engine.engine_process import EngineProcess

@@ -11,10 +11,10 @@ import sys
 import numpy as np
 import pytest
 
-from llmserve.loadgen.client import RequestRecord, build_request
-from llmserve.loadgen.conversation import Conversation
-from llmserve.loadgen.stats import itl_samples_ms, percentile, summarize, timeline, tpot_ms
-from llmserve.loadgen.workload import LengthDistribution, PromptBuilder, PromptForm, WorkloadConfig, plan_requests
+from llmserve.tools.loadgen.client import RequestRecord, build_request
+from llmserve.tools.loadgen.conversation import Conversation
+from llmserve.tools.loadgen.stats import itl_samples_ms, percentile, summarize, timeline, tpot_ms
+from llmserve.tools.loadgen.workload import LengthDistribution, PromptBuilder, PromptForm, WorkloadConfig, plan_requests
 from tests.procs import running_stack
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
@@ -143,7 +143,7 @@ def gateway_address(tiny_model_dir, tmp_path_factory):
 
 
 def _bench(address, tiny_model_dir, out_dir, *args) -> subprocess.CompletedProcess:
-    command = [sys.executable, "-m", "llmserve.cli", "bench", "--address", address, "--tokenizer", str(tiny_model_dir),
+    command = [sys.executable, "-m", "llmserve.tools.cli", "bench", "--address", address, "--tokenizer", str(tiny_model_dir),
                "--out-dir", str(out_dir), "--name", "run", "--no-progress", *args]
     return subprocess.run(command, capture_output=True, text=True, timeout=300)
 

@@ -19,11 +19,11 @@ import pytest
 import torch
 
 from llmserve.block_hash import HashNamespace
-from llmserve.gguf_convert import convert_gguf_to_hf, reverse_rope_permutation
-from llmserve.gguf_metadata import UnsupportedGGUFError
-from llmserve.gguf_tokenizer import build_tokenizer
+from llmserve.tools.gguf_convert import convert_gguf_to_hf, reverse_rope_permutation
+from llmserve.tools.gguf_metadata import UnsupportedGGUFError
+from llmserve.tools.gguf_tokenizer import build_tokenizer
 from llmserve.model_files import ModelFiles
-from llmserve.model_store import (
+from llmserve.tools.model_store import (
     COMPLETE_MARKER,
     ModelResolutionError,
     default_cache_dir,
@@ -312,7 +312,7 @@ def test_two_conversions_of_one_gguf_hash_blocks_in_one_namespace(tiny_gguf, tin
 def test_smollm_pre_tokenizer_splits_digits_one_by_one(tmp_path):
     from gguf import GGUFReader
 
-    from llmserve.gguf_metadata import read_metadata
+    from llmserve.tools.gguf_metadata import read_metadata
 
     tokenizers = {}
     for pre_tokenizer in ("gpt2", "smollm"):
@@ -460,7 +460,7 @@ def test_concurrent_callers_convert_once(tiny_gguf, tmp_path, caplog):
         barrier.wait()
         results.append(resolve_model(str(gguf_path), cache_dir=cache_dir, progress=False))
 
-    with caplog.at_level(logging.INFO, logger="llmserve.model_store"):
+    with caplog.at_level(logging.INFO, logger="llmserve.tools.model_store"):
         threads = [threading.Thread(target=resolve) for _ in range(3)]
         for thread in threads:
             thread.start()

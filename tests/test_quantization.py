@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from llmserve.inference.engine.step_inputs import StepInputs
+from llmserve.inference.models.step_inputs import StepInputs
 from llmserve.inference.models.attention_backend import create_attention_backend
 from llmserve.inference.models.decoder_config import DecoderConfig
 from llmserve.inference.models.layers import MergedLinear

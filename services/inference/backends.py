@@ -16,7 +16,7 @@ from collections.abc import Callable
 from typing import AsyncIterator, Protocol
 
 from llmserve.inference.admission import AdmissionConfig
-from llmserve.inference.engine.async_engine import AsyncEngine, KvEventSink
+from llmserve.inference.async_engine import AsyncEngine, KvEventSink
 from llmserve.inference.engine.config import BACKENDS, EngineConfig
 from llmserve.inference.engine.engine_process import EngineProcess
 from llmserve.inference.engine.engine_thread import EngineThread

@@ -23,7 +23,7 @@ import time
 from typing import AsyncIterator
 
 from llmserve.errors import ServiceError, check_decoded, rich_status_for
-from llmserve.inference.engine.async_engine import coalesced
+from llmserve.inference.async_engine import coalesced
 from llmserve.inference.engine.types import EngineOutput
 from llmserve.inference.wire import deadline_ns, output_to_pb, request_from_pb
 from llmserve.request_context import serving_request

@@ -31,7 +31,7 @@ from dataclasses import dataclass
 import torch
 
 from llmserve.buckets import DECODE_GRAPH_BATCH_SIZES
-from llmserve.inference.engine.step_inputs import StepInputs, pad_rows
+from llmserve.inference.models.step_inputs import StepInputs, pad_rows
 from llmserve.inference.models.attention_backend import PADDING_SLOT
 
 log = logging.getLogger(__name__)

@@ -17,6 +17,8 @@ from dataclasses import dataclass
 
 import torch
 
+from llmserve.inference.models.transfers import device_tensor
+
 log = logging.getLogger(__name__)
 
 
@@ -54,16 +56,6 @@ class KVCache:
         dst = device_tensor([d for _, d in copies], self.data.device)
         data = self.data.view(torch.uint8) if self.data.element_size() == 1 else self.data  # float8: raw bytes
         data[:, :, dst] = data[:, :, src]
-
-
-def device_tensor(values, device: torch.device, dtype: torch.dtype = torch.long) -> torch.Tensor:
-    """Host values (block ids, slots, sampling parameters) -> a device tensor without a hidden
-    sync: a plain copy from pageable memory waits for the device, so on CUDA the values go
-    through pinned memory, non_blocking."""
-    tensor = torch.tensor(values, dtype=dtype)
-    if device.type == "cuda":
-        return tensor.pin_memory().to(device, non_blocking=True)
-    return tensor
 
 
 def plan_num_blocks(

@@ -1,7 +1,7 @@
 """Runs the model on one scheduled batch: builds the flat inputs, runs the forward over the
 paged KV cache, and returns logits only for the sequences that sample this step.
 
-Inputs for a step (engine/step_inputs.py builds them on the host; copied to the device once):
+Inputs for a step (engine/batch_inputs.py builds them on the host; copied to the device once):
   input_ids, positions   [num_tokens]: single-token sequences first, then prefill chunks;
   slot_mapping           [num_tokens]: where each new token's K/V go;
   per decode / prefill chunk: block tables and context lengths (attention metadata);
@@ -24,10 +24,12 @@ import torch
 
 from llmserve.inference.engine.config import EngineConfig
 from llmserve.inference.engine.cuda_graphs import DecodeGraphs, graph_batch_sizes
-from llmserve.inference.engine.kv_cache import KVCache, KVCacheSpec, device_tensor, plan_num_blocks
+from llmserve.inference.engine.kv_cache import KVCache, KVCacheSpec, plan_num_blocks
+from llmserve.inference.models.transfers import device_tensor
 from llmserve.inference.engine.prefill_graphs import PrefillGraphs, prefill_graph_sizes
 from llmserve.inference.engine.scheduler import ScheduledBatch
-from llmserve.inference.engine.step_inputs import StepInputs, build_step_inputs
+from llmserve.inference.engine.batch_inputs import build_step_inputs
+from llmserve.inference.models.step_inputs import StepInputs
 from llmserve.inference.models.attention_backend import (
     PADDING_SLOT,
     create_attention_backend,

@@ -44,7 +44,7 @@ import torch
 
 from llmserve.inference.engine.cuda_graphs import GraphPool, GraphSet, graph_batch_sizes, graph_size_for
 from llmserve.inference.engine.static_inputs import StaticInputs
-from llmserve.inference.engine.step_inputs import StepInputs
+from llmserve.inference.models.step_inputs import StepInputs
 from llmserve.inference.models.attention_backend import PADDING_SLOT
 
 PREFILL_GRAPH_TOKEN_SIZES = (16, 32, 64, 128, 192, 256, 320, 384, 448, 512, 640, 768, 896, 1024)

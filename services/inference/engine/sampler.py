@@ -25,7 +25,7 @@ from dataclasses import dataclass
 
 import torch
 
-from llmserve.inference.engine.kv_cache import device_tensor
+from llmserve.inference.models.transfers import device_tensor
 from llmserve.inference.engine.sequence import Sequence
 from llmserve.inference.engine.stop import stop_token_ids
 from llmserve.sampling import SamplingParams, TokenLogprob, TopLogprob

@@ -18,7 +18,7 @@ import torch
 
 from llmserve.block_hash import HashNamespace
 from llmserve.inference.engine.config import EngineConfig
-from llmserve.inference.engine.kv_cache import device_tensor
+from llmserve.inference.models.transfers import device_tensor
 from llmserve.inference.engine.sequence import Sequence
 from llmserve.inference.engine.types import EngineRequest
 

@@ -2,7 +2,7 @@
 attention over the paged KV cache and its small per-layer ops.
 
 A backend owns everything that differs between attention implementations:
-  build_metadata          a step's host inputs (engine/step_inputs.StepInputs) -> the device
+  build_metadata          a step's host inputs (models/step_inputs.StepInputs) -> the device
                           metadata its attention reads, built once per step, shared by layers;
   rope_tables / attend    the cos/sin layout it wants, and attention for one layer: rotate q/k,
                           write the new k/v to their cache slots, attend;
@@ -33,8 +33,8 @@ from typing import ClassVar, Generic, TypeVar
 
 import torch
 
-from llmserve.inference.engine.kv_cache import device_tensor
-from llmserve.inference.engine.step_inputs import StepInputs, pad_rows
+from llmserve.inference.models.transfers import device_tensor
+from llmserve.inference.models.step_inputs import StepInputs, pad_rows
 from llmserve.inference.models.decoder_config import DecoderConfig
 from llmserve.inference.models.layer_ops import LayerOps
 

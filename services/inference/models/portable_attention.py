@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
-from llmserve.inference.engine.step_inputs import StepInputs
+from llmserve.inference.models.step_inputs import StepInputs
 from llmserve.inference.models.attention_backend import AttentionBackend, KVLayer, RopeTables
 from llmserve.inference.models.layer_ops import REFERENCE_OPS
 from llmserve.inference.models.rope import apply_rope, full_width_tables

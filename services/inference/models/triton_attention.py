@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
-from llmserve.inference.engine.step_inputs import StepInputs
+from llmserve.inference.models.step_inputs import StepInputs
 from llmserve.inference.kernels.paged_decode import decode_num_splits, paged_decode_attention
 from llmserve.inference.kernels.paged_prefill import paged_prefill_attention, prefill_num_splits
 from llmserve.inference.kernels.rope_kv import rope_and_write_kv

@@ -3,7 +3,7 @@
 Start-up, in order:
   1. resolve the model (the default one is fetched and converted on first use);
   2. start preprocess and `--replicas` inference replicas on free loopback ports (`--port 0
-     --port-file`), all at once, and wait until all serve (llmserve.service_process);
+     --port-file`), all at once, and wait until all serve (llmserve.tools.service_process);
   3. start the gateway on the public address, pointed at them (`--gateway-workers` processes
      on that one port; with several replicas it routes by their KV events, in memory);
   4. print where to connect, then forward the children's logs until Ctrl-C / SIGTERM or until
@@ -24,11 +24,11 @@ from pathlib import Path
 from typing import IO, Sequence
 
 from llmserve.inference.engine_flags import engine_argv
-from llmserve.model_store import DEFAULT_MODEL_NAME, ModelResolutionError, is_default_model_spec, resolve_model
-from llmserve.serve_config import ServeConfig
-from llmserve.service_process import LOOPBACK, ServiceProcess, ServiceStartError, stop_services
+from llmserve.tools.model_store import DEFAULT_MODEL_NAME, ModelResolutionError, is_default_model_spec, resolve_model
+from llmserve.tools.serve_config import ServeConfig
+from llmserve.tools.service_process import LOOPBACK, ServiceProcess, ServiceStartError, stop_services
 
-log = logging.getLogger("llmserve.launcher")
+log = logging.getLogger("llmserve.tools.launcher")
 
 # Engine options preprocess must share: it hashes prompt blocks of the engine's block size
 # (the engine ignores hashes of another size) and validates lengths against the same context.

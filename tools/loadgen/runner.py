@@ -21,8 +21,8 @@ from dataclasses import dataclass
 
 from tqdm import tqdm
 
-from llmserve.loadgen.client import RequestRecord, WorkerPlan, run_plan
-from llmserve.loadgen.workload import PlannedRequest, WorkloadConfig
+from llmserve.tools.loadgen.client import RequestRecord, WorkerPlan, run_plan
+from llmserve.tools.loadgen.workload import PlannedRequest, WorkloadConfig
 
 _START_DELAY_S = 0.2  # after every worker is ready: time to hand out the start time
 _POLL_S = 0.1

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from llmserve.gguf_metadata import UnsupportedGGUFError
+from llmserve.tools.gguf_metadata import UnsupportedGGUFError
 
 # llama.cpp `tokenizer.ggml.token_type` values (llama_token_type).
 _TOKEN_TYPE_CONTROL = 3

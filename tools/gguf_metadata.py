@@ -1,5 +1,5 @@
 """What a GGUF file says about its model: its metadata as Python values and the LlamaConfig
-fields (config.json) they give. The converter (llmserve.gguf_convert) starts here."""
+fields (config.json) they give. The converter (llmserve.tools.gguf_convert) starts here."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""One step's flat model inputs, built on the host from a ScheduledBatch. Pure Python.
+"""StepInputs: one step's flat model inputs, as the model's attention reads them. Pure Python.
 
 Order: the single-token sequences (decodes) first, then the multi-token prefill chunks, each
 contiguous, so attention can treat the leading rows as one decode batch. Per token: its id,
@@ -9,17 +9,18 @@ the portable attention backend whether the chunk's context is just the chunk. `l
 are the rows whose logits are sampled: the last token of each sequence that samples, in batch
 order.
 
-Async scheduling: a sequence's last input token may still be pending (sampled by the step in
-flight, not yet on the host). Its row gets id 0 here and is listed in `pending_rows`, with the
-row of the in-flight step's sampled tokens to read it from on the device in
+Async scheduling: a sequence's last input token may still be in flight (sampled by the step
+on the device, not yet on the host). Its row gets id 0 and is listed in `pending_rows`, with
+the row of the in-flight step's sampled tokens to read it from on the device in
 `pending_source_rows` (ModelRunner fills them before the forward).
+
+The engine builds them (engine/batch_inputs.py); the models only read them, so this type
+lives below both.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-
-from llmserve.inference.engine.scheduler import ScheduledBatch
 
 
 @dataclass(slots=True)
@@ -49,37 +50,6 @@ class StepInputs:
     @property
     def is_decode_only(self) -> bool:
         return not self.prefill_query_lens
-
-
-def build_step_inputs(batch: ScheduledBatch, block_size: int) -> StepInputs:
-    step = StepInputs()
-    order = sorted(range(len(batch.seqs)), key=lambda i: batch.num_new_tokens[i] > 1)  # decodes first
-    last_rows: dict[int, int] = {}  # batch index -> flat row of its last token
-    for i in order:
-        seq, num_new = batch.seqs[i], batch.num_new_tokens[i]
-        start, end = seq.num_computed_tokens, seq.num_computed_tokens + num_new
-        block_ids = seq.block_ids
-        table = block_ids[: -(-end // block_size)]
-        query_start = len(step.input_ids)
-        step.input_ids.extend(seq.token_ids[start:end])
-        if end == seq.num_tokens and seq.has_pending_token:
-            step.input_ids[-1] = 0
-            step.pending_rows.append(len(step.input_ids) - 1)
-            step.pending_source_rows.append(seq.pending_token_row)
-        step.positions.extend(range(start, end))
-        step.slot_mapping.extend(block_ids[p // block_size] * block_size + p % block_size for p in range(start, end))
-        last_rows[i] = query_start + num_new - 1
-        if num_new == 1:
-            step.decode_block_tables.append(table)
-            step.decode_context_lens.append(end)
-        else:
-            step.prefill_query_starts.append(query_start)
-            step.prefill_query_lens.append(num_new)
-            step.prefill_context_lens.append(end)
-            step.prefill_block_tables.append(table)
-            step.prefill_has_cached_prefix.append(start > 0)
-    step.logits_indices = [last_rows[i] for i in range(len(batch.seqs)) if batch.samples(i)]
-    return step
 
 
 def pad_rows(rows: list[list[int]], width: int, num_rows: int | None = None, fill: int = 0) -> list[list[int]]:

@@ -6,8 +6,8 @@
     llmserve models
     llmserve fetch-model                     # download and convert the default model only
 
-The parser is here; the client commands (chat, generate, models) are in llmserve.client, `serve`
-in llmserve.launcher (its flags in llmserve.serve_config).
+The parser is here; the client commands (chat, generate, models) are in llmserve.tools.client, `serve`
+in llmserve.tools.launcher (its flags in llmserve.tools.serve_config).
 """
 
 from __future__ import annotations
@@ -19,9 +19,9 @@ import sys
 from pathlib import Path
 from typing import Sequence
 
-from llmserve import client
-from llmserve.loadgen.command import add_bench_parser
-from llmserve.serve_config import add_serve_arguments, serve_config_from_args
+from llmserve.tools import client
+from llmserve.tools.loadgen.command import add_bench_parser
+from llmserve.tools.serve_config import add_serve_arguments, serve_config_from_args
 from llmserve.server_flags import DEFAULT_HOST, GATEWAY_PORT
 
 DEFAULT_ADDRESS = f"{DEFAULT_HOST}:{GATEWAY_PORT}"
@@ -131,7 +131,7 @@ def _add_fetch_model(commands) -> None:
 
 
 def _run_serve(args: argparse.Namespace) -> int:
-    from llmserve.launcher import serve
+    from llmserve.tools.launcher import serve
 
     try:
         config = serve_config_from_args(args)
@@ -142,7 +142,7 @@ def _run_serve(args: argparse.Namespace) -> int:
 
 
 def _run_fetch_model(args: argparse.Namespace) -> int:
-    from llmserve.model_store import ModelResolutionError, resolve_model
+    from llmserve.tools.model_store import ModelResolutionError, resolve_model
 
     try:
         path = resolve_model(args.model, cache_dir=args.cache_dir, progress=True)

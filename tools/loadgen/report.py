@@ -8,8 +8,8 @@ import math
 from pathlib import Path
 from typing import IO
 
-from llmserve.loadgen.client import RequestRecord
-from llmserve.loadgen.stats import PERCENTILES, latency_samples_ms
+from llmserve.tools.loadgen.client import RequestRecord
+from llmserve.tools.loadgen.stats import PERCENTILES, latency_samples_ms
 
 _LATENCIES = (("TTFT", "ttft_ms"), ("ITL", "itl_ms"), ("TPOT", "tpot_ms"), ("E2E", "e2e_ms"))
 

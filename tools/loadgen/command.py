@@ -13,10 +13,10 @@ import sys
 import time
 from pathlib import Path
 
-from llmserve.loadgen.report import print_table, write_json, write_plots
-from llmserve.loadgen.runner import RunConfig, run_workload
-from llmserve.loadgen.stats import summarize, timeline
-from llmserve.loadgen.workload import LengthDistribution, PromptBuilder, PromptForm, WorkloadConfig, plan_requests
+from llmserve.tools.loadgen.report import print_table, write_json, write_plots
+from llmserve.tools.loadgen.runner import RunConfig, run_workload
+from llmserve.tools.loadgen.stats import summarize, timeline
+from llmserve.tools.loadgen.workload import LengthDistribution, PromptBuilder, PromptForm, WorkloadConfig, plan_requests
 
 DEFAULT_OUT_DIR = Path("bench/results")
 
@@ -93,7 +93,7 @@ def workload_from_args(args: argparse.Namespace) -> WorkloadConfig:
 def _tokenizer_path(spec: str | None) -> Path:
     if spec:
         return Path(spec).expanduser()
-    from llmserve.model_store import resolve_model
+    from llmserve.tools.model_store import resolve_model
 
     return resolve_model(None)
 

@@ -18,11 +18,11 @@ that loader needs accelerate at runtime and its tokenizer builder does not know 
 pre-tokenizer (it has no "smollm", whose digits are split one by one).
 
 Supported: `general.architecture == "llama"` and `tokenizer.ggml.model == "gpt2"` (byte-level BPE)
-with the pre-tokenizers llmserve.gguf_tokenizer knows. Anything else raises `UnsupportedGGUFError` naming it,
+with the pre-tokenizers llmserve.tools.gguf_tokenizer knows. Anything else raises `UnsupportedGGUFError` naming it,
 rather than writing a checkpoint that loads but generates garbage.
 
-This module converts the weights; the metadata and config.json come from llmserve.gguf_metadata,
-the tokenizer files from llmserve.gguf_tokenizer.
+This module converts the weights; the metadata and config.json come from llmserve.tools.gguf_metadata,
+the tokenizer files from llmserve.tools.gguf_tokenizer.
 """
 
 from __future__ import annotations
@@ -36,8 +36,8 @@ from typing import Any
 
 import numpy as np
 
-from llmserve.gguf_metadata import UnsupportedGGUFError, llama_config, read_metadata
-from llmserve.gguf_tokenizer import build_tokenizer, generation_config, tokenizer_config
+from llmserve.tools.gguf_metadata import UnsupportedGGUFError, llama_config, read_metadata
+from llmserve.tools.gguf_tokenizer import build_tokenizer, generation_config, tokenizer_config
 
 log = logging.getLogger(__name__)
 

@@ -16,7 +16,7 @@ from __future__ import annotations
 import collections
 import math
 
-from llmserve.loadgen.client import RequestRecord
+from llmserve.tools.loadgen.client import RequestRecord
 
 PERCENTILES = (50, 90, 99)
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from llmserve.loadgen.workload import PlannedRequest, PromptForm
+from llmserve.tools.loadgen.workload import PlannedRequest, PromptForm
 from llmserve.v1 import gateway_pb2
 
 

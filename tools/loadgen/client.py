@@ -16,8 +16,8 @@ from dataclasses import dataclass, field
 
 import grpc
 
-from llmserve.loadgen.conversation import Conversation
-from llmserve.loadgen.workload import PlannedRequest, WorkloadConfig
+from llmserve.tools.loadgen.conversation import Conversation
+from llmserve.tools.loadgen.workload import PlannedRequest, WorkloadConfig
 from llmserve.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc
 
 _MAX_MESSAGE_BYTES = 64 << 20  # a long prompt sent as text must not hit gRPC's 4 MiB default
