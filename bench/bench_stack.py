@@ -246,7 +246,7 @@ class InProcessWindow:
 
 
 def run_core(args, options, model_dir: Path, plans: stack_drivers.Plans, on_cell) -> None:
-    from llmserve.inference.backends import create_engine_core
+    from llmserve.inference.engine.cores import create_engine_core
 
     core = create_engine_core(engine_config(options, model_dir, ModelFiles.load(model_dir).model_name))
     on_cell("startup", None)

@@ -22,7 +22,9 @@ from dataclasses import dataclass
 
 import grpc
 
-from llmserve.inference.engine.types import EngineCore, EngineOutput, EngineRequest
+from llmserve.engine_output import EngineOutput
+from llmserve.inference.output_stream import OutputStream
+from llmserve.inference.engine.types import EngineCore, EngineRequest
 from llmserve.tools.loadgen.client import RequestRecord, WorkerPlan, record_stream
 from llmserve.tools.loadgen.workload import (
     LengthDistribution, PlannedRequest, PromptBuilder, PromptForm, WorkloadConfig, plan_requests,
@@ -108,14 +110,17 @@ def drive_core(core: EngineCore, planned: list[PlannedRequest], concurrency: int
 
 
 async def drive_async_engine(engine, planned: list[PlannedRequest], concurrency: int, tag: str) -> list[RequestRecord]:
-    """`concurrency` tasks, each streaming one request at a time through engine.generate()."""
+    """`concurrency` tasks, each streaming one request at a time through an OutputStream (the
+    machinery GenerateTokens serves a request with)."""
     waiting = iter(planned)
     records: list[RequestRecord] = []
 
     async def stream() -> None:
         for request in waiting:  # one iterator shared by the tasks: each request is taken once
             record = new_record(request)
-            async for output in engine.generate(engine_request(request, f"{tag}-{request.index}")):
+            outputs = OutputStream(engine)
+            outputs.start(engine_request(request, f"{tag}-{request.index}"))
+            async for output in outputs.outputs():
                 record_output(record, output, time.monotonic())
             records.append(record)
 

@@ -74,7 +74,8 @@ class Unavailable(ServiceError):
 
 
 class DeadlineExceeded(ServiceError):
-    """The request's deadline has passed, or cannot be met: refused before any work is done."""
+    """The request's deadline has passed, or cannot be met (then refused before any work is
+    done)."""
 
     code = grpc.StatusCode.DEADLINE_EXCEEDED
 

@@ -8,9 +8,10 @@ from __future__ import annotations
 
 import math
 
+from llmserve.engine_output import EngineOutput
 from llmserve.errors import InvalidArgument
 from llmserve.sampling import ChatMessage, FinishReason, SamplingParams, TokenLogprob, TopLogprob
-from llmserve.v1 import common_pb2
+from llmserve.v1 import common_pb2, inference_pb2
 
 MAX_LOGPROBS = 20
 MAX_N = 16
@@ -149,3 +150,54 @@ def logprobs_from_pb(items) -> list[TokenLogprob]:
         )
         for lp in items
     ]
+
+
+def output_to_pb(output: EngineOutput) -> inference_pb2.GenerateTokensResponse:
+    """An inference output on the wire. A DEADLINE finish never gets here: the inference
+    servicer ends such a request with its status instead (inference.wire.split_at_deadline)."""
+    response = inference_pb2.GenerateTokensResponse(
+        sequence_index=output.sequence_index,
+        token_ids=output.new_token_ids,
+        finish_reason=finish_reason_to_pb(output.finish_reason),
+        error_message=output.error_message,
+    )
+    if output.logprobs:
+        response.logprobs.extend(logprobs_to_pb(output.logprobs))
+    if output.stop_token_id is not None:
+        response.stop_token_id = output.stop_token_id
+    if output.is_finished:
+        response.usage.CopyFrom(
+            common_pb2.Usage(
+                prompt_tokens=output.num_prompt_tokens,
+                completion_tokens=output.num_completion_tokens,
+                cached_tokens=output.num_cached_tokens,
+            )
+        )
+        response.timings.CopyFrom(
+            common_pb2.Timings(
+                queue_time_ns=output.queue_time_ns,
+                time_to_first_token_ns=output.time_to_first_token_ns,
+                total_time_ns=output.total_time_ns,
+            )
+        )
+    return response
+
+
+def output_from_pb(request_id: str, response: inference_pb2.GenerateTokensResponse) -> EngineOutput:
+    """What the gateway reads of an inference output: tokens, logprobs, how it ended, and the
+    usage and timings of the last one."""
+    return EngineOutput(
+        request_id=request_id,
+        sequence_index=response.sequence_index,
+        new_token_ids=list(response.token_ids),
+        logprobs=logprobs_from_pb(response.logprobs) if response.logprobs else None,
+        finish_reason=finish_reason_from_pb(response.finish_reason),
+        stop_token_id=response.stop_token_id if response.HasField("stop_token_id") else None,
+        error_message=response.error_message,
+        num_prompt_tokens=response.usage.prompt_tokens,
+        num_completion_tokens=response.usage.completion_tokens,
+        num_cached_tokens=response.usage.cached_tokens,
+        queue_time_ns=response.timings.queue_time_ns,
+        time_to_first_token_ns=response.timings.time_to_first_token_ns,
+        total_time_ns=response.timings.total_time_ns,
+    )

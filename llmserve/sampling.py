@@ -13,13 +13,12 @@ from dataclasses import dataclass, field
 class FinishReason(enum.Enum):
     STOP = "stop"  # EOS, a stop token id or a stop string
     LENGTH = "length"  # max_tokens or the context was reached
-    CANCELLED = "cancelled"  # client cancel, deadline or Abort
+    CANCELLED = "cancelled"  # client cancel or Abort
+    # The request's deadline passed and the replica aborted it at a step boundary. Inside the
+    # replica only: its servicer ends such a request with DEADLINE_EXCEEDED, as any RPC whose
+    # deadline passed, so no client ever sees it as a finish reason.
+    DEADLINE = "deadline"
     ERROR = "error"  # the engine failed on this request
-
-
-# The error_message of a CANCELLED finish when the replica aborted the request at its deadline
-# (at a step boundary): the gateway answers DEADLINE_EXCEEDED for it.
-DEADLINE_EXCEEDED_MESSAGE = "deadline exceeded"
 
 
 @dataclass(frozen=True, slots=True)

@@ -1,6 +1,8 @@
 """AdmissionController: budgets, retry hints from measured rates, deadline refusals.
 
-Time is a clock the test advances, so every rate and hint is exact.
+Time is a clock the test advances, so every rate and hint is exact. The controller is driven as
+AsyncEngine drives it (`Owner`): the record `admit` returns is kept with the request and handed
+back with each of its outputs, marked on the request's last.
 """
 
 from __future__ import annotations
@@ -18,8 +20,10 @@ from llmserve.inference.admission import (
     MIN_RETRY_AFTER_MS,
     AdmissionConfig,
     AdmissionController,
+    Admitted,
 )
-from llmserve.inference.engine.types import EngineOutput, EngineRequest
+from llmserve.engine_output import EngineOutput
+from llmserve.inference.engine.types import EngineRequest
 from llmserve.inference.kv_demand import kv_blocks_needed, prompt_block_hashes
 from llmserve.sampling import FinishReason, SamplingParams
 
@@ -41,13 +45,39 @@ class Clock:
         self.now_ns += int(seconds * S)
 
 
-def controller(
-    clock: Clock, *, kv_blocks_total: int = 0, step_grows_with_batch: bool = True, **budgets
-) -> AdmissionController:
-    return AdmissionController(
+class Owner:
+    """The controller with the requests' owner beside it, as AsyncEngine keeps them: each
+    admitted request's record and its sequences without a final output."""
+
+    def __init__(self, admission: AdmissionController):
+        self.admission = admission
+        self._in_flight: dict[str, tuple[Admitted, set[int]]] = {}
+
+    def admit(self, request: EngineRequest) -> None:
+        admitted = self.admission.admit(request)
+        self._in_flight[request.request_id] = (admitted, set(range(request.sampling.n)))
+
+    def observe(self, outputs: list[EngineOutput]) -> None:
+        deliveries = []
+        for output in outputs:
+            admitted, open_sequences = self._in_flight[output.request_id]
+            if output.is_finished:
+                open_sequences.discard(output.sequence_index)
+            is_last = output.is_finished and not open_sequences
+            if is_last:
+                del self._in_flight[output.request_id]
+            deliveries.append((admitted, output, is_last))
+        self.admission.observe(deliveries)
+
+    def __getattr__(self, name: str):
+        return getattr(self.admission, name)
+
+
+def controller(clock: Clock, *, kv_blocks_total: int = 0, step_grows_with_batch: bool = True, **budgets) -> Owner:
+    return Owner(AdmissionController(
         AdmissionConfig(**budgets), kv_blocks_total=kv_blocks_total, hash_namespace=NAMESPACE,
         max_context_tokens=CONTEXT, step_grows_with_batch=step_grows_with_batch, clock=clock,
-    )  # fmt: skip
+    ))  # fmt: skip
 
 
 def request(
@@ -72,8 +102,8 @@ def finished(request_id: str, sequence_index: int = 0) -> EngineOutput:
 
 def test_kv_demand_counts_shared_prompt_blocks_once():
     # 40 prompt tokens: 2 full blocks shared; each of 3 sequences grows to 50 tokens = 4 blocks.
-    assert kv_blocks_needed(request("r", 40, 10, n=3), BLOCK, CONTEXT) == 2 + 3 * 2
-    assert kv_blocks_needed(request("r", 32, 1), BLOCK, CONTEXT) == 3
+    assert kv_blocks_needed(request("r", 40, 10, n=3), BLOCK) == 2 + 3 * 2
+    assert kv_blocks_needed(request("r", 32, 1), BLOCK) == 3
 
 
 def test_waiting_requests_over_the_budget_are_refused_until_one_starts():
@@ -181,7 +211,7 @@ def test_a_request_ends_when_its_last_sequence_does():
     admission.observe([token("a", 0), token("a", 1)])
     assert admission.num_waiting_requests == 0 and admission.num_waiting_prompt_tokens == 0
     admission.observe([finished("a", 1)])
-    assert admission.num_kv_blocks_demanded == kv_blocks_needed(request("a", 20, 10, n=2), BLOCK, CONTEXT)
+    assert admission.num_kv_blocks_demanded == kv_blocks_needed(request("a", 20, 10, n=2), BLOCK)
     admission.observe([finished("a", 0)])
     assert admission.num_kv_blocks_demanded == 0
 
@@ -396,7 +426,7 @@ def test_random_traffic_keeps_the_charge_exact_and_leaves_none():
             else:
                 num_admitted += 1
                 hashes = NAMESPACE.block_hashes(new.prompt_token_ids, new.cache_salt)
-                own = kv_blocks_needed(new, BLOCK, CONTEXT) - len(hashes)
+                own = kv_blocks_needed(new, BLOCK) - len(hashes)
                 in_flight[new.request_id] = (hashes, own, new.sampling.n)
         elif in_flight:
             request_id = rng.choice(list(in_flight))

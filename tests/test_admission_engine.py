@@ -22,6 +22,7 @@ from llmserve.inference.engine.torch_engine import TorchEngineCore
 from llmserve.inference.engine.types import EngineRequest
 from llmserve.sampling import FinishReason, SamplingParams
 from llmserve.v1 import common_pb2, inference_pb2, inference_pb2_grpc
+from tests.engine_streams import generate
 from tests.procs import running_service
 from tests.rich_status import retry_delay_ms
 
@@ -57,12 +58,12 @@ async def engine(tiny_model_dir):
 
 
 async def first_output(engine: AsyncEngine, request: EngineRequest):
-    return await engine.generate(request).__anext__()
+    return await generate(engine, request).__anext__()
 
 
 async def run_to_end(engine: AsyncEngine, request: EngineRequest) -> list:
     async def consume():
-        return [output async for output in engine.generate(request)]
+        return [output async for output in generate(engine, request)]
 
     return await asyncio.wait_for(consume(), HANG_GUARD_S)
 
@@ -75,7 +76,7 @@ async def wait_until_pool_is_free(engine: AsyncEngine) -> None:
 
 
 async def test_over_the_kv_budget_is_resource_exhausted_with_a_retry_hint_and_holds_nothing(engine):
-    async with aclosing(engine.generate(make_request("running"))) as running:
+    async with aclosing(generate(engine, make_request("running"))) as running:
         await asyncio.wait_for(running.__anext__(), HANG_GUARD_S)  # holds blocks now
         used_blocks = engine.load().kv_blocks_used
         with pytest.raises(ResourceExhausted) as refused:
@@ -95,7 +96,7 @@ async def test_over_the_kv_budget_is_resource_exhausted_with_a_retry_hint_and_ho
 
 async def test_the_retry_hint_follows_the_measured_drain(engine):
     await run_to_end(engine, make_request("measure"))  # its blocks are released: a KV drain rate
-    async with aclosing(engine.generate(make_request("running"))) as running:
+    async with aclosing(generate(engine, make_request("running"))) as running:
         started = time.monotonic()
         async for _ in running:  # a sample spans at least drain_meter.MIN_SAMPLE_S in flight
             if time.monotonic() - started > MIN_SAMPLE_S:
@@ -191,7 +192,7 @@ async def assert_nothing_is_held(engine: AsyncEngine) -> None:
 
 async def test_requests_sharing_a_prefix_fit_a_pool_of_the_prefix_once_and_their_tails(tiny_model_dir):
     async with started_engine(tiny_model_dir, PREFIX_ONCE_AND_TAILS) as engine:
-        first = engine.generate(shared_prefix_request("first", 400, max_tokens=LONG_SHARER_MAX_TOKENS))
+        first = generate(engine, shared_prefix_request("first", 400, max_tokens=LONG_SHARER_MAX_TOKENS))
         await asyncio.wait_for(first.__anext__(), HANG_GUARD_S)  # started: the prefix is computed
         with pytest.raises(ResourceExhausted):  # 16 + 10 blocks
             await first_output(engine, make_request("distinct", max_tokens=DISTINCT_MAX_TOKENS))
@@ -212,11 +213,11 @@ async def test_the_prefix_stays_charged_until_its_last_holder_ends(tiny_model_di
             late = shared_prefix_request("late", 399)
             late.deadline_ns = time.monotonic_ns() - 1
             await first_output(engine, late)
-        first = engine.generate(shared_prefix_request("first", 400, max_tokens=8))
+        first = generate(engine, shared_prefix_request("first", 400, max_tokens=8))
         await asyncio.wait_for(first.__anext__(), HANG_GUARD_S)  # charged the prefix, and started
-        last = engine.generate(shared_prefix_request("last", 401, max_tokens=LONG_SHARER_MAX_TOKENS))
+        last = generate(engine, shared_prefix_request("last", 401, max_tokens=LONG_SHARER_MAX_TOKENS))
         await asyncio.wait_for(last.__anext__(), HANG_GUARD_S)
-        cancelled = engine.generate(shared_prefix_request("cancelled", 402, max_tokens=8))
+        cancelled = generate(engine, shared_prefix_request("cancelled", 402, max_tokens=8))
         await asyncio.wait_for(cancelled.__anext__(), HANG_GUARD_S)
         await cancelled.aclose()  # aborts it
         await asyncio.wait_for(_drain(first), HANG_GUARD_S)

@@ -13,9 +13,10 @@ from llmserve.inference.async_engine import AsyncEngine
 from llmserve.inference.engine.config import EngineConfig
 from llmserve.inference.engine.engine_thread import EngineThread
 from llmserve.inference.engine.hf_engine import HFEngineCore
-from llmserve.inference.engine.types import EngineOutput, EngineRequest
+from llmserve.engine_output import EngineOutput
+from llmserve.inference.engine.types import EngineRequest
 from llmserve.sampling import FinishReason, SamplingParams
-from tests.engine_streams import HANG_GUARD_S, collect, wait_until
+from tests.engine_streams import HANG_GUARD_S, collect, generate, wait_until
 
 # Async fixtures live on the session loop (pyproject); run the tests on it too.
 pytestmark = pytest.mark.asyncio(loop_scope="session")
@@ -83,7 +84,7 @@ async def test_n_sequences_each_end_once(engine):
 async def test_abort_mid_stream_ends_the_stream_and_frees_the_request(engine):
     request = make_request("long", max_tokens=200, ignore_eos=True)
     outputs = []
-    async with aclosing(engine.generate(request)) as stream:
+    async with aclosing(generate(engine, request)) as stream:
         async for output in stream:
             outputs.append(output)
             if len(outputs) == 2:
@@ -100,7 +101,7 @@ async def test_abort_mid_stream_ends_the_stream_and_frees_the_request(engine):
 
 
 async def test_closing_the_generator_early_aborts(engine):
-    async with aclosing(engine.generate(make_request("early", max_tokens=200, ignore_eos=True))) as stream:
+    async with aclosing(generate(engine, make_request("early", max_tokens=200, ignore_eos=True))) as stream:
         async for output in stream:
             break
     await wait_until(lambda: engine.load().num_aborted_total == 1)
@@ -112,7 +113,7 @@ async def test_cancelling_the_consumer_aborts(engine):
     first_output = asyncio.Event()
 
     async def consume():
-        async for _ in engine.generate(make_request("cancelled", max_tokens=200, ignore_eos=True)):
+        async for _ in generate(engine, make_request("cancelled", max_tokens=200, ignore_eos=True)):
             first_output.set()
 
     task = asyncio.create_task(consume())
@@ -128,10 +129,10 @@ async def test_cancelling_the_consumer_aborts(engine):
 
 
 async def test_duplicate_in_flight_request_id_is_rejected(engine):
-    async with aclosing(engine.generate(make_request("dup", max_tokens=200, ignore_eos=True))) as stream:
+    async with aclosing(generate(engine, make_request("dup", max_tokens=200, ignore_eos=True))) as stream:
         await anext(stream)
         with pytest.raises(InvalidArgument) as error:
-            await anext(engine.generate(make_request("dup")))
+            await anext(generate(engine, make_request("dup")))
     assert error.value.message == "request_id: 'dup' is already in flight"
 
 
@@ -195,12 +196,12 @@ async def test_a_failing_forward_errors_only_its_request(tiny_model_dir):
 async def test_shutdown_drains_running_requests_and_refuses_new_ones(tiny_model_dir):
     engine = AsyncEngine(EngineThread(HFEngineCore(hf_config(tiny_model_dir))))
     await engine.start()
-    stream = engine.generate(make_request("draining", max_tokens=30, ignore_eos=True))
+    stream = generate(engine, make_request("draining", max_tokens=30, ignore_eos=True))
     first = await anext(stream)
     shutdown = asyncio.create_task(engine.shutdown(drain_timeout_s=HANG_GUARD_S))
     await asyncio.sleep(0)  # let shutdown stop accepting
     with pytest.raises(Unavailable):
-        await anext(engine.generate(make_request("late")))
+        await anext(generate(engine, make_request("late")))
     rest = [output async for output in stream]
     await asyncio.wait_for(shutdown, HANG_GUARD_S)
     assert len([first, *rest]) == 30
@@ -210,7 +211,7 @@ async def test_shutdown_drains_running_requests_and_refuses_new_ones(tiny_model_
 async def test_shutdown_aborts_what_the_drain_timeout_leaves(tiny_model_dir):
     engine = AsyncEngine(EngineThread(HFEngineCore(hf_config(tiny_model_dir))))
     await engine.start()
-    stream = engine.generate(make_request("too-long", max_tokens=240, ignore_eos=True))
+    stream = generate(engine, make_request("too-long", max_tokens=240, ignore_eos=True))
     await anext(stream)
     await asyncio.wait_for(engine.shutdown(drain_timeout_s=0.0), HANG_GUARD_S)
     rest = [output async for output in stream]

@@ -1,8 +1,10 @@
-"""The bounded, coalescing client stream (gateway.client_stream).
+"""The bounded, coalescing buffer of each request between the replica and its client
+(gateway.replica_stream.MultiplexedTokens).
 
-In process: what a slow writer receives from a fast pipeline (merged deltas, the bound, errors,
-closing). On the real stack (torch backend, tiny model with a long context): a stream still says
-what Generate says, and a client that stops reading has its request aborted and its KV freed.
+In process: what a slow reader receives from a fast replica (merged outputs, the bound, errors,
+cancelling). On the real stack (torch backend, tiny model with a long context): a stream still
+says what Generate says, and a client that stops reading has its request aborted and its KV
+freed.
 """
 
 from __future__ import annotations
@@ -16,109 +18,118 @@ from pathlib import Path
 import grpc
 import pytest
 
-from llmserve.errors import ServiceError
-from llmserve.gateway.client_stream import ClientNotReading, coalesced, merge_deltas
-from llmserve.gateway.generation import GenerationDelta, GenerationResult
-from llmserve.sampling import FinishReason, TokenLogprob
+from llmserve.errors import ResourceExhausted, rich_status_for
+from llmserve.gateway.hop_errors import DownstreamError
+from llmserve.gateway.replica_stream import ClientNotReading, MultiplexedTokens
+from llmserve.sampling import FinishReason
 from llmserve.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc, inference_pb2, inference_pb2_grpc
 from tests.factories import with_context
 from tests.procs import running_stack
 
-RESULT = GenerationResult(
-    finish_reason=FinishReason.LENGTH, matched_stop=None, num_prompt_tokens=3, num_completion_tokens=4,
-    num_cached_tokens=0, queue_time_ns=1, preprocess_time_ns=1, time_to_first_token_ns=2, total_time_ns=3,
-    replica_id="r0", predicted_cached_tokens=0,
-)
+REQUEST_ID = "r1"
 
 
-def token_delta(token_id: int, *, result: GenerationResult | None = None) -> GenerationDelta:
-    return GenerationDelta(text=f"<{token_id}>", token_ids=[token_id], logprobs=None, result=result)
+def token_output(token_id: int, *, finish: int = common_pb2.FINISH_REASON_UNSPECIFIED) -> inference_pb2.RequestOutput:
+    response = inference_pb2.GenerateTokensResponse(token_ids=[token_id], finish_reason=finish)
+    response.logprobs.add(token_id=token_id, logprob=-float(token_id))
+    return inference_pb2.RequestOutput(request_id=REQUEST_ID, output=response)
 
 
-class Pipeline:
-    """A pipeline's deltas, produced as fast as the loop runs; records whether it was closed."""
+class Replica:
+    """Pushes outputs into a request's buffer as fast as the loop runs, as the stream's reader
+    task does; records what the buffer asked of the stream (forget, with or without abort)."""
 
-    def __init__(self, deltas: list[GenerationDelta], error: Exception | None = None):
-        self.deltas = deltas
-        self.error = error
-        self.is_closed = False
-        self.num_yielded = 0
+    def __init__(self, outputs: list[inference_pb2.RequestOutput], max_unsent_tokens: int = 0):
+        self.outputs = outputs
+        self.forgotten: list[tuple[str, bool]] = []
+        self.tokens = MultiplexedTokens(REQUEST_ID, lambda request_id, abort: self.forgotten.append((request_id, abort)),
+                                        max_unsent_tokens)
+        self.num_pushed = 0
 
-    async def generate(self):
-        try:
-            for delta in self.deltas:
-                yield delta
-                self.num_yielded += 1
-                await asyncio.sleep(0)
-            if self.error is not None:
-                raise self.error
-        finally:
-            self.is_closed = True
+    async def run(self) -> None:
+        for output in self.outputs:
+            if self.forgotten:
+                return  # the stream stopped routing outputs to it
+            self.tokens.push(output)
+            self.num_pushed += 1
+            await asyncio.sleep(0)
 
 
-async def take_all(pipeline: Pipeline, max_unsent_tokens: int, *, write_delay_s: float = 0.0):
-    """What a writer that takes `write_delay_s` per message receives."""
+async def take_all(replica: Replica, *, read_delay_s: float = 0.0):
+    """What a reader that takes `read_delay_s` per output receives."""
+    pushing = asyncio.create_task(replica.run())
     received = []
-    async with aclosing(coalesced(pipeline.generate(), "r1", max_unsent_tokens)) as deltas:
-        async for delta in deltas:
-            received.append(delta)
-            await asyncio.sleep(write_delay_s)
+    try:
+        async for output in replica.tokens:
+            received.append(output)
+            await asyncio.sleep(read_delay_s)
+    finally:
+        await pushing
     return received
 
 
-def test_merge_concatenates_text_tokens_and_logprobs_and_keeps_the_last_result():
-    first = GenerationDelta(text="a", token_ids=[1], logprobs=[TokenLogprob(token_id=1, logprob=-0.5)])
-    held_back = GenerationDelta(text="", token_ids=[2], logprobs=[TokenLogprob(token_id=2, logprob=-1.0)])
-    last = GenerationDelta(text="bc", token_ids=[3], logprobs=[TokenLogprob(token_id=3, logprob=-2.0)], result=RESULT)
-    merged = merge_deltas([first, held_back, last])
-    assert merged.text == "abc"
-    assert merged.token_ids == [1, 2, 3]
-    assert [lp.token_id for lp in merged.logprobs] == [1, 2, 3]
-    assert merged.result is RESULT
-    assert merge_deltas([token_delta(1), token_delta(2)]).logprobs is None
+def test_a_reader_that_keeps_up_gets_one_token_per_output():
+    outputs = [token_output(i) for i in range(5)] + [token_output(5, finish=common_pb2.FINISH_REASON_LENGTH)]
+    received = asyncio.run(take_all(Replica(outputs)))
+    assert [o.new_token_ids for o in received] == [[i] for i in range(6)]
+    assert [o.finish_reason for o in received] == [None] * 5 + [FinishReason.LENGTH]
 
 
-def test_a_writer_that_keeps_up_gets_one_token_per_message():
-    deltas = [token_delta(i) for i in range(5)] + [token_delta(5, result=RESULT)]
-    received = asyncio.run(take_all(Pipeline(deltas), max_unsent_tokens=0))
-    assert [d.token_ids for d in received] == [[i] for i in range(6)]
-    assert received[-1].result is RESULT
-
-
-def test_a_slow_writer_gets_fewer_larger_messages_with_everything_in_order():
-    deltas = [token_delta(i) for i in range(99)] + [token_delta(99, result=RESULT)]
-    received = asyncio.run(take_all(Pipeline(deltas), max_unsent_tokens=0, write_delay_s=0.01))
+def test_a_slow_reader_gets_fewer_larger_outputs_with_everything_in_order():
+    outputs = [token_output(i) for i in range(99)] + [token_output(99, finish=common_pb2.FINISH_REASON_LENGTH)]
+    received = asyncio.run(take_all(Replica(outputs), read_delay_s=0.01))
     assert 1 < len(received) < 100
-    assert [t for d in received for t in d.token_ids] == list(range(100))
-    assert "".join(d.text for d in received) == "".join(f"<{i}>" for i in range(100))
-    assert [d.result for d in received] == [None] * (len(received) - 1) + [RESULT]
+    assert [t for o in received for t in o.new_token_ids] == list(range(100))
+    assert [lp.token_id for o in received for lp in o.logprobs] == list(range(100))
+    assert [o.finish_reason for o in received] == [None] * (len(received) - 1) + [FinishReason.LENGTH]
 
 
-def test_more_unsent_tokens_than_the_bound_closes_the_pipeline_and_raises():
-    pipeline = Pipeline([token_delta(i) for i in range(1000)])
+def test_more_unsent_tokens_than_the_bound_aborts_the_request_and_raises():
+    replica = Replica([token_output(i) for i in range(1000)], max_unsent_tokens=10)
     with pytest.raises(ClientNotReading) as info:
-        asyncio.run(take_all(pipeline, max_unsent_tokens=10, write_delay_s=1.0))
+        asyncio.run(take_all(replica, read_delay_s=1.0))
     assert info.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED
     assert info.value.message == "client is not reading: 11 tokens unsent (limit 10)"
-    assert pipeline.is_closed
-    assert pipeline.num_yielded < 20  # reading stopped at the bound, not at the end
+    assert replica.forgotten == [(REQUEST_ID, True)]  # aborted on the replica
+    assert replica.num_pushed < 20  # reading stopped at the bound, not at the end
 
 
-def test_a_pipeline_error_reaches_the_writer():
-    pipeline = Pipeline([token_delta(0)], error=ServiceError("inference failed"))
-    with pytest.raises(ServiceError, match="inference failed"):
-        asyncio.run(take_all(pipeline, max_unsent_tokens=0))
+def test_a_status_from_the_replica_reaches_the_reader_after_the_tokens_before_it():
+    refusal = rich_status_for(ResourceExhausted("replica busy", retry_after_ms=250)).SerializeToString()
+    outputs = [token_output(0), inference_pb2.RequestOutput(request_id=REQUEST_ID, error_status=refusal)]
+    replica = Replica(outputs)
+    received = []
+
+    async def read() -> None:
+        pushing = asyncio.create_task(replica.run())
+        await pushing  # both arrive before the first read: the tokens still come first
+        async for output in replica.tokens:
+            received.append(output)
+
+    with pytest.raises(DownstreamError) as info:
+        asyncio.run(read())
+    assert [o.new_token_ids for o in received] == [[0]]
+    assert (info.value.code, info.value.retry_after_ms) == (grpc.StatusCode.RESOURCE_EXHAUSTED, 250)
 
 
-def test_closing_the_stream_closes_the_pipeline():
-    async def read_one_then_close(pipeline: Pipeline) -> None:
-        async with aclosing(coalesced(pipeline.generate(), "r1", 0)) as deltas:
-            await anext(deltas)
+def test_cancelling_a_request_aborts_it_once_and_an_ended_one_not_at_all():
+    async def read_one_then_cancel(replica: Replica) -> None:
+        pushing = asyncio.create_task(replica.run())
+        async with aclosing(replica.tokens.__aiter__()) as outputs:
+            await anext(outputs)
+        replica.tokens.cancel()
+        replica.tokens.cancel()
+        await pushing
 
-    pipeline = Pipeline([token_delta(i) for i in range(1000)])
-    asyncio.run(read_one_then_close(pipeline))
-    assert pipeline.is_closed
-    assert pipeline.num_yielded < 1000
+    replica = Replica([token_output(i) for i in range(1000)])
+    asyncio.run(read_one_then_cancel(replica))
+    assert replica.forgotten == [(REQUEST_ID, True), (REQUEST_ID, False)]
+    assert replica.num_pushed < 1000
+
+    ended = Replica([token_output(0, finish=common_pb2.FINISH_REASON_STOP)])
+    asyncio.run(take_all(ended))
+    ended.tokens.cancel()
+    assert ended.forgotten == [(REQUEST_ID, False)]
 
 
 # --- the real stack ------------------------------------------------------------------------------

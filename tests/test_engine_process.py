@@ -12,14 +12,16 @@ import time
 import pytest
 
 from llmserve.errors import Unavailable
-from llmserve.inference.async_engine import AsyncEngine, coalesced
+from llmserve.inference.async_engine import AsyncEngine
 from llmserve.inference.engine.config import EngineConfig
 from llmserve.inference.engine.engine_process import EngineProcess
 from llmserve.inference.engine.engine_thread import EngineThread
 from llmserve.inference.engine.torch_engine import TorchEngineCore
-from llmserve.inference.engine.types import EngineOutput, EngineRequest
-from llmserve.sampling import DEADLINE_EXCEEDED_MESSAGE, FinishReason, SamplingParams, TokenLogprob
-from tests.engine_streams import HANG_GUARD_S, collect, wait_until
+from llmserve.engine_output import EngineOutput, coalesced
+from llmserve.inference.engine.engine_loop import CoreUpdate
+from llmserve.inference.engine.types import EngineRequest
+from llmserve.sampling import FinishReason, SamplingParams, TokenLogprob
+from tests.engine_streams import HANG_GUARD_S, collect, generate, wait_until
 
 pytestmark = pytest.mark.asyncio(loop_scope="session")
 
@@ -74,7 +76,7 @@ async def test_an_abort_frees_the_blocks_in_the_process(engine):
     outputs = []
 
     async def consume():
-        async for output in engine.generate(request):
+        async for output in generate(engine, request):
             outputs.append(output)
             if len(outputs) == 1:
                 engine.abort("abort-me")
@@ -91,9 +93,9 @@ async def run_on_loop(model_dir, request: EngineRequest) -> list[EngineOutput]:
     outputs: list[EngineOutput] = []
     done = asyncio.Event()
 
-    def deliver(batch: list[EngineOutput], kv_events, steps) -> None:
-        outputs.extend(batch)
-        if any(output.is_finished for output in batch):
+    def deliver(update: CoreUpdate) -> None:
+        outputs.extend(update.outputs)
+        if any(output.is_finished for output in update.outputs):
             done.set()
 
     thread = EngineThread(TorchEngineCore(torch_config(model_dir)))
@@ -102,7 +104,7 @@ async def run_on_loop(model_dir, request: EngineRequest) -> list[EngineOutput]:
     try:
         await asyncio.wait_for(done.wait(), HANG_GUARD_S)
     finally:
-        await asyncio.to_thread(thread.stop)
+        await thread.stop()
     return outputs
 
 
@@ -112,14 +114,14 @@ async def test_a_request_past_its_deadline_is_aborted_at_a_step_boundary(tiny_mo
     last = outputs[-1]
     if last.finish_reason is FinishReason.LENGTH:
         pytest.skip("this machine generated 240 tokens within 0.3 s: the deadline never came")
-    assert (last.finish_reason, last.error_message) == (FinishReason.CANCELLED, DEADLINE_EXCEEDED_MESSAGE)
+    assert (last.finish_reason, last.error_message) == (FinishReason.DEADLINE, "")
     assert time.monotonic_ns() >= deadline_ns
 
 
 async def test_a_deadline_already_past_ends_the_request_before_any_token(tiny_model_dir):
     outputs = await run_on_loop(tiny_model_dir, make_request("too-late", deadline_ns=time.monotonic_ns() - 1))
     assert [(o.new_token_ids, o.finish_reason, o.error_message) for o in outputs] == [
-        ([], FinishReason.CANCELLED, DEADLINE_EXCEEDED_MESSAGE)
+        ([], FinishReason.DEADLINE, "")
     ]
 
 
@@ -135,7 +137,7 @@ async def test_a_dying_process_fails_its_requests_and_refuses_new_ones(tiny_mode
     outputs = []
 
     async def consume():
-        async for output in engine.generate(make_request("orphan", max_tokens=240)):
+        async for output in generate(engine, make_request("orphan", max_tokens=240)):
             outputs.append(output)
             if len(outputs) == 1:
                 os.kill(client._process.pid, signal.SIGKILL)
@@ -143,7 +145,7 @@ async def test_a_dying_process_fails_its_requests_and_refuses_new_ones(tiny_mode
     await asyncio.wait_for(consume(), HANG_GUARD_S)
     assert (outputs[-1].finish_reason, outputs[-1].error_message) == (FinishReason.ERROR, "the engine-core process died")
     with pytest.raises(Unavailable):
-        engine.submit(make_request("after"), lambda output: None)
+        engine.submit(make_request("after"), lambda output, is_last: None)
     await engine.shutdown(drain_timeout_s=1.0)
 
 

@@ -41,11 +41,11 @@ def model_dir(tiny_model_dir, tmp_path_factory) -> Path:
 
 
 # name → (inference flags, gateway flags): the default data plane on each backend, and the
-# torch backend the pre-multiplex way (engine thread, one GenerateTokens call per request).
+# torch backend with its core on a thread of the server (--no-core-process).
 STACKS = {
     "torch": (["--backend", "torch"], []),
     "hf": (["--backend", "hf"], []),
-    "torch-calls": (["--backend", "torch", "--no-core-process"], ["--no-multiplex"]),
+    "torch-thread": (["--backend", "torch", "--no-core-process"], []),
 }
 
 

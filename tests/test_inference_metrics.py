@@ -17,6 +17,7 @@ from llmserve.inference.engine.torch_engine import TorchEngineCore
 from llmserve.inference.engine.types import EngineRequest
 from llmserve.sampling import SamplingParams
 from llmserve.v1 import common_pb2, inference_pb2, inference_pb2_grpc
+from tests.engine_streams import generate as engine_outputs
 from tests.metrics_scrape import Scrape, free_port, scrape
 from tests.procs import running_service
 
@@ -163,7 +164,7 @@ async def test_an_engine_on_a_thread_reports_its_steps_too(tiny_model_dir):
     before = count()
     sampling = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
     try:
-        outputs = [out async for out in engine.generate(EngineRequest("thread", FIRST, sampling, time.monotonic_ns()))]
+        outputs = [out async for out in engine_outputs(engine, EngineRequest("thread", FIRST, sampling, time.monotonic_ns()))]
     finally:
         await engine.shutdown(drain_timeout_s=0.0)
     assert outputs[-1].num_completion_tokens == 4

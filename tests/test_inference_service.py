@@ -17,7 +17,8 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
 from llmserve.block_hash import HASH_VERSION, fingerprint
-from llmserve.inference.backends import BackendUnavailable, create_engine, create_engine_core
+from llmserve.inference.backends import create_engine
+from llmserve.inference.engine.cores import BackendUnavailable, create_engine_core
 from llmserve.inference.async_engine import AsyncEngine
 from llmserve.inference.engine.config import EngineConfig
 from llmserve.inference.engine.engine_thread import EngineThread
@@ -370,7 +371,7 @@ async def test_a_backend_that_cannot_be_loaded_is_named(tiny_model_dir):
     config = EngineConfig(model_path=tiny_model_dir, model_name="tiny", backend="trtllm")
     with pytest.raises(BackendUnavailable, match="^backend 'trtllm' is not available: "):
         create_engine(config)
-    with pytest.raises(ValueError, match="^backend 'trtllm' is a whole engine, not an EngineCore"):
+    with pytest.raises(ValueError, match="^backend 'trtllm' runs its own engine, not an EngineCore"):
         create_engine_core(config)
 
 

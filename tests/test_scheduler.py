@@ -2,16 +2,18 @@
 the update of a step's results.
 
 Pure Python with block size 4, through the engine's own calls: `run_step` is one step of the
-engine without async scheduling (schedule, update_from_output with the launched batch, then
-with its sampled tokens).
+engine without async scheduling (schedule, record_launch of the launched batch, then
+update_from_output with its sampled tokens).
 """
 
 from __future__ import annotations
 
+import pytest
+
 from llmserve.inference.engine.block_manager import BlockManager
 from llmserve.inference.engine.scheduler import ScheduledBatch, Scheduler, SchedulerConfig
 from llmserve.inference.engine.sequence import PENDING_TOKEN, Sequence, SequenceStatus
-from llmserve.inference.engine.step_output import LaunchedBatch, SampledTokens
+from llmserve.inference.engine.step_output import LaunchedBatch
 from llmserve.sampling import FinishReason, SamplingParams
 
 BLOCK_SIZE = 4
@@ -57,9 +59,10 @@ def run_step(scheduler: Scheduler, stopping=(), forks=()) -> ScheduledBatch:
     (parent, child) pairs whose child samples from the parent's row, as the engine forks them."""
     batch = scheduler.schedule()
     seqs = batch.sampling_seqs() + [child for _, child in forks]
-    scheduler.update_from_output(launched=LaunchedBatch(batch, seqs, list(forks)))
+    launch = LaunchedBatch(batch, seqs, list(forks))
+    scheduler.record_launch(launch)
     token_ids = [EOS if seq in stopping else SAMPLED_TOKEN for seq in seqs]
-    scheduler.update_from_output(sampled=SampledTokens(seqs, token_ids))
+    scheduler.update_from_output(launch, token_ids)
     return batch
 
 
@@ -171,11 +174,11 @@ def test_a_prompt_that_can_never_fit_is_rejected_with_numbers():
     too_long = make_seq(1, 33)
     scheduler.add(too_long)
     assert not scheduler.waiting
-    assert scheduler.update_from_output().rejected == [too_long]
+    assert scheduler.take_rejected() == [too_long]
     assert too_long.finish_reason is FinishReason.ERROR
     assert "33 tokens" in too_long.error_message and "at most 32" in too_long.error_message
     assert "8 blocks x 4 tokens" in too_long.error_message
-    assert scheduler.update_from_output().rejected == []
+    assert scheduler.take_rejected() == []
     assert run_step(scheduler).is_empty
 
 
@@ -247,22 +250,44 @@ def test_fork_shares_the_prompt_and_copies_the_partial_block_next_step():
 
 
 def test_async_steps_discard_the_token_launched_after_a_stop():
-    """With async scheduling the update of step N carries step N-1's tokens: a sequence that
-    stops on one is not advanced and gets no placeholder; step N's token for it is dropped."""
+    """With async scheduling step N is launched before step N-1's tokens are known: a sequence
+    that stops on one of them is not advanced and gets no placeholder when step N is recorded,
+    and step N's token for it is dropped."""
     scheduler = make_scheduler()
     seq = make_seq(1, 4)
     scheduler.add(seq)
     first = scheduler.schedule()
-    first_rows = first.sampling_seqs()
-    scheduler.update_from_output(launched=LaunchedBatch(first, first_rows))
+    first_launch = LaunchedBatch(first, first.sampling_seqs())
+    scheduler.record_launch(first_launch)
     assert seq.token_ids[-1] == PENDING_TOKEN and seq.pending_token_row == 0
     second = scheduler.schedule()
     assert plan(second) == [(1, 1)]  # the pending token, read on the device
-    update = scheduler.update_from_output(launched=LaunchedBatch(second, second.sampling_seqs()),
-                                          sampled=SampledTokens(first_rows, [EOS]))
-    assert [(t.token_id, t.finish_reason, t.stop_token_id) for t in update.new_tokens] == [(EOS, FinishReason.STOP, EOS)]
+    new_tokens = scheduler.update_from_output(first_launch, [EOS])
+    assert [(t.token_id, t.finish_reason, t.stop_token_id) for t in new_tokens] == [(EOS, FinishReason.STOP, EOS)]
+    second_launch = LaunchedBatch(second, second.sampling_seqs())
+    scheduler.record_launch(second_launch)
     assert seq.token_ids == [1000, 1001, 1002, 1003, EOS] and seq.is_finished and not seq.has_pending_token
-    assert scheduler.update_from_output(sampled=SampledTokens([seq], [SAMPLED_TOKEN])).new_tokens == []
+    assert scheduler.update_from_output(second_launch, [SAMPLED_TOKEN]) == []
+    assert_pool_full(scheduler)
+
+
+def test_launches_and_their_tokens_are_recorded_in_order():
+    """One launch in flight at a time: recording the next before the tokens of the one before,
+    or tokens for a launch other than the one in flight, is a bug the scheduler refuses."""
+    scheduler = make_scheduler()
+    scheduler.add(make_seq(1, 4))
+    first = scheduler.schedule()
+    first_launch = LaunchedBatch(first, first.sampling_seqs())
+    scheduler.record_launch(first_launch)
+    second = scheduler.schedule()
+    second_launch = LaunchedBatch(second, second.sampling_seqs())
+    with pytest.raises(AssertionError, match="the launch before"):
+        scheduler.record_launch(second_launch)
+    with pytest.raises(AssertionError, match="the launch recorded last"):
+        scheduler.update_from_output(second_launch, [SAMPLED_TOKEN])
+    assert [t.token_id for t in scheduler.update_from_output(first_launch, [SAMPLED_TOKEN])] == [SAMPLED_TOKEN]
+    scheduler.record_launch(second_launch)
+    finish_all(scheduler)
     assert_pool_full(scheduler)
 
 
@@ -271,8 +296,9 @@ def test_a_sequence_whose_pending_token_is_its_last_is_not_scheduled_again():
     seq = make_seq(1, 4, max_tokens=1)
     scheduler.add(seq)
     batch = scheduler.schedule()
-    scheduler.update_from_output(launched=LaunchedBatch(batch, batch.sampling_seqs()))
+    launch = LaunchedBatch(batch, batch.sampling_seqs())
+    scheduler.record_launch(launch)
     assert seq.is_finishing and scheduler.schedule().is_empty
-    update = scheduler.update_from_output(sampled=SampledTokens([seq], [SAMPLED_TOKEN]))
-    assert [t.finish_reason for t in update.new_tokens] == [FinishReason.LENGTH]
+    new_tokens = scheduler.update_from_output(launch, [SAMPLED_TOKEN])
+    assert [t.finish_reason for t in new_tokens] == [FinishReason.LENGTH]
     assert_pool_full(scheduler)

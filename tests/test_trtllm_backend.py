@@ -11,7 +11,8 @@ import importlib.util
 
 import pytest
 
-from llmserve.inference.backends import BackendUnavailable, create_engine
+from llmserve.inference.backends import create_engine
+from llmserve.inference.engine.cores import BackendUnavailable
 from llmserve.inference.engine.config import EngineConfig
 from llmserve.inference.engine.trtllm_engine import _trt_sampling
 from llmserve.sampling import SamplingParams

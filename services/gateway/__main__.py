@@ -13,9 +13,9 @@ import argparse
 import sys
 from pathlib import Path
 
-from llmserve.gateway.client_stream import DEFAULT_MAX_UNSENT_TOKENS
 from llmserve.gateway.config import DEFAULT_DOWNSTREAM_READY_TIMEOUT_S, GatewayConfig
 from llmserve.gateway.discovery import Target
+from llmserve.gateway.replica_stream import DEFAULT_MAX_UNSENT_TOKENS
 from llmserve.gateway.routing_flags import add_routing_arguments, routing_options
 from llmserve.gateway.worker import run_worker
 from llmserve.gateway.worker_group import run_worker_group
@@ -73,13 +73,6 @@ def build_parser() -> argparse.ArgumentParser:
         help="a stream whose client leaves more tokens than this unread (beyond what its HTTP/2 window "
         "holds) is aborted with RESOURCE_EXHAUSTED; 0: no bound (default: %(default)s)",
     )
-    parser.add_argument(
-        "--no-multiplex",
-        dest="multiplex",
-        action="store_false",
-        help="one InferenceService.GenerateTokens call per request instead of all of this process's "
-        "requests on one Multiplex stream per replica (a message per engine step; measured faster)",
-    )
     add_routing_arguments(parser)
     return parser
 
@@ -95,7 +88,6 @@ def config_from_args(args: argparse.Namespace) -> GatewayConfig:
         downstream_ready_timeout_s=args.downstream_ready_timeout_s,
         num_workers=args.workers,
         max_unsent_tokens=args.max_unsent_tokens,
-        multiplex=args.multiplex,
         **routing_options(args),
     )
 

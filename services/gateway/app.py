@@ -74,8 +74,7 @@ async def start_gateway(config: GatewayConfig, worker_id: int = 0) -> RunningGat
     model_name = config.model_name or model.model_name
     router = Router(config.routing, replicas.live, index.lookups)
     servicer = GatewayServicer(
-        GenerationPipeline(preprocess.pool, router, detokenizer), model, model_name,
-        worker_id=worker_id, max_unsent_tokens=config.max_unsent_tokens,
+        GenerationPipeline(preprocess.pool, router, detokenizer), model, model_name, worker_id=worker_id
     )
     server = await create_server(
         config.address,

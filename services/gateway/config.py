@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from llmserve.gateway.client_stream import DEFAULT_MAX_UNSENT_TOKENS
+from llmserve.gateway.replica_stream import DEFAULT_MAX_UNSENT_TOKENS
 from llmserve.gateway.discovery import DEFAULT_RESOLVE_INTERVAL_S, Target
 from llmserve.gateway.router import RoutingConfig
 from llmserve.prefix_index.redis_config import RedisIndexConfig
@@ -30,14 +30,10 @@ class GatewayConfig:
     grace_period_s: float = DEFAULT_GRACE_PERIOD_S
     observability: ObservabilityConfig = ObservabilityConfig()  # metrics endpoint, log format
     downstream_ready_timeout_s: float = DEFAULT_DOWNSTREAM_READY_TIMEOUT_S
-    # Timeout of the Abort RPC sent when a request ends early (cancel, deadline, stop string).
-    abort_timeout_s: float = 5.0
     # Gateway processes sharing the port (SO_REUSEPORT); 1 serves in the gateway process itself.
     num_workers: int = 1
     # Tokens a stream may hold for a client that does not read before its request is aborted; 0: no bound.
     max_unsent_tokens: int = DEFAULT_MAX_UNSENT_TOKENS
-    # All requests to a replica on one Multiplex stream; False: a GenerateTokens call each.
-    multiplex: bool = True
     routing: RoutingConfig = RoutingConfig()
     # Seconds between DNS resolutions of dns:/// targets (preprocess and inference).
     resolve_interval_s: float = DEFAULT_RESOLVE_INTERVAL_S

@@ -3,16 +3,19 @@
 Lifecycle (the servicer turns each step's output into protobuf):
   1. preprocess.Preprocess: template, tokenize, validate; it resolves max_tokens.
   2. the router picks a live replica (router.py), counting the request in flight there;
-     inference.Generate on it: a stream of token chunks (max_tokens resolved, stop strings kept here).
-  3. each chunk → incremental detokenizer (whole characters only) → stop-string matcher
+     the request goes on the replica's Multiplex stream (max_tokens resolved, stop strings kept
+     here); its outputs come back as EngineOutputs, everything since the last one merged
+     (replica_stream.py: where a slow client is coalesced and bounded).
+  3. each output → incremental detokenizer (whole characters only) → stop-string matcher
      (holds back text that may start a stop string) → a GenerationDelta.
   4. the last delta carries finish reason, usage, timings and the routing decision.
      A replica that refuses it at admission (RESOURCE_EXHAUSTED, before any token) passes it
      on: the router picks again among the live replicas that have not refused it, so the
      client is refused only when every replica is full.
   5. if the request ends before inference finished it (client cancel, deadline, stop string,
-     error), the inference request is cancelled (an abort on the Multiplex stream, or the call
-     cancelled plus Abort(request_id)), so its KV blocks are freed at once.
+     error), the inference request is cancelled (an abort on the Multiplex stream), so its KV
+     blocks are freed at once. A request whose deadline passed on the replica ends with the
+     DEADLINE_EXCEEDED status the replica sent.
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ from typing import AsyncIterator, Callable
 
 import grpc
 
+from llmserve.engine_output import EngineOutput
 from llmserve.errors import ServiceError
 from llmserve.gateway.detokenizer import Detokenizer, DetokenizerStream
 from llmserve.gateway.hop_errors import DownstreamError
@@ -34,8 +38,7 @@ from llmserve.gateway.preprocess_pool import PreprocessPool
 from llmserve.gateway.replica import Replica
 from llmserve.gateway.router import RouteDecision, Router
 from llmserve.gateway.stop_strings import StopStringMatcher
-from llmserve.gateway.token_chunks import TokenChunk
-from llmserve.sampling import DEADLINE_EXCEEDED_MESSAGE, FinishReason, SamplingParams, TokenLogprob
+from llmserve.sampling import FinishReason, SamplingParams, TokenLogprob
 
 log = logging.getLogger(__name__)
 
@@ -99,7 +102,7 @@ class _RequestState:
     stop_matcher: StopStringMatcher
     num_completion_tokens: int = 0
     first_token_ns: int | None = None
-    last_token_ns: int = 0  # when the latest chunk with tokens came
+    last_token_ns: int = 0  # when the latest output with tokens came
 
 
 class GenerationPipeline:
@@ -168,9 +171,9 @@ class GenerationPipeline:
         )
         is_finished_by_inference = False
         try:
-            async for chunk in stream:
-                is_finished_by_inference = chunk.is_finished
-                delta = self._on_chunk(request, state, chunk)
+            async for output in stream:
+                is_finished_by_inference = output.is_finished
+                delta = self._on_output(request, state, output)
                 if delta.result is not None:
                     _log_finished(request.request_id, delta.result)
                     record_finished(delta.result, is_reported_by_inference=is_finished_by_inference)
@@ -183,24 +186,22 @@ class GenerationPipeline:
             if not is_finished_by_inference:
                 stream.cancel()
 
-    def _on_chunk(self, request: GenerationRequest, state: _RequestState, chunk: TokenChunk) -> GenerationDelta:
+    def _on_output(self, request: GenerationRequest, state: _RequestState, output: EngineOutput) -> GenerationDelta:
         now_ns = time.monotonic_ns()
-        if chunk.token_ids:
-            self._on_tokens(request, state, len(chunk.token_ids), now_ns)
-        text = state.detokenizer.push(chunk.token_ids)
-        if chunk.is_finished:
+        if output.new_token_ids:
+            self._on_tokens(request, state, len(output.new_token_ids), now_ns)
+        text = state.detokenizer.push(output.new_token_ids)
+        if output.is_finished:
             text += state.detokenizer.flush()
         check = state.stop_matcher.push(text)
-        delta = GenerationDelta(text=check.text, token_ids=chunk.token_ids, logprobs=chunk.logprobs)
+        delta = GenerationDelta(text=check.text, token_ids=output.new_token_ids, logprobs=output.logprobs)
         if check.matched_stop is not None:
-            delta.result = self._result(request, state, chunk, FinishReason.STOP, check.matched_stop, now_ns)
-        elif chunk.is_finished:
-            if chunk.finish_reason == FinishReason.ERROR:
-                raise ServiceError(f"inference failed on request {request.request_id}: {chunk.error_message}")
-            if chunk.finish_reason == FinishReason.CANCELLED and chunk.error_message == DEADLINE_EXCEEDED_MESSAGE:
-                raise DownstreamError(grpc.StatusCode.DEADLINE_EXCEEDED, f"request {request.request_id}: deadline exceeded")
+            delta.result = self._result(request, state, output, FinishReason.STOP, check.matched_stop, now_ns)
+        elif output.is_finished:
+            if output.finish_reason == FinishReason.ERROR:
+                raise ServiceError(f"inference failed on request {request.request_id}: {output.error_message}")
             delta.text += state.stop_matcher.flush()
-            delta.result = self._result(request, state, chunk, chunk.finish_reason, None, now_ns)
+            delta.result = self._result(request, state, output, output.finish_reason, None, now_ns)
         return delta
 
     @staticmethod
@@ -217,7 +218,7 @@ class GenerationPipeline:
     def _result(
         request: GenerationRequest,
         state: _RequestState,
-        chunk: TokenChunk,
+        output: EngineOutput,
         finish_reason: FinishReason,
         matched_stop: str | None,
         now_ns: int,
@@ -230,8 +231,8 @@ class GenerationPipeline:
             matched_stop=matched_stop,
             num_prompt_tokens=len(state.prompt.token_ids),
             num_completion_tokens=state.num_completion_tokens,
-            num_cached_tokens=chunk.num_cached_tokens,
-            queue_time_ns=chunk.queue_time_ns,
+            num_cached_tokens=output.num_cached_tokens,
+            queue_time_ns=output.queue_time_ns,
             preprocess_time_ns=state.prompt.preprocess_time_ns,
             time_to_first_token_ns=first_token_ns - request.arrival_ns,
             total_time_ns=now_ns - request.arrival_ns,

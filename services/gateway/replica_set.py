@@ -77,7 +77,7 @@ class ReplicaSet:
         await asyncio.gather(*(replica.client.close() for replica in self._replicas.values()))
 
     def _client(self, address: str) -> InferenceClient:
-        return InferenceClient(address, multiplex=self._config.multiplex, abort_timeout_s=self._config.abort_timeout_s)
+        return InferenceClient(address, max_unsent_tokens=self._config.max_unsent_tokens)
 
     def _add(self, address: str, client: InferenceClient) -> Replica:
         replica = Replica(address, client)

@@ -9,8 +9,20 @@ restarts, the connection drops), each request on it fails with the status the ca
 the replica), and the next request opens a new call.
 
 Why one writer task: grpc.aio allows one write in flight per call, and requests start from
-many handler tasks. Why per-request buffers: the reader must never wait on one slow request;
-a request that reads late gets all it missed as one chunk.
+many handler tasks. Why per-request buffers: the reader must never wait on one slow request.
+
+The buffer is also where a slow client is coalesced and bounded, the one place in the gateway:
+its handler takes from it only when it is ready to write to its client, and takes *everything*
+that arrived since it last took, merged into one output (llmserve.engine_output.coalesced), so
+at light load each write carries one step's tokens and a client slower than generation gets
+fewer, larger messages, detokenized once each. When more than `max_unsent_tokens` tokens wait
+in a buffer, the request is aborted (an abort on the stream frees its KV blocks at once) and its
+stream ends with ClientNotReading as soon as grpc lets its handler run again (when the client
+reads what its HTTP/2 window holds, or cancels). Why a bound: grpc.aio's `yield` from a
+server-streaming handler returns once the message is inside the client's HTTP/2 receive window
+(grpc's default starts at 64 KiB and grows with BDP probing, to about 1 MiB measured on loopback
+with grpc 1.85), then blocks until the client reads; without a bound a client that never reads
+keeps its sequence generating to max_tokens and its KV blocks held.
 """
 
 from __future__ import annotations
@@ -18,62 +30,112 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import AsyncIterator
 
 import grpc
 from google.rpc import status_pb2
 
+from llmserve.engine_output import EngineOutput, coalesced
 from llmserve.errors import ServiceError, Unavailable
 from llmserve.gateway.hop_errors import error_from_rpc, error_from_status
-from llmserve.gateway.token_chunks import TokenChunk, chunk_from_pb, joined_chunks
+from llmserve.pb import output_from_pb
 from llmserve.request_context import context_without_request
 from llmserve.v1 import inference_pb2, inference_pb2_grpc
 
 log = logging.getLogger(__name__)
 
+# A sequence decodes at up to a few hundred tokens/s, so this is several seconds of a client not
+# reading: long enough for a GC pause or a slow link, short enough to free a stalled client's KV.
+DEFAULT_MAX_UNSENT_TOKENS = 2048
+
+# forget(request_id, abort): the connection stops routing the request's outputs, and with
+# `abort` asks the replica to abort it.
+Forget = Callable[[str, bool], None]
+
+
+class ClientNotReading(ServiceError):
+    """The client left more than the limit of tokens unsent: its request was aborted.
+
+    RESOURCE_EXHAUSTED, not ABORTED: the stream exhausted its per-stream buffer quota and the
+    client is the cause (ABORTED means a concurrency conflict that a retry resolves; retrying
+    this request without reading faster fails the same way, so no RetryInfo is attached either).
+    """
+
+    code = grpc.StatusCode.RESOURCE_EXHAUSTED
+
+    def __init__(self, num_unsent_tokens: int, max_unsent_tokens: int):
+        super().__init__(
+            f"client is not reading: {num_unsent_tokens} tokens unsent (limit {max_unsent_tokens})"
+        )
+
 
 class MultiplexedTokens:
-    """One request's outputs from a ReplicaStream: iterate for TokenChunks, `cancel` to stop it."""
+    """One request's outputs from a ReplicaStream: iterate for EngineOutputs (everything that
+    arrived since the previous one, merged), `cancel` to stop it. `max_unsent_tokens` 0: no
+    bound."""
 
-    def __init__(self, request_id: str, connection: "_Connection"):
+    def __init__(self, request_id: str, forget: Forget, max_unsent_tokens: int = DEFAULT_MAX_UNSENT_TOKENS):
         self.request_id = request_id
-        self._connection = connection
-        self._outputs: list[inference_pb2.RequestOutput] = []
-        self._failure: ServiceError | None = None
+        self._forget = forget
+        self._max_unsent_tokens = max_unsent_tokens
+        self._outputs: list[inference_pb2.RequestOutput] = []  # arrived, not yet taken
+        self._num_unsent_tokens = 0
+        self._failure: ServiceError | None = None  # the connection broke: after what arrived
+        self._overflow: ClientNotReading | None = None  # the bound: instead of what arrived
         self._has_news = asyncio.Event()
         self._is_done = False
 
     def push(self, output: inference_pb2.RequestOutput) -> None:
+        """An output arrived (on the reader task); over the bound, abort the request."""
+        if self._overflow is not None:
+            return
         self._outputs.append(output)
+        self._num_unsent_tokens += len(output.output.token_ids)
+        if 0 < self._max_unsent_tokens < self._num_unsent_tokens:
+            self._overflow = ClientNotReading(self._num_unsent_tokens, self._max_unsent_tokens)
+            log.warning("request %s aborted: %s", self.request_id, self._overflow.message)
+            self._forget(self.request_id, True)
         self._has_news.set()
 
     def fail(self, error: ServiceError) -> None:
         self._failure = error
         self._has_news.set()
 
-    async def __aiter__(self) -> AsyncIterator[TokenChunk]:
+    async def __aiter__(self) -> AsyncIterator[EngineOutput]:
         while not self._is_done:
             await self._has_news.wait()
             self._has_news.clear()
-            outputs, self._outputs = self._outputs, []
-            chunks = [self._chunk(output) for output in outputs]
-            if chunks:
-                chunk = joined_chunks(chunks)
-                self._is_done = chunk.is_finished
-                yield chunk
+            if self._overflow is not None:
+                self._is_done = True
+                raise self._overflow
+            outputs, error = self._take()
+            for output in outputs:
+                self._is_done = self._is_done or output.is_finished
+                yield output
+            if error is not None:
+                self._is_done = True
+                raise error
             if self._failure is not None and not self._is_done:
                 raise self._failure
 
-    def _chunk(self, output: inference_pb2.RequestOutput) -> TokenChunk:
-        if output.error_status:
-            self._is_done = True
-            raise error_from_status("inference", status_pb2.Status.FromString(output.error_status))
-        return chunk_from_pb(output.output)
+    def _take(self) -> tuple[list[EngineOutput], ServiceError | None]:
+        """What arrived since the last take, coalesced, and the status the replica ended the
+        request with, if it did (only ever after the outputs before it)."""
+        taken, self._outputs = self._outputs, []
+        self._num_unsent_tokens = 0
+        outputs, error = [], None
+        for output in taken:
+            if output.error_status:
+                error = error_from_status("inference", status_pb2.Status.FromString(output.error_status))
+                break
+            outputs.append(output_from_pb(self.request_id, output.output))
+        return coalesced(outputs), error
 
     def cancel(self) -> None:
         """Stop the request on the replica (an abort on the stream); harmless once it ended."""
-        self._connection.forget(self.request_id, abort=not self._is_done)
+        self._forget(self.request_id, not self._is_done)
         self._is_done = True
 
 
@@ -89,7 +151,7 @@ class _Connection:
     # Set when the gateway itself ends the call (the replica is gone): what its requests end with.
     failure: ServiceError | None = None
 
-    def forget(self, request_id: str, *, abort: bool) -> None:
+    def forget(self, request_id: str, abort: bool) -> None:
         if self.requests.pop(request_id, None) is not None and abort and not self.is_broken:
             self.commands.put_nowait(
                 inference_pb2.MultiplexRequest(abort=inference_pb2.AbortRequest(request_id=request_id))
@@ -97,15 +159,16 @@ class _Connection:
 
 
 class ReplicaStream:
-    def __init__(self, stub: inference_pb2_grpc.InferenceServiceStub):
+    def __init__(self, stub: inference_pb2_grpc.InferenceServiceStub, max_unsent_tokens: int = DEFAULT_MAX_UNSENT_TOKENS):
         self._stub = stub
+        self._max_unsent_tokens = max_unsent_tokens
         self._connection: _Connection | None = None
         self._tasks: set[asyncio.Task] = set()
         self.last_response_s = 0.0  # time.monotonic() of the last message from the replica
 
     def generate(self, request: inference_pb2.GenerateTokensRequest) -> MultiplexedTokens:
         connection = self._open_connection()
-        tokens = MultiplexedTokens(request.request_id, connection)
+        tokens = MultiplexedTokens(request.request_id, connection.forget, self._max_unsent_tokens)
         connection.requests[request.request_id] = tokens
         connection.commands.put_nowait(inference_pb2.MultiplexRequest(generate=request))
         return tokens
@@ -152,11 +215,12 @@ class ReplicaStream:
             async for response in connection.call:
                 self.last_response_s = time.monotonic()
                 for output in response.outputs:
-                    tokens = connection.requests.get(output.request_id)
+                    is_last = bool(output.error_status or output.output.finish_reason)
+                    tokens = connection.requests.pop(output.request_id, None) if is_last else (
+                        connection.requests.get(output.request_id)
+                    )
                     if tokens is not None:
                         tokens.push(output)
-                        if output.error_status or output.output.finish_reason:  # its last output
-                            del connection.requests[output.request_id]
         except grpc.aio.AioRpcError as error:
             failure = error_from_rpc("inference", error)
             if error.code() != grpc.StatusCode.CANCELLED:

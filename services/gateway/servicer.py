@@ -18,7 +18,6 @@ from typing import AsyncIterator
 import grpc
 
 from llmserve.errors import InvalidArgument, NotFound
-from llmserve.gateway.client_stream import DEFAULT_MAX_UNSENT_TOKENS, coalesced
 from llmserve.gateway.generation import GenerationDelta, GenerationPipeline, GenerationRequest, GenerationResult
 from llmserve.gateway.inference_client import ModelCard
 from llmserve.gateway.metrics import tracked_request
@@ -43,21 +42,19 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
         model_name: str,
         *,
         worker_id: int = 0,
-        max_unsent_tokens: int = DEFAULT_MAX_UNSENT_TOKENS,
     ):
         self._pipeline = pipeline
         self._model = model
         self._model_name = model_name
         self._worker_metadata = (WORKER_METADATA_KEY, str(worker_id))
-        self._max_unsent_tokens = max_unsent_tokens
 
     async def GenerateStream(self, request: gateway_pb2.GenerateStreamRequest, context: grpc.aio.ServicerContext):
-        """Each message carries every token made since the last one was sent (client_stream)."""
+        """Each message carries every token made since the last one was sent (the pipeline reads
+        its replica's buffer only when the previous message is written: replica_stream.py)."""
         params = request.params
         with tracked_request(context) as outcome:
             generation = await self._start(params, context)
-            pipeline_deltas = self._generate(generation, context)
-            async with aclosing(coalesced(pipeline_deltas, generation.request_id, self._max_unsent_tokens)) as deltas:
+            async with aclosing(self._generate(generation, context)) as deltas:
                 async for delta in deltas:
                     if delta.result is not None:
                         outcome.finish_reason = delta.result.finish_reason

@@ -14,7 +14,9 @@ import logging
 import socket
 from pathlib import Path
 
-from llmserve.inference.backends import BackendUnavailable, ServingEngine, create_engine
+from llmserve.inference.async_engine import AsyncEngine
+from llmserve.inference.backends import create_engine
+from llmserve.inference.engine.cores import BackendUnavailable
 from llmserve.inference.config import DEFAULT_KV_EVENTS_HEARTBEAT_MS, InferenceConfig
 from llmserve.inference.engine.config import MODEL_GROUP
 from llmserve.inference.engine_flags import add_engine_arguments, engine_config, engine_options
@@ -109,14 +111,14 @@ def _start_redis_publisher(config: InferenceConfig, kv_events: KvEventLog) -> as
     return start_publishing(config.redis, lambda: kv_events.subscribe(False, kv_events.default_heartbeat_interval_s))
 
 
-async def _drain(engine: ServingEngine, kv_events: KvEventLog, config: InferenceConfig) -> None:
+async def _drain(engine: AsyncEngine, kv_events: KvEventLog, config: InferenceConfig) -> None:
     # A draining replica refuses new requests, so its watchers had better stop routing here
     # now; their streams, which never end by themselves, must not hold the drain either.
     kv_events.close()
     await engine.shutdown(drain_timeout_s=config.grace_period_s)
 
 
-def _log_startup(engine: ServingEngine, replica_id: str, port: int) -> None:
+def _log_startup(engine: AsyncEngine, replica_id: str, port: int) -> None:
     info = engine.model_info
     load = engine.load()
     log.info(

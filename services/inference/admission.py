@@ -67,7 +67,8 @@ from llmserve.inference.engine.config import (
     EngineConfig,
     default_max_waiting_requests,
 )
-from llmserve.inference.engine.types import EngineOutput, EngineRequest
+from llmserve.engine_output import EngineOutput
+from llmserve.inference.engine.types import EngineRequest
 from llmserve.inference.finish_estimate import FinishEstimate
 from llmserve.inference.kv_demand import KvDemand, RequestDemand
 
@@ -99,11 +100,12 @@ class AdmissionConfig:
 
 
 @dataclass(slots=True)
-class _Admitted:
-    """The demand one in-flight request was admitted with, and its progress."""
+class Admitted:
+    """The demand one in-flight request was admitted with, and its progress. AsyncEngine keeps
+    it with the request (it owns which requests are in flight) and hands it back with each
+    output (`observe`)."""
 
     demand: RequestDemand
-    num_unfinished_sequences: int
     is_waiting: bool = True  # no token produced yet
     has_started: bool = False  # produced a token (not merely ended while waiting)
 
@@ -131,16 +133,14 @@ class AdmissionController:
         self._step_grows_with_batch = step_grows_with_batch
         self._max_kv_blocks = int(kv_blocks_total * config.kv_overcommit)
         self._block_size_tokens = hash_namespace.block_size_tokens
-        self._max_context_tokens = max_context_tokens
         self._kv_demand = KvDemand(
             # No pool (hf) or no prefix cache: each request holds its whole prompt's blocks itself.
             hash_namespace=hash_namespace if kv_blocks_total and config.shares_prefix_blocks else None,
             block_size_tokens=self._block_size_tokens,
-            max_context_tokens=max_context_tokens,
             max_batched_tokens=config.max_batched_tokens,
         )
         self._clock = clock
-        self._admitted: dict[str, _Admitted] = {}
+        self.num_requests_in_flight = 0
         self.num_waiting_requests = 0
         self.num_waiting_prompt_tokens = 0
         self.num_sequences_in_flight = 0
@@ -155,24 +155,25 @@ class AdmissionController:
 
     # --- admission --------------------------------------------------------------------------
 
-    def admit(self, request: EngineRequest) -> None:
-        """Record the request as in flight, or raise (nothing recorded): InvalidArgument if it
-        exceeds a whole budget, ResourceExhausted if over one now, DeadlineExceeded if its
-        deadline cannot be met."""
+    def admit(self, request: EngineRequest) -> Admitted:
+        """Count the request in flight and return what it was charged with, or raise (nothing
+        counted): InvalidArgument if it exceeds a whole budget, ResourceExhausted if over one
+        now, DeadlineExceeded if its deadline cannot be met."""
         now_ns = self._clock()
-        self.kv_drain.advance(now_ns, was_busy=bool(self._admitted))
+        self.kv_drain.advance(now_ns, was_busy=self.num_requests_in_flight > 0)
         demand = self._kv_demand.of(request)
         self._check_fits_alone(len(request.prompt_token_ids), demand.num_kv_blocks)
         self._check_budgets(demand, now_ns)
         if request.deadline_ns:
             self._check_deadline(request, demand, now_ns)
-        if not self._admitted:
+        if not self.num_requests_in_flight:
             self.pace.start(now_ns)
-        self._admitted[request.request_id] = _Admitted(demand, request.sampling.n)
+        self.num_requests_in_flight += 1
         self.num_waiting_requests += 1
         self.num_waiting_prompt_tokens += demand.num_prompt_tokens_to_prefill
         self._kv_demand.add(demand)
         self.num_sequences_in_flight += request.sampling.n
+        return Admitted(demand)
 
     def _check_fits_alone(self, num_prompt_tokens: int, num_kv_blocks: int) -> None:
         if num_prompt_tokens > self.max_waiting_prompt_tokens:
@@ -219,7 +220,7 @@ class AdmissionController:
     def _retry_after_ms(self, amount: float, drain_per_s: float | None, now_ns: int) -> int:
         """When `amount` will have drained at `drain_per_s`, clamped to a useful hint."""
         if drain_per_s is None:
-            running_step_ms = 1000 * self.pace.running_step_s(now_ns) if self._admitted else 0
+            running_step_ms = 1000 * self.pace.running_step_s(now_ns) if self.num_requests_in_flight else 0
             return _clamped_ms(max(DEFAULT_RETRY_AFTER_MS, running_step_ms))
         return _clamped_ms(1000 * amount / drain_per_s if drain_per_s > 0 else MAX_RETRY_AFTER_MS)
 
@@ -242,7 +243,7 @@ class AdmissionController:
         prompt_tokens_ahead = self.num_waiting_prompt_tokens + num_prompt_tokens_to_prefill
         drain_per_s = self.pace.prefill_tokens_per_s
         wait_s = 0.0 if drain_per_s is None else prompt_tokens_ahead / drain_per_s
-        max_tokens = request.sampling.max_tokens or self._max_context_tokens - len(request.prompt_token_ids)
+        max_tokens = request.sampling.max_tokens
         step_s = self.pace.step_s or 0.0
         if self._step_grows_with_batch and self.pace.batch_size:
             step_s *= max(1.0, (self.num_sequences_in_flight + request.sampling.n) / self.pace.batch_size)
@@ -250,15 +251,13 @@ class AdmissionController:
 
     # --- learning from outputs --------------------------------------------------------------
 
-    def observe(self, outputs: list[EngineOutput]) -> None:
-        """Account one delivery of outputs (in the order the core produced them)."""
+    def observe(self, deliveries: list[tuple[Admitted, EngineOutput, bool]]) -> None:
+        """Account one delivery of outputs (in the order the core produced them), each with what
+        its request was admitted with and whether it is the request's last."""
         now_ns = self._clock()
-        self.kv_drain.advance(now_ns, was_busy=bool(self._admitted))
+        self.kv_drain.advance(now_ns, was_busy=self.num_requests_in_flight > 0)
         num_started_prompt_tokens, num_released_blocks, num_token_outputs = 0, 0, 0
-        for output in outputs:
-            admitted = self._admitted.get(output.request_id)
-            if admitted is None:
-                continue  # not admitted here (AsyncEngine logs it)
+        for admitted, output, is_last in deliveries:
             num_token_outputs += bool(output.new_token_ids)
             demand = admitted.demand
             if admitted.is_waiting and (output.new_token_ids or output.is_finished):
@@ -270,11 +269,10 @@ class AdmissionController:
                 if admitted.has_started:
                     num_started_prompt_tokens += demand.num_prompt_tokens_to_prefill
             if output.is_finished:
-                admitted.num_unfinished_sequences -= 1
                 self.num_sequences_in_flight -= 1
-                if admitted.num_unfinished_sequences == 0:
-                    del self._admitted[output.request_id]
-                    num_released_blocks += self._kv_demand.remove(demand, has_started=admitted.has_started)
+            if is_last:
+                self.num_requests_in_flight -= 1
+                num_released_blocks += self._kv_demand.remove(demand, has_started=admitted.has_started)
         self.kv_drain.add(num_released_blocks)
         self._has_drained = self._has_drained or num_released_blocks > 0
         self.pace.advance(

@@ -1,24 +1,26 @@
-"""AsyncEngine: the asyncio face of one EngineCore, which runs behind a CoreClient: an
-EngineThread (a thread of this process) or an EngineProcess (a process of its own).
+"""AsyncEngine: the asyncio face of one engine, whatever runs it behind a CoreClient: an
+EngineThread (a core on a thread of this process), an EngineProcess (a core in a process of its
+own) or a backend's own engine (trtllm_engine.TrtllmClient).
 
-    event loop (servicer)                             core client
-    submit()/generate() ──add_request──▶   ──▶ core.add_request
-    abort()             ──abort_request─▶  ──▶ core.abort_request (+ CANCELLED outputs)
-                                               core.step() → [EngineOutput]
-    each request's on_output ◀── _deliver(outputs, kv_events, steps), per engine step ◀──┘
-    the kv-event sink       ◀──┘ (the step's prefix-cache changes, when it made any)
-    metrics.record_*        ◀──┘ (its StepReport, the tokens routed, refusals at submit)
+    event loop (servicer)                            core client
+    submit(request, on_output) ──admit──▶ add_request ──▶ the core
+    abort()/detach()           ─────────▶ abort_request (its outputs end CANCELLED)
+    each request's on_output ◀── _deliver(CoreUpdate), per engine step ◀──┘
+    the kv-event sink        ◀──┘ (the step's prefix-cache changes, when it made any)
+    admission, metrics       ◀──┘ (its StepReport, the tokens routed, refusals at submit)
 
-Two ways to consume a request: `submit(request, on_output)` calls `on_output` for every
-output as it is delivered (the multiplexed stream hands a whole step to its writer this way);
-`generate(request)` is an async iterator over the same outputs, coalesced: an output carries
-every token its sequence produced since the consumer last read, so a slow reader gets fewer,
-larger outputs and never a backlog of one-token ones.
+One consumer API: `submit(request, on_output)` calls `on_output(output, is_last)` for every
+output as it is delivered, the final one of every sequence included; `is_last` marks the
+request's last output. The servicer's OutputStream (output_stream.py) serves both generating
+RPCs on it.
 
-A request is *in flight* from submit() until every one of its sequences has had its final
-output delivered, even when its consumer left early: its request id stays taken until the
-core has let go of it, so a new request reusing the id never receives the old one's outputs.
-The engine loop guarantees each sequence exactly one final output (see engine_loop.py).
+AsyncEngine is the one owner of request liveness in the server process: a request is *in
+flight* from submit() until every one of its sequences has had its final output delivered, even
+when its consumer left early: its request id stays taken until the core has let go of it, so a
+new request reusing the id never receives the old one's outputs. Admission and the consumers
+follow its `is_last`; nothing else in this process keeps a table of requests. The core client
+guarantees each sequence exactly one final output (engine_loop.py), and when the core is gone
+(CoreUpdate.core_failure) this class ends every sequence still open with ERROR itself.
 """
 
 from __future__ import annotations
@@ -27,23 +29,26 @@ import asyncio
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import AsyncIterator, Protocol
+from typing import Protocol
 
+from llmserve.engine_output import EngineOutput
 from llmserve.errors import DeadlineExceeded, InvalidArgument, ResourceExhausted, Unavailable
 from llmserve.inference import metrics
-from llmserve.inference.admission import AdmissionConfig, AdmissionController
-from llmserve.inference.engine.engine_loop import Deliver
-from llmserve.inference.engine.types import CacheEvent, EngineLoad, EngineOutput, EngineRequest, ModelInfo, StepReport
+from llmserve.inference.admission import AdmissionConfig, AdmissionController, Admitted
+from llmserve.inference.engine.engine_loop import CoreUpdate, Deliver
+from llmserve.inference.engine.types import CacheEvent, EngineLoad, EngineRequest, ModelInfo
+from llmserve.sampling import FinishReason
 
 log = logging.getLogger(__name__)
 
-OnOutput = Callable[[EngineOutput], None]
+# on_output(output, is_last): `is_last` once every sequence of the request has its final output.
+OnOutput = Callable[[EngineOutput, bool], None]
 # Gets every batch of prefix-cache changes, on the loop, before the outputs delivered with it.
 KvEventSink = Callable[[list[CacheEvent]], None]
 
 
 class CoreClient(Protocol):
-    """Runs a core off the event loop: engine_thread.EngineThread or engine_process.EngineProcess."""
+    """Runs an engine off the event loop. Its methods are called on the loop."""
 
     model_info: ModelInfo
 
@@ -52,8 +57,8 @@ class CoreClient(Protocol):
     @property
     def is_running(self) -> bool: ...
 
-    def stop(self) -> None:
-        """Cancel what is unfinished and end; blocks (call it off the loop)."""
+    async def stop(self) -> None:
+        """Cancel what is in flight (its CANCELLED outputs still delivered) and end."""
         ...
 
     def add_request(self, request: EngineRequest) -> None: ...
@@ -64,11 +69,12 @@ class CoreClient(Protocol):
 
 
 @dataclass(slots=True)
-class _Stream:
+class _InFlight:
     """The loop-side state of one in-flight request."""
 
     on_output: OnOutput | None  # None once the consumer left: outputs are counted, not passed on
-    num_unfinished_sequences: int
+    unfinished_sequences: set[int]  # indexes of its sequences without a final output yet
+    admitted: Admitted  # what admission charged it with
     num_prompt_tokens: int  # counted in the metrics once the request has produced a token
     is_started: bool = False  # a token was produced
     is_aborting: bool = False
@@ -87,7 +93,7 @@ class AsyncEngine:
             max_context_tokens=self.model_info.max_context_tokens,
             step_grows_with_batch=self.model_info.device == "cpu",
         )
-        self._streams: dict[str, _Stream] = {}  # request_id → stream, for each in-flight request
+        self._requests: dict[str, _InFlight] = {}  # request_id → its state, for each in-flight request
         self._kv_event_sink: KvEventSink | None = None
         self._is_accepting = False
         self._none_in_flight = asyncio.Event()
@@ -109,14 +115,14 @@ class AsyncEngine:
         self._is_accepting = False
         if not self._client.is_running:
             return
-        if self._streams:
+        if self._requests:
             try:
                 await asyncio.wait_for(self._none_in_flight.wait(), timeout=drain_timeout_s)
             except asyncio.TimeoutError:
-                log.warning("drain timeout (%.1fs): aborting %d requests", drain_timeout_s, len(self._streams))
-                for request_id in list(self._streams):
+                log.warning("drain timeout (%.1fs): aborting %d requests", drain_timeout_s, len(self._requests))
+                for request_id in list(self._requests):
                     self.abort(request_id)
-        await asyncio.to_thread(self._client.stop)
+        await self._client.stop()
 
     # --- requests ---------------------------------------------------------------------------
 
@@ -126,10 +132,10 @@ class AsyncEngine:
         admission.py: ResourceExhausted, DeadlineExceeded) before anything is queued."""
         if not self._is_accepting or not self._client.is_running:
             raise Unavailable("the inference engine is shutting down")
-        if request.request_id in self._streams:
+        if request.request_id in self._requests:
             raise InvalidArgument("request_id", f"{request.request_id!r} is already in flight")
         try:
-            self._admission.admit(request)
+            admitted = self._admission.admit(request)
         except (ResourceExhausted, DeadlineExceeded, InvalidArgument) as refusal:
             metrics.record_refused(refusal)
             raise
@@ -138,8 +144,8 @@ class AsyncEngine:
             len(request.prompt_token_ids), request.sampling.n, request.sampling.max_tokens,
             extra={"prompt_token_ids": request.prompt_token_ids},
         )
-        self._streams[request.request_id] = _Stream(
-            on_output=on_output, num_unfinished_sequences=request.sampling.n,
+        self._requests[request.request_id] = _InFlight(
+            on_output=on_output, unfinished_sequences=set(range(request.sampling.n)), admitted=admitted,
             num_prompt_tokens=len(request.prompt_token_ids),
         )  # fmt: skip
         self._none_in_flight.clear()
@@ -147,45 +153,20 @@ class AsyncEngine:
 
     def detach(self, request_id: str) -> None:
         """The consumer left: stop passing outputs on, and abort the request."""
-        stream = self._streams.get(request_id)
-        if stream is not None:
-            stream.on_output = None
+        in_flight = self._requests.get(request_id)
+        if in_flight is not None:
+            in_flight.on_output = None
             self.abort(request_id)
-
-    async def generate(self, request: EngineRequest) -> AsyncIterator[EngineOutput]:
-        """Stream the request's outputs, coalesced per sequence, until every sequence has
-        finished. Leaving early (break + aclose, cancellation, an exception in the consumer)
-        aborts the request in the core, which frees its KV blocks."""
-        pending: list[EngineOutput] = []
-        has_pending = asyncio.Event()
-
-        def on_output(output: EngineOutput) -> None:
-            pending.append(output)
-            has_pending.set()
-
-        self.submit(request, on_output)
-        num_finished_sequences = 0
-        try:
-            while num_finished_sequences < request.sampling.n:
-                await has_pending.wait()
-                has_pending.clear()
-                taken, pending[:] = list(pending), []
-                for output in coalesced(taken):
-                    num_finished_sequences += int(output.is_finished)
-                    yield output
-        finally:
-            if num_finished_sequences < request.sampling.n:
-                self.detach(request.request_id)
 
     def abort(self, request_id: str) -> bool:
         """Abort a request; True if it was in flight and not already being aborted. Idempotent.
 
-        Its stream (if still read) ends with a CANCELLED output for each unfinished sequence.
+        Its consumer (if still there) gets a CANCELLED final output for each unfinished sequence.
         """
-        stream = self._streams.get(request_id)
-        if stream is None or stream.is_aborting:
+        in_flight = self._requests.get(request_id)
+        if in_flight is None or in_flight.is_aborting:
             return False
-        stream.is_aborting = True
+        in_flight.is_aborting = True
         self._client.abort_request(request_id)
         return True
 
@@ -193,59 +174,67 @@ class AsyncEngine:
         """The core client's latest snapshot; no call into the core."""
         return self._client.load()
 
-    def _deliver(self, outputs: list[EngineOutput], kv_events: list[CacheEvent], steps: list[StepReport]) -> None:
+    # --- outputs ----------------------------------------------------------------------------
+
+    def _deliver(self, update: CoreUpdate) -> None:
         """Runs on the loop: cache changes to the sink first (a client that reads a final
-        output and sends the next turn finds its blocks already announced), then route outputs
-        to their streams; a request whose every sequence has its final output is no longer in
-        flight."""
-        metrics.record_steps(steps)
-        if kv_events and self._kv_event_sink is not None:
-            self._announce(kv_events)
+        output and sends the next turn finds its blocks already announced), then outputs to
+        admission and to their consumers; a request whose every sequence has its final output
+        is no longer in flight."""
+        metrics.record_steps(update.steps)
+        if update.kv_events and self._kv_event_sink is not None:
+            self._announce(update.kv_events)
+        outputs = update.outputs
+        if update.core_failure:
+            outputs = outputs + self._failed_outputs(outputs, update.core_failure)
         if not outputs:
             return  # admission measures its rates per delivery of outputs
-        self._admission.observe(outputs)
+        deliveries = self._account(outputs)
+        self._admission.observe([(in_flight.admitted, output, is_last) for in_flight, output, is_last in deliveries])
+        for in_flight, output, is_last in deliveries:
+            if in_flight.on_output is not None:
+                in_flight.on_output(output, is_last)
+        if not self._requests:
+            self._none_in_flight.set()
+
+    def _account(self, outputs: list[EngineOutput]) -> list[tuple[_InFlight, EngineOutput, bool]]:
+        """Each output with its request's state and whether it is the request's last; the
+        token metrics; a request whose last output this is leaves the table."""
+        deliveries = []
         num_prompt_tokens, num_generation_tokens = 0, 0
         for output in outputs:
-            stream = self._streams.get(output.request_id)
-            if stream is None:
+            in_flight = self._requests.get(output.request_id)
+            if in_flight is None:
                 log.error("output for unknown request %r dropped", output.request_id)
                 continue
             num_generation_tokens += len(output.new_token_ids)
-            if output.new_token_ids and not stream.is_started:
-                stream.is_started = True
-                num_prompt_tokens += stream.num_prompt_tokens
-            if stream.on_output is not None:
-                stream.on_output(output)
+            if output.new_token_ids and not in_flight.is_started:
+                in_flight.is_started = True
+                num_prompt_tokens += in_flight.num_prompt_tokens
             if output.is_finished:
-                stream.num_unfinished_sequences -= 1
-                if stream.num_unfinished_sequences == 0:
-                    del self._streams[output.request_id]
+                in_flight.unfinished_sequences.discard(output.sequence_index)
+            is_last = output.is_finished and not in_flight.unfinished_sequences
+            if is_last:
+                del self._requests[output.request_id]
+            deliveries.append((in_flight, output, is_last))
         metrics.record_tokens(num_prompt_tokens, num_generation_tokens)
-        if not self._streams:
-            self._none_in_flight.set()
+        return deliveries
+
+    def _failed_outputs(self, delivered: list[EngineOutput], message: str) -> list[EngineOutput]:
+        """An ERROR final output for every sequence still open after `delivered` (the core is gone)."""
+        finished = {(output.request_id, output.sequence_index) for output in delivered if output.is_finished}
+        failed = [
+            EngineOutput(request_id, index, [], finish_reason=FinishReason.ERROR, error_message=message)
+            for request_id, in_flight in self._requests.items()
+            for index in sorted(in_flight.unfinished_sequences)
+            if (request_id, index) not in finished
+        ]
+        if failed:
+            log.error("%s: failing %d requests", message, len({output.request_id for output in failed}))
+        return failed
 
     def _announce(self, kv_events: list[CacheEvent]) -> None:
         try:
             self._kv_event_sink(kv_events)
         except Exception:  # noqa: BLE001 — routing's view may suffer, the requests must not
             log.exception("the kv-event sink failed")
-
-
-def coalesced(outputs: list[EngineOutput]) -> list[EngineOutput]:
-    """One output per sequence: its tokens and logprobs appended in order, the finish fields of
-    its last output (only a sequence's last output can be final)."""
-    by_sequence: dict[tuple[str, int], EngineOutput] = {}
-    for output in outputs:
-        key = (output.request_id, output.sequence_index)
-        earlier = by_sequence.get(key)
-        by_sequence[key] = output if earlier is None else _joined(earlier, output)
-    return list(by_sequence.values())
-
-
-def _joined(earlier: EngineOutput, later: EngineOutput) -> EngineOutput:
-    logprobs = None
-    if earlier.logprobs is not None or later.logprobs is not None:
-        logprobs = (earlier.logprobs or []) + (later.logprobs or [])
-    later.new_token_ids = earlier.new_token_ids + later.new_token_ids
-    later.logprobs = logprobs
-    return later

@@ -39,13 +39,12 @@ from llmserve.block_hash import HashNamespace, chain_block_hashes
 from llmserve.inference.engine.types import EngineRequest
 
 
-def kv_blocks_needed(request: EngineRequest, block_size_tokens: int, max_context_tokens: int) -> int:
+def kv_blocks_needed(request: EngineRequest, block_size_tokens: int) -> int:
     """Blocks the request holds at its full length: the prompt's full blocks, shared by its n
     sequences, plus each sequence's own blocks from there (its copy of a partial last one)."""
     num_prompt_tokens = len(request.prompt_token_ids)
     max_tokens = request.sampling.max_tokens
-    if max_tokens is None:
-        max_tokens = max_context_tokens - num_prompt_tokens
+    assert max_tokens is not None, "preprocess resolves max_tokens; the servicer refuses a request without"
     num_shared = num_prompt_tokens // block_size_tokens
     num_per_sequence = -(-(num_prompt_tokens + max_tokens) // block_size_tokens) - num_shared
     return num_shared + request.sampling.n * num_per_sequence
@@ -78,12 +77,10 @@ class KvDemand:
     cache), so each request is charged its whole prompt."""
 
     def __init__(
-        self, *, hash_namespace: HashNamespace | None, block_size_tokens: int, max_context_tokens: int,
-        max_batched_tokens: int,
+        self, *, hash_namespace: HashNamespace | None, block_size_tokens: int, max_batched_tokens: int,
     ):  # fmt: skip
         self._hash_namespace = hash_namespace
         self._block_size_tokens = block_size_tokens
-        self._max_context_tokens = max_context_tokens
         self._max_twin_blocks = -(-max_batched_tokens // block_size_tokens)
         self._num_holders: dict[int, int] = {}  # block hash -> in-flight requests holding it
         self._num_started_holders: dict[int, int] = {}  # those that have started (> 0 only)
@@ -93,7 +90,7 @@ class KvDemand:
     def of(self, request: EngineRequest) -> RequestDemand:
         """What `request` would bring, given what is held now (nothing changes)."""
         num_prompt_tokens = len(request.prompt_token_ids)
-        num_kv_blocks = kv_blocks_needed(request, self._block_size_tokens, self._max_context_tokens)
+        num_kv_blocks = kv_blocks_needed(request, self._block_size_tokens)
         if self._hash_namespace is None:
             return RequestDemand(num_kv_blocks, [], num_kv_blocks, num_kv_blocks, 0, num_prompt_tokens)
         hashes = prompt_block_hashes(request, self._hash_namespace)

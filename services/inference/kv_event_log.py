@@ -37,7 +37,7 @@ from llmserve.inference.engine.types import CacheEvent, EngineLoad
 from llmserve.kv_events import AllCleared, BlocksRemoved, BlocksStored, KvEvent, KvEventBatch, ReplicaLoad
 
 if TYPE_CHECKING:
-    from llmserve.inference.backends import ServingEngine
+    from llmserve.inference.async_engine import AsyncEngine
 
 log = logging.getLogger(__name__)
 
@@ -103,7 +103,7 @@ class KvEventLog:
         self._is_closed = False
 
     @classmethod
-    def of(cls, engine: ServingEngine, **options) -> KvEventLog:
+    def of(cls, engine: AsyncEngine, **options) -> KvEventLog:
         """The log of `engine`'s cache, which forwards its changes here from now on."""
         event_log = cls(engine.model_info.block_size_tokens, engine.load, **options)
         engine.forward_kv_events(event_log.record)

@@ -1,13 +1,16 @@
 """The Inference gRPC servicer: validates at the edge, converts, streams engine outputs.
 
 Protobuf stops here (wire.py converts): requests become EngineRequest; the engine's outputs,
-coalesced per sequence when the reader is behind, become GenerateTokensResponses (one call per
-request) or MultiplexResponses (many requests on one stream, multiplex.py). Errors are raised as llmserve.errors types;
-the interceptor installed by create_server maps them to status codes.
+coalesced per sequence when the reader is behind (output_stream.py), become
+GenerateTokensResponses (one call per request, for direct callers) or MultiplexResponses (many
+requests on one stream, multiplex.py: how the gateway calls), both through one OutputStream.
+Errors are raised as llmserve.errors types; the interceptor installed by create_server maps
+them to status codes. A request whose deadline passed in the engine ends with
+DEADLINE_EXCEEDED (wire.split_at_deadline).
 
 Cancellation: when the client cancels or the deadline passes, grpc.aio cancels the handler
-(asyncio.CancelledError at its current await). That unwinds the engine's generate(), whose
-`finally` aborts the request in the engine, freeing its KV blocks.
+(asyncio.CancelledError at its current await). That closes the handler's OutputStream, which
+detaches the request from the engine and aborts it, freeing its KV blocks.
 
 WatchKvEvents serves the replica's KvEventLog (kv_event_log.py) as it is: snapshot, batches,
 heartbeats; the stream ends when the log closes (the replica drains) and with
@@ -25,12 +28,14 @@ import grpc
 
 from llmserve.block_hash import HASH_VERSION
 from llmserve.errors import InvalidArgument
-from llmserve.inference.backends import ServingEngine
+from llmserve.inference.async_engine import AsyncEngine
 from llmserve.inference.config import KV_EVENTS_HEARTBEAT_MS_RANGE
 from llmserve.inference.kv_event_log import KvEventLog
 from llmserve.inference.multiplex import MultiplexedStream
-from llmserve.inference.wire import deadline_ns, output_to_pb, request_from_pb
+from llmserve.inference.output_stream import OutputStream
+from llmserve.inference.wire import deadline_ns, request_from_pb, split_at_deadline
 from llmserve.kv_events import batch_to_pb
+from llmserve.pb import output_to_pb
 from llmserve.request_context import bind_request_id
 from llmserve.v1 import common_pb2, inference_pb2, inference_pb2_grpc
 
@@ -40,7 +45,7 @@ SERVICE_NAME = inference_pb2.DESCRIPTOR.services_by_name["InferenceService"].ful
 class InferenceServicer(inference_pb2_grpc.InferenceServiceServicer):
     """`kv_events` is the log of `engine`'s cache (KvEventLog.of) and names the replica."""
 
-    def __init__(self, engine: ServingEngine, kv_events: KvEventLog):
+    def __init__(self, engine: AsyncEngine, kv_events: KvEventLog):
         self._engine = engine
         self._kv_events = kv_events
 
@@ -50,10 +55,17 @@ class InferenceServicer(inference_pb2_grpc.InferenceServiceServicer):
         arrival_ns = time.monotonic_ns()
         bind_request_id(request.request_id)
         deadline = deadline_ns(request, arrival_ns, context.time_remaining())
-        engine_request = request_from_pb(request, self._engine.model_info, arrival_ns, deadline)
-        async with aclosing(self._engine.generate(engine_request)) as outputs:
-            async for output in outputs:
-                yield output_to_pb(output)
+        stream = OutputStream(self._engine)
+        stream.start(request_from_pb(request, self._engine.model_info, arrival_ns, deadline))
+        try:
+            async for output in stream.outputs():
+                tokens, deadline_error = split_at_deadline(output)
+                if tokens is not None:
+                    yield output_to_pb(tokens)
+                if deadline_error is not None:
+                    raise deadline_error
+        finally:
+            stream.close()
 
     async def Multiplex(
         self, request_iterator: AsyncIterator[inference_pb2.MultiplexRequest], context: grpc.aio.ServicerContext

@@ -1,16 +1,20 @@
 """Protobuf ↔ engine types for the inference service: validation at the edge included.
 
 GenerateTokens and Multiplex both convert here, so a request is checked and an output encoded
-the same way on either.
+the same way on either. A request whose deadline passed in the engine (FinishReason.DEADLINE)
+ends with the DEADLINE_EXCEEDED status on either, as any RPC past its deadline does: no finish
+reason on the wire means "deadline".
 """
 
 from __future__ import annotations
 
 from llmserve import pb
 from llmserve.block_hash import HASH_VERSION
-from llmserve.errors import InvalidArgument
-from llmserve.inference.engine.types import EngineOutput, EngineRequest, ModelInfo
-from llmserve.v1 import common_pb2, inference_pb2
+from llmserve.errors import DeadlineExceeded, InvalidArgument
+from llmserve.engine_output import EngineOutput
+from llmserve.sampling import FinishReason
+from llmserve.inference.engine.types import EngineRequest, ModelInfo
+from llmserve.v1 import inference_pb2
 
 
 def deadline_ns(pb_request: inference_pb2.GenerateTokensRequest, arrival_ns: int, call_time_remaining_s: float | None) -> int:
@@ -119,30 +123,16 @@ def _check_block_hashes(
         )
 
 
-def output_to_pb(output: EngineOutput) -> inference_pb2.GenerateTokensResponse:
-    response = inference_pb2.GenerateTokensResponse(
-        sequence_index=output.sequence_index,
-        token_ids=output.new_token_ids,
-        finish_reason=pb.finish_reason_to_pb(output.finish_reason),
-        error_message=output.error_message,
+def split_at_deadline(output: EngineOutput) -> tuple[EngineOutput | None, DeadlineExceeded | None]:
+    """The output as the wire carries it, and the status its request ends with when its
+    deadline passed in the engine (the tokens that came with that final output, if any, go
+    first, as an output of their own)."""
+    if output.finish_reason is not FinishReason.DEADLINE:
+        return output, None
+    error = DeadlineExceeded(
+        f"deadline exceeded: the replica aborted the request at an engine step boundary, "
+        f"{output.total_time_ns / 1e6:.0f} ms after it arrived"
     )
-    if output.logprobs:
-        response.logprobs.extend(pb.logprobs_to_pb(output.logprobs))
-    if output.stop_token_id is not None:
-        response.stop_token_id = output.stop_token_id
-    if output.is_finished:
-        response.usage.CopyFrom(
-            common_pb2.Usage(
-                prompt_tokens=output.num_prompt_tokens,
-                completion_tokens=output.num_completion_tokens,
-                cached_tokens=output.num_cached_tokens,
-            )
-        )
-        response.timings.CopyFrom(
-            common_pb2.Timings(
-                queue_time_ns=output.queue_time_ns,
-                time_to_first_token_ns=output.time_to_first_token_ns,
-                total_time_ns=output.total_time_ns,
-            )
-        )
-    return response
+    if not output.new_token_ids:
+        return None, error
+    return EngineOutput(output.request_id, output.sequence_index, output.new_token_ids, output.logprobs), error

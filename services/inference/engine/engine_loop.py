@@ -2,35 +2,37 @@
 process, engine_thread.py, or a process of its own, engine_process.py).
 
 Each iteration reads top to bottom:
-  1. take the queued commands (waiting for one while the core has no unfinished request);
+  1. take the queued commands (waiting for one while no request is in flight);
   2. apply them: add a request to the core, or abort one (CANCELLED outputs);
-  3. abort the requests whose deadline has passed, all at this step boundary (CANCELLED);
-  4. step the core once, or, when a stop command came, cancel every unfinished request;
+  3. abort the requests whose deadline has passed, all at this step boundary (DEADLINE);
+  4. step the core once, or, when a stop command came, cancel every request in flight;
   5. emit the outputs of 2-4 and the prefix-cache changes they made (CacheEvents, usually
      none) with the core's load, snapshot after the step (a consumer that sees a final output
      reads a load that already counts it), and the step's StepReport when it ran a batch.
 
-A request is *unfinished* from the add command until each of its sequences has produced its
-final output here: from the core, from an abort (CANCELLED) or from a failure (ERROR). The
-loop keeps that table so every sequence handed to the core gets exactly one final output.
+A request is *in flight* from the add command until each of its sequences has produced its
+final output here: from the core, from an abort (CANCELLED, DEADLINE) or from a failure
+(ERROR). The loop is the one owner of that state in the core's process: its table is what makes
+every sequence handed to the core get exactly one final output, and what the load's request
+totals count (a core keeps only its scheduling state).
 
 A step that raises StepFailed fails only its `request_ids`; any other exception from the step
-fails every unfinished request. Each failed request is aborted in the core, which frees its KV
+fails every request in flight. Each failed request is aborted in the core, which frees its KV
 blocks, and the loop logs the traceback and keeps serving.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import heapq
 import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from llmserve.inference.engine.types import (
-    CacheEvent, EngineCore, EngineLoad, EngineOutput, EngineRequest, StepFailed, StepReport,
-)
-from llmserve.sampling import DEADLINE_EXCEEDED_MESSAGE, FinishReason
+from llmserve.engine_output import EngineOutput
+from llmserve.inference.engine.types import CacheEvent, EngineCore, EngineLoad, EngineRequest, StepFailed, StepReport
+from llmserve.sampling import FinishReason
 
 log = logging.getLogger(__name__)
 
@@ -52,18 +54,41 @@ class Stop:
 
 EngineCommand = AddRequest | AbortRequest | Stop
 
+@dataclass(slots=True)
+class Iteration:
+    """What one iteration of the loop produced (what `emit` is handed)."""
+
+    outputs: list[EngineOutput]
+    load: EngineLoad  # after the iteration, with the loop's request totals
+    kv_events: list[CacheEvent]
+    step: StepReport | None  # None: it ran no batch
+    is_stopping: bool  # a Stop command was applied: every request was cancelled, the loop ends
+
+
 # take_commands(block) -> the queued commands; with block=True it waits for at least one.
 TakeCommands = Callable[[bool], list[EngineCommand]]
 # emit(outputs, load, kv_events, step) -> False when nobody is left to read them (the loop then
 # ends); `step` is None when the iteration ran no batch.
 Emit = Callable[[list[EngineOutput], EngineLoad, list[CacheEvent], StepReport | None], bool]
-# deliver(outputs, kv_events, steps), on the event loop: what a core client hands AsyncEngine,
-# one call per batch of steps it received.
-Deliver = Callable[[list[EngineOutput], list[CacheEvent], list[StepReport]], None]
 
 
 @dataclass(slots=True)
-class _UnfinishedRequest:
+class CoreUpdate:
+    """What a core client hands AsyncEngine on the event loop: the iterations it received since
+    the last update, merged (outputs and cache changes in order, a StepReport per batch run)."""
+
+    outputs: list[EngineOutput]
+    kv_events: list[CacheEvent]
+    steps: list[StepReport]
+    # Set once, when the core is gone (its process died): every request in flight fails with it.
+    core_failure: str = ""
+
+
+Deliver = Callable[[CoreUpdate], None]
+
+
+@dataclass(slots=True)
+class _InFlightRequest:
     num_prompt_tokens: int
     arrival_ns: int
     unfinished_sequence_indexes: set[int]
@@ -74,27 +99,42 @@ class EngineLoop:
 
     def __init__(self, core: EngineCore):
         self._core = core
-        self._unfinished: dict[str, _UnfinishedRequest] = {}
+        self._in_flight: dict[str, _InFlightRequest] = {}
+        self._num_finished_total = 0  # every request that ended, aborted ones included
+        self._num_aborted_total = 0  # ended by an abort: a command, its deadline, a failure, a stop
         self._deadlines: list[tuple[int, str]] = []  # heap of (deadline_ns, request_id)
         self._last_load: EngineLoad | None = None
         self._step_report: StepReport | None = None  # the current iteration's, set by _step
 
     def run(self, take_commands: TakeCommands, emit: Emit) -> None:
-        is_stopping = False
-        while not is_stopping:
+        """Iterate until a Stop command has been applied (or nobody reads what is emitted)."""
+        while True:
             commands = take_commands(not self._has_work())
-            is_stopping = any(isinstance(command, Stop) for command in commands)
-            outputs = [output for command in commands for output in self._guarded(self._apply, command)]
-            outputs += self._guarded(self._abort_expired)
-            outputs += self._guarded(self._cancel_all if is_stopping else self._step)
-            kv_events = self._take_kv_events()
-            load = self._load()
-            step, self._step_report = self._step_report, None
-            is_news = outputs or kv_events or step is not None or load != self._last_load
-            if is_news and not emit(outputs, load, kv_events, step):
+            iteration = self.iterate(commands)
+            is_news = iteration.outputs or iteration.kv_events or iteration.step is not None
+            if (is_news or iteration.load != self._last_load) and not emit(
+                iteration.outputs, iteration.load, iteration.kv_events, iteration.step
+            ):
                 break
-            self._last_load = load
+            self._last_load = iteration.load
+            if iteration.is_stopping:
+                break
         log.info("engine loop stopped")
+
+    def iterate(self, commands: list[EngineCommand]) -> Iteration:
+        """One iteration (steps 2-5 of the module docstring) on `commands`."""
+        is_stopping = any(isinstance(command, Stop) for command in commands)
+        outputs = [output for command in commands for output in self._guarded(self._apply, command)]
+        outputs += self._guarded(self._abort_expired)
+        outputs += self._guarded(self._cancel_all if is_stopping else self._step)
+        kv_events = self._take_kv_events()
+        step, self._step_report = self._step_report, None
+        return Iteration(outputs, self._load(), kv_events, step, is_stopping)
+
+    @property
+    def has_work(self) -> bool:
+        """A request is in flight in the core: the next iteration steps it."""
+        return self._has_work()
 
     def _guarded(self, stage: Callable[..., list[EngineOutput]], *args) -> list[EngineOutput]:
         """Core failures are handled inside each stage; this catches our own bugs, which must
@@ -110,15 +150,15 @@ class EngineLoop:
             return self._core.has_unfinished_requests()
         except Exception:  # noqa: BLE001 — a broken core must not end the loop
             log.exception("has_unfinished_requests failed")
-            return bool(self._unfinished)
+            return bool(self._in_flight)
 
     def _apply(self, command: EngineCommand) -> list[EngineOutput]:
         if isinstance(command, Stop):
-            return []  # run() cancels what is unfinished once every command is applied
+            return []  # run() cancels what is in flight once every command is applied
         if isinstance(command, AbortRequest):
             return self._abort(command.request_id, FinishReason.CANCELLED, "")
         request = command.request
-        self._unfinished[request.request_id] = _UnfinishedRequest(
+        self._in_flight[request.request_id] = _InFlightRequest(
             num_prompt_tokens=len(request.prompt_token_ids),
             arrival_ns=request.arrival_ns,
             unfinished_sequence_indexes=set(range(request.sampling.n)),
@@ -141,7 +181,7 @@ class EngineLoop:
         expired: list[str] = []
         while self._deadlines and self._deadlines[0][0] <= now_ns:
             expired.append(heapq.heappop(self._deadlines)[1])
-        outputs = [out for rid in expired for out in self._abort(rid, FinishReason.CANCELLED, DEADLINE_EXCEEDED_MESSAGE)]
+        outputs = [out for rid in expired for out in self._abort(rid, FinishReason.DEADLINE, "")]
         if outputs:
             log.info("aborted %d requests past their deadline", len({out.request_id for out in outputs}))
         return outputs
@@ -154,7 +194,7 @@ class EngineLoop:
             outputs = self._core.step()
         except Exception as exc:  # noqa: BLE001
             log.exception("engine step failed")
-            failed_ids = exc.request_ids if isinstance(exc, StepFailed) else list(self._unfinished)
+            failed_ids = exc.request_ids if isinstance(exc, StepFailed) else list(self._in_flight)
             message = _describe(exc, "engine step")
             return [out for rid in failed_ids for out in self._abort(rid, FinishReason.ERROR, message)]
         self._step_report = self._report(time.perf_counter() - started_s)
@@ -168,23 +208,26 @@ class EngineLoop:
         return StepReport(duration_s, num_seqs) if num_seqs else None
 
     def _finish_sequence(self, request_id: str, sequence_index: int) -> None:
-        unfinished = self._unfinished.get(request_id)
-        if unfinished is None:
+        in_flight = self._in_flight.get(request_id)
+        if in_flight is None:
             return
-        unfinished.unfinished_sequence_indexes.discard(sequence_index)
-        if not unfinished.unfinished_sequence_indexes:
-            del self._unfinished[request_id]
+        in_flight.unfinished_sequence_indexes.discard(sequence_index)
+        if not in_flight.unfinished_sequence_indexes:
+            del self._in_flight[request_id]
+            self._num_finished_total += 1
 
     def _abort(self, request_id: str, reason: FinishReason, error_message: str) -> list[EngineOutput]:
         """Remove the request from the core; a final output for each unfinished sequence."""
-        unfinished = self._unfinished.pop(request_id, None)
-        if unfinished is None:
+        in_flight = self._in_flight.pop(request_id, None)
+        if in_flight is None:
             return []  # already finished; its final outputs are on their way
+        self._num_finished_total += 1
+        self._num_aborted_total += 1
         try:
             self._core.abort_request(request_id)
         except Exception:  # noqa: BLE001
             log.exception("abort_request failed for %r", request_id)
-        total_time_ns = max(0, time.monotonic_ns() - unfinished.arrival_ns)
+        total_time_ns = max(0, time.monotonic_ns() - in_flight.arrival_ns)
         return [
             EngineOutput(
                 request_id=request_id,
@@ -192,14 +235,14 @@ class EngineLoop:
                 new_token_ids=[],
                 finish_reason=reason,
                 error_message=error_message,
-                num_prompt_tokens=unfinished.num_prompt_tokens,
+                num_prompt_tokens=in_flight.num_prompt_tokens,
                 total_time_ns=total_time_ns,
             )
-            for index in sorted(unfinished.unfinished_sequence_indexes)
+            for index in sorted(in_flight.unfinished_sequence_indexes)
         ]
 
     def _abort_all(self, reason: FinishReason, error_message: str) -> list[EngineOutput]:
-        return [out for rid in list(self._unfinished) for out in self._abort(rid, reason, error_message)]
+        return [out for rid in list(self._in_flight) for out in self._abort(rid, reason, error_message)]
 
     def _cancel_all(self) -> list[EngineOutput]:
         return self._abort_all(FinishReason.CANCELLED, "")
@@ -212,11 +255,15 @@ class EngineLoop:
             return []
 
     def _load(self) -> EngineLoad:
+        """The core's load with this loop's request totals."""
         try:
-            return self._core.load()
+            load = self._core.load()
         except Exception:  # noqa: BLE001
             log.exception("load() failed; keeping the previous snapshot")
             return self._last_load
+        return dataclasses.replace(
+            load, num_finished_total=self._num_finished_total, num_aborted_total=self._num_aborted_total
+        )
 
 
 def _describe(exc: BaseException, where: str) -> str:

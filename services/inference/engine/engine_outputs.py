@@ -1,11 +1,11 @@
-"""EngineOutputs of the torch engine, built from the scheduler's StepUpdate: one per new token,
+"""EngineOutputs of the torch engine, built from the scheduler's NewTokens: one per new token,
 and for a sequence's last one the usage and timings. Pure Python."""
 
 from __future__ import annotations
 
 from llmserve.inference.engine.sequence import Sequence
 from llmserve.inference.engine.step_output import NewToken
-from llmserve.inference.engine.types import EngineOutput
+from llmserve.engine_output import EngineOutput
 from llmserve.sampling import FinishReason, TokenLogprob
 
 

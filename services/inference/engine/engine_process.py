@@ -2,7 +2,7 @@
 
     server process (event loop)                           engine-core process
     add_request/abort_request ─▶ sender thread ─pipe─▶  take_commands ─▶ EngineLoop
-    deliver(outputs, kv_events, steps) ◀─ loop.add_reader ◀pipe─  emit: one message per step
+    deliver(CoreUpdate)           ◀─ loop.add_reader ◀pipe─  emit: one message per step
                                         (that step's outputs, load, cache changes, StepReport)
 
 Why a process: on a thread, the step loop and gRPC serving share one GIL, and at 256 streams
@@ -21,7 +21,8 @@ blocks the event loop.
 
 The core is built in the child (weights, KV pool, CUDA graphs): the server process never
 imports torch's device state, and a CUDA context is never forked (the child is spawned).
-If the child dies, every unfinished request ends with ERROR and the engine stops accepting.
+If the child dies, the update says so (CoreUpdate.core_failure): AsyncEngine, which owns the
+requests, ends every one in flight with ERROR, and the engine stops accepting.
 """
 
 from __future__ import annotations
@@ -41,11 +42,11 @@ from multiprocessing.connection import Connection
 
 from llmserve.inference.engine.config import EngineConfig
 from llmserve.inference.engine.engine_loop import (
-    AbortRequest, AddRequest, Deliver, Emit, EngineCommand, EngineLoop, Stop,
+    AbortRequest, AddRequest, CoreUpdate, Deliver, Emit, EngineCommand, EngineLoop, Stop,
 )
-from llmserve.inference.engine.types import CacheEvent, EngineLoad, EngineOutput, EngineRequest, ModelInfo, StepReport
+from llmserve.engine_output import EngineOutput
+from llmserve.inference.engine.types import CacheEvent, EngineLoad, EngineRequest, ModelInfo, StepReport
 from llmserve.observability import ObservabilityConfig
-from llmserve.sampling import FinishReason
 from llmserve.server import configure_logging
 
 log = logging.getLogger(__name__)
@@ -97,9 +98,6 @@ class EngineProcess:
         self._sender: threading.Thread | None = None
         self._event_loop: asyncio.AbstractEventLoop | None = None
         self._deliver: Deliver | None = None
-        # request id → indexes of its sequences without a final output (to fail them if the
-        # process dies)
-        self._unfinished: dict[str, set[int]] = {}
         self._is_running = False
 
     def _wait_until_ready(self) -> _Ready:
@@ -126,17 +124,19 @@ class EngineProcess:
     def is_running(self) -> bool:
         return self._is_running
 
-    def stop(self) -> None:
-        """Cancel every unfinished request, then end the process and wait for it. Blocks: call
-        it off the event loop, which must keep running to receive the CANCELLED outputs."""
+    async def stop(self) -> None:
+        """Cancel every request in flight, then end the process and wait for it (off the event
+        loop, which must keep running to receive the CANCELLED outputs)."""
         self._commands.put(Stop())
         self._commands.put(None)
-        self._sender.join()
-        self._process.join()
+        await asyncio.to_thread(self._join)
         self._is_running = False
 
+    def _join(self) -> None:
+        self._sender.join()
+        self._process.join()
+
     def add_request(self, request: EngineRequest) -> None:
-        self._unfinished[request.request_id] = set(range(request.sampling.n))
         self._commands.put(AddRequest(request))
 
     def abort_request(self, request_id: str) -> None:
@@ -146,50 +146,25 @@ class EngineProcess:
         return self._load_snapshot
 
     def _on_readable(self) -> None:
-        outputs: list[EngineOutput] = []
-        kv_events: list[CacheEvent] = []
-        steps: list[StepReport] = []
+        update = CoreUpdate([], [], [])
         try:
             while self._output_reader.poll():
                 wire_outputs, self._load_snapshot, step_kv_events, step = self._output_reader.recv()
-                outputs += [_from_wire(output) for output in wire_outputs]
-                kv_events += step_kv_events
+                update.outputs += [_from_wire(output) for output in wire_outputs]
+                update.kv_events += step_kv_events
                 if step is not None:
-                    steps.append(step)
+                    update.steps.append(step)
         except (EOFError, OSError):
-            outputs += self._on_process_exit()
-        for output in outputs:
-            if output.is_finished:
-                self._finish_sequence(output)
-        if outputs or kv_events or steps:
-            self._deliver(outputs, kv_events, steps)
+            self._on_process_exit(update)
+        if update.outputs or update.kv_events or update.steps or update.core_failure:
+            self._deliver(update)
 
-    def _finish_sequence(self, output: EngineOutput) -> None:
-        indexes = self._unfinished.get(output.request_id)
-        if indexes is None:
-            return
-        indexes.discard(output.sequence_index)
-        if not indexes:
-            del self._unfinished[output.request_id]
-
-    def _on_process_exit(self) -> list[EngineOutput]:
-        """The pipe closed: after a stop, or because the process died."""
+    def _on_process_exit(self, update: CoreUpdate) -> None:
+        """The pipe closed: after a stop (which cancelled everything first, so nothing is left
+        to fail) or because the process died (what is still in flight fails)."""
         self._event_loop.remove_reader(self._output_reader.fileno())
+        update.core_failure = "the engine-core process died"
         self._is_running = False
-        if not self._unfinished:
-            return []
-        log.error("the engine-core process died: failing %d requests", len(self._unfinished))
-        return [
-            EngineOutput(
-                request_id=request_id,
-                sequence_index=index,
-                new_token_ids=[],
-                finish_reason=FinishReason.ERROR,
-                error_message="the engine-core process died",
-            )
-            for request_id, indexes in self._unfinished.items()
-            for index in sorted(indexes)
-        ]
 
     # --- the sender thread --------------------------------------------------------------------
 
@@ -212,7 +187,7 @@ def run_engine_process(
     goes away)."""
     _exit_with_parent()
     configure_logging("engine-core", log_level, observability)
-    from llmserve.inference.backends import create_engine_core  # the child's imports, not the server's
+    from llmserve.inference.engine.cores import create_engine_core  # the child's imports, not the server's
 
     try:
         core = create_engine_core(config)

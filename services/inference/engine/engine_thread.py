@@ -12,10 +12,11 @@ import logging
 import queue
 import threading
 
-from llmserve.inference.engine.engine_loop import AbortRequest, AddRequest, Deliver, EngineCommand, EngineLoop, Stop
-from llmserve.inference.engine.types import (
-    CacheEvent, EngineCore, EngineLoad, EngineOutput, EngineRequest, ModelInfo, StepReport,
+from llmserve.inference.engine.engine_loop import (
+    AbortRequest, AddRequest, CoreUpdate, Deliver, EngineCommand, EngineLoop, Stop,
 )
+from llmserve.engine_output import EngineOutput
+from llmserve.inference.engine.types import CacheEvent, EngineCore, EngineLoad, EngineRequest, ModelInfo, StepReport
 
 log = logging.getLogger(__name__)
 
@@ -47,10 +48,11 @@ class EngineThread:
         """Started and not yet stopped."""
         return self._thread is not None
 
-    def stop(self) -> None:
-        """Cancel every unfinished request, then end and join the thread. Blocks."""
+    async def stop(self) -> None:
+        """Cancel every request in flight, then end and join the thread (off the event loop,
+        which must keep running to receive the CANCELLED outputs)."""
         self._commands.put(Stop())
-        self._thread.join()
+        await asyncio.to_thread(self._thread.join)
         self._thread = None
 
     def add_request(self, request: EngineRequest) -> None:
@@ -79,7 +81,7 @@ class EngineThread:
         if not outputs and not kv_events and step is None:
             return True
         try:
-            self._event_loop.call_soon_threadsafe(self._deliver, outputs, kv_events, [step] if step else [])
+            self._event_loop.call_soon_threadsafe(self._deliver, CoreUpdate(outputs, kv_events, [step] if step else []))
         except RuntimeError:  # the event loop is closed: nobody is left to read
             log.warning("event loop closed; engine thread exits")
             return False

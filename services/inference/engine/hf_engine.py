@@ -27,7 +27,8 @@ from llmserve.inference.engine.hf_model import HFModel
 from llmserve.inference.engine.sampler import Sampler
 from llmserve.inference.engine.sequence import Sequence
 from llmserve.inference.engine.stop import finish_at_token, stop_token_ids
-from llmserve.inference.engine.types import CacheEvent, EngineLoad, EngineOutput, EngineRequest, ModelInfo, StepFailed
+from llmserve.engine_output import EngineOutput
+from llmserve.inference.engine.types import CacheEvent, EngineLoad, EngineRequest, ModelInfo, StepFailed
 from llmserve.model_files import ModelFiles
 from llmserve.sampling import TokenLogprob
 
@@ -65,8 +66,6 @@ class HFEngineCore:
         self._waiting: deque[_Request] = deque()
         self._running: _Running | None = None
         self._num_requests_added = 0  # seeds requests that bring none: config.seed + this
-        self._num_aborted_total = 0
-        self._num_finished_total = 0
         self._num_scheduled_seqs = 0  # the latest step's: 1, or 0 when nothing was waiting
 
     # --- EngineCore interface -------------------------------------------------------------
@@ -84,12 +83,10 @@ class HFEngineCore:
     def abort_request(self, request_id: str) -> bool:
         if self._running is not None and self._running.sequence.request_id == request_id:
             self._running = None  # drops the KV cache with it
-            self._count_done(aborted=True)
             return True
         for waiting in self._waiting:
             if waiting.request.request_id == request_id:
                 self._waiting.remove(waiting)
-                self._count_done(aborted=True)
                 return True
         return False
 
@@ -112,16 +109,13 @@ class HFEngineCore:
         """num_running counts the one sequence being generated; num_waiting counts requests.
 
         kv_blocks_total and kv_blocks_used are 0: this backend has no paged KV pool (the model's
-        DynamicCache grows per sequence). num_finished_total counts every request that ended,
-        aborted ones included.
+        DynamicCache grows per sequence). The request totals are the engine loop's.
         """
         return EngineLoad(
             num_running=int(self._running is not None),
             num_waiting=len(self._waiting),
             kv_blocks_total=0,
             kv_blocks_used=0,
-            num_aborted_total=self._num_aborted_total,
-            num_finished_total=self._num_finished_total,
         )
 
     def num_scheduled_seqs(self) -> int:
@@ -176,11 +170,6 @@ class HFEngineCore:
             self._running = _Running(owner=finished.owner, sequence=_new_sequence(finished.owner, next_index))
             return
         self._running = None
-        self._count_done(aborted=False)
-
-    def _count_done(self, *, aborted: bool) -> None:
-        self._num_finished_total += 1
-        self._num_aborted_total += int(aborted)
 
 
 def _new_sequence(owner: _Request, index: int) -> Sequence:

@@ -2,11 +2,14 @@
 results do to them. Pure Python.
 
 The engine's step talks to it through one seam (besides request-level `add` and `abort`):
-  schedule()                  -> ScheduledBatch: the work of the next step;
-  update_from_output(...)     -> StepUpdate: what the device produced - the batch just
-                                 launched (and the siblings it forks), the sampled tokens now
-                                 known on the host; returns the new tokens (with the stop
-                                 rules of engine/stop.py applied) and the rejected sequences.
+  schedule()                      -> ScheduledBatch: the work of the next step;
+  record_launch(launch)           the batch is queued on the device (with the siblings it forks);
+  update_from_output(launch, ids) -> [NewToken]: the tokens that launch sampled, now on the
+                                  host, with the stop rules of engine/stop.py applied;
+  take_rejected()                 -> the sequences finished with ERROR since the last call.
+At most one launch is in flight between record_launch and its update_from_output: recording a
+launch needs every computed token known (its newly full blocks enter the prefix cache), so the
+launch before it must have had its tokens recorded first. The scheduler checks that order.
 
 Every step has a budget of `max_batched_tokens` new tokens and at most `max_num_seqs` running
 sequences. A sequence's next tokens are simply those without K/V yet (num_uncomputed_tokens):
@@ -40,7 +43,7 @@ from dataclasses import dataclass, field
 from llmserve.buckets import BucketConfig
 from llmserve.inference.engine.block_manager import BlockManager
 from llmserve.inference.engine.sequence import PENDING_TOKEN, Sequence, SequenceStatus
-from llmserve.inference.engine.step_output import LaunchedBatch, NewToken, SampledTokens, StepUpdate
+from llmserve.inference.engine.step_output import LaunchedBatch, NewToken
 from llmserve.inference.engine.stop import finish_at_token, reaches_length_limit, stop_token_ids
 from llmserve.inference.engine.waiting_queue import WaitingQueue, queue_key
 from llmserve.sampling import FinishReason
@@ -102,8 +105,14 @@ class Scheduler:
         self.num_preemptions_total = 0
         self._rejected: list[Sequence] = []
         self._pending_block_copies: list[tuple[int, int]] = []
+        self._launch_in_flight: LaunchedBatch | None = None  # recorded, its tokens not yet
 
     # --- requests ----------------------------------------------------------------------------
+
+    @property
+    def has_unfinished(self) -> bool:
+        """A sequence is waiting, running or rejected and not yet taken: a request in flight."""
+        return bool(self.running or self.waiting or self._rejected)
 
     def add(self, seq: Sequence) -> None:
         if seq.num_tokens > self.config.max_seq_tokens:
@@ -145,34 +154,49 @@ class Scheduler:
                 seq.first_scheduled_ns = now_ns
         return batch
 
-    def update_from_output(
-        self, launched: LaunchedBatch | None = None, sampled: SampledTokens | None = None
-    ) -> StepUpdate:
-        """Record what the device produced, in this order:
-          1. `sampled`: an earlier launch's tokens, now on the host, replace their placeholders;
-             the stop rules finish sequences (their blocks return to the pool at once);
-          2. `launched`: the batch just queued on the device. Its tokens count as computed (the
-             device runs the steps in order), its siblings start, each of its sampling sequences
-             gets a PENDING_TOKEN placeholder, and its newly full blocks enter the prefix cache.
-        Registering needs every computed token known: the tokens of the launch before
-        `launched` must come in this call's `sampled` or an earlier call's.
-        """
-        new_tokens = self._record_sampled(sampled) if sampled is not None else []
-        if launched is not None:
-            self._record_launch(launched)
-        rejected, self._rejected = self._rejected, []
-        return StepUpdate(new_tokens, rejected)
+    def record_launch(self, launch: LaunchedBatch) -> None:
+        """`launch` is queued on the device: its tokens count as computed (the device runs the
+        steps in order), its siblings start, each of its sampling sequences gets a PENDING_TOKEN
+        placeholder, and its newly full blocks enter the prefix cache. The launch before it
+        must have had its tokens recorded (update_from_output) first."""
+        assert self._launch_in_flight is None, "the launch before must have its tokens recorded first"
+        batch = launch.batch
+        for seq, num_new_tokens in zip(batch.seqs, batch.num_new_tokens):
+            if not seq.is_finished:  # else a token of the step before stopped it
+                seq.num_computed_tokens += num_new_tokens
+        for parent, child in launch.forks:
+            self._fork(parent, child)
+        for row, seq in enumerate(launch.sampling_seqs):
+            if not seq.is_finished:
+                seq.token_ids.append(PENDING_TOKEN)
+                seq.pending_token_row = row
+                seq.is_finishing = reaches_length_limit(
+                    seq.num_completion_tokens, seq.num_tokens, seq.sampling, self.config.max_seq_tokens
+                )
+        for seq in batch.seqs:  # a finished sequence holds no blocks: nothing to register
+            self.block_manager.register_computed_blocks(seq)
+        self._launch_in_flight = launch
 
-    # --- update ------------------------------------------------------------------------------
-
-    def _record_sampled(self, sampled: SampledTokens) -> list[NewToken]:
+    def update_from_output(self, launch: LaunchedBatch, token_ids: list[int]) -> list[NewToken]:
+        """The tokens `launch` sampled (row i: launch.sampling_seqs[i]), now on the host: each
+        replaces its placeholder, and the stop rules finish sequences (their blocks return to
+        the pool at once). A token of a sequence finished before (aborted, or stopped by its
+        token the step before) is discarded."""
+        assert launch is self._launch_in_flight, "tokens come for the launch recorded last"
+        self._launch_in_flight = None
         now_ns = time.monotonic_ns()
         new_tokens = []
-        for row, (seq, token_id) in enumerate(zip(sampled.seqs, sampled.token_ids)):
-            if seq.is_finished:
-                continue  # aborted, or stopped by its token before: this one is discarded
-            new_tokens.append(self._record_token(seq, row, token_id, now_ns))
+        for row, (seq, token_id) in enumerate(zip(launch.sampling_seqs, token_ids)):
+            if not seq.is_finished:
+                new_tokens.append(self._record_token(seq, row, token_id, now_ns))
         return new_tokens
+
+    def take_rejected(self) -> list[Sequence]:
+        """Sequences finished with ERROR (never scheduled) since the last call."""
+        rejected, self._rejected = self._rejected, []
+        return rejected
+
+    # --- update ------------------------------------------------------------------------------
 
     def _record_token(self, seq: Sequence, row: int, token_id: int, now_ns: int) -> NewToken:
         assert seq.token_ids[-1] == PENDING_TOKEN, "only a sequence's last token is ever pending"
@@ -187,23 +211,6 @@ class Scheduler:
         if finish_reason is not None:
             self._finish(seq, finish_reason)
         return NewToken(seq, row, token_id, finish_reason, stop_token_id)
-
-    def _record_launch(self, launched: LaunchedBatch) -> None:
-        batch = launched.batch
-        for seq, num_new_tokens in zip(batch.seqs, batch.num_new_tokens):
-            if not seq.is_finished:  # else a token of the step before stopped it
-                seq.num_computed_tokens += num_new_tokens
-        for parent, child in launched.forks:
-            self._fork(parent, child)
-        for row, seq in enumerate(launched.sampling_seqs):
-            if not seq.is_finished:
-                seq.token_ids.append(PENDING_TOKEN)
-                seq.pending_token_row = row
-                seq.is_finishing = reaches_length_limit(
-                    seq.num_completion_tokens, seq.num_tokens, seq.sampling, self.config.max_seq_tokens
-                )
-        for seq in batch.seqs:  # a finished sequence holds no blocks: nothing to register
-            self.block_manager.register_computed_blocks(seq)
 
     def _fork(self, parent: Sequence, child: Sequence) -> None:
         """Start a sibling of `parent` (whose prompt was just computed) on the parent's blocks;

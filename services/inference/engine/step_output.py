@@ -1,5 +1,5 @@
-"""What one engine step produced, as the engine tells the scheduler (LaunchedBatch,
-SampledTokens) and as the scheduler answers (StepUpdate). Pure Python.
+"""What one engine step launched, as the engine tells the scheduler (LaunchedBatch), and the
+tokens it sampled, as the scheduler answers once they reach the host (NewToken). Pure Python.
 """
 
 from __future__ import annotations
@@ -25,14 +25,6 @@ class LaunchedBatch:
     forks: list[tuple[Sequence, Sequence]] = field(default_factory=list)
 
 
-@dataclass(slots=True)
-class SampledTokens:
-    """A launched batch's sampled tokens, now on the host: seqs[i] sampled token_ids[i]."""
-
-    seqs: list[Sequence]  # the launch's sampling_seqs
-    token_ids: list[int]
-
-
 @dataclass(frozen=True, slots=True)
 class NewToken:
     """A sampled token now known on the host (row `row` of its step's sampled tokens)."""
@@ -42,9 +34,3 @@ class NewToken:
     token_id: int
     finish_reason: FinishReason | None
     stop_token_id: int | None
-
-
-@dataclass(slots=True)
-class StepUpdate:
-    new_tokens: list[NewToken]  # discarded tokens (of a sequence finished before) left out
-    rejected: list[Sequence]  # finished with ERROR since the last update (never scheduled)

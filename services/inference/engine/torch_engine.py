@@ -7,15 +7,17 @@ One step reads top to bottom:
   execute   the ModelRunner queues one forward over the flat batch (logits for the sequences
             whose last token is computed), n > 1 requests fork their siblings
             (engine/sequence_factory.py) and the Sampler queues the sampling;
-  update    Scheduler.update_from_output: the launched batch's progress is recorded (each
-            sampled token appended as a placeholder, sequence.PENDING_TOKEN); sampled ids that
-            reached the host replace their placeholders, stop conditions finish sequences
-            (their blocks return to the pool at once), full blocks enter the prefix cache, and
-            an EngineOutput goes out per new token (engine/engine_outputs.py).
+  update    one launched step at a time, with its own sampled tokens: the step launched before
+            (its PendingSample waited for) goes to Scheduler.update_from_output, whose stop
+            rules finish sequences (their blocks return to the pool at once), and an
+            EngineOutput goes out per new token (engine/engine_outputs.py); then the step just
+            launched is recorded (Scheduler.record_launch: each sampled token appended as a
+            placeholder, sequence.PENDING_TOKEN; full blocks enter the prefix cache).
 
 Async scheduling (EngineConfig.async_scheduling, the default): `step()` launches step N and
-then processes step N-1, so the host schedules, stages and streams while the device computes;
-step N reads the input ids that step N-1 sampled on the device (ModelRunner fills them).
+then processes step N-1, the one launched step in flight (`_in_flight`), so the host
+schedules, stages and streams while the device computes; step N reads the input ids that
+step N-1 sampled on the device (ModelRunner fills them).
 Costs: a sequence that stops on a stop token has already been scheduled for one more token,
 which is discarded; a sequence whose pending token ends it by length is not scheduled again
 (`Sequence.is_finishing`). Penalties read the token history on the host, so a step that
@@ -39,23 +41,21 @@ from llmserve.inference.engine.block_manager import BlockManager
 from llmserve.inference.engine.config import EngineConfig
 from llmserve.inference.engine.engine_outputs import error_outputs, token_output
 from llmserve.inference.engine.model_runner import ModelRunner
-from llmserve.inference.engine.request_tracker import RequestTracker
-from llmserve.inference.engine.sampler import PendingSample, Sampler, SamplerOutput, needs_token_history
-from llmserve.inference.engine.scheduler import Scheduler, SchedulerConfig
+from llmserve.inference.engine.sampler import PendingSample, Sampler, needs_token_history
+from llmserve.inference.engine.scheduler import ScheduledBatch, Scheduler, SchedulerConfig
 from llmserve.inference.engine.sequence_factory import SequenceFactory
-from llmserve.inference.engine.step_output import LaunchedBatch, SampledTokens, StepUpdate
+from llmserve.inference.engine.step_output import LaunchedBatch
 from llmserve.inference.engine.step_stats import UNTIMED, StepStatsLog, StepTimer, Untimed
-from llmserve.inference.engine.types import (
-    CacheEvent, EngineLoad, EngineOutput, EngineRequest, ModelInfo, served_context_tokens,
-)
+from llmserve.engine_output import EngineOutput
+from llmserve.inference.engine.types import CacheEvent, EngineLoad, EngineRequest, ModelInfo, served_context_tokens
 from llmserve.model_files import ModelFiles
 
 log = logging.getLogger(__name__)
 
 
 @dataclass(slots=True)
-class _UnprocessedStep:
-    """A launched step whose sampled tokens the host has not seen yet."""
+class _LaunchedStep:
+    """A step queued on the device, with the sampling whose tokens the host has not seen yet."""
 
     launch: LaunchedBatch
     sampled: PendingSample  # row i: launch.sampling_seqs[i]
@@ -101,67 +101,52 @@ class TorchEngineCore:
             config, files, vocab_size=self.runner.vocab_size, backend="torch", device=str(self.runner.device)
         )
         self._sequences = SequenceFactory(config, self.runner.device, self.model_info.hash_namespace)
-        self._requests = RequestTracker()
         self.step_stats = step_stats
-        self._unprocessed_step: _UnprocessedStep | None = None
+        self._in_flight: _LaunchedStep | None = None  # async scheduling: launched, not processed
         self._num_scheduled_seqs = 0
 
     # --- EngineCore interface ----------------------------------------------------------------
 
     def add_request(self, request: EngineRequest) -> None:
         assert request.prompt_token_ids, "the servicer rejects empty prompts"
-        self._requests.add(request.request_id, request.sampling.n)
         self.scheduler.add(self._sequences.first(request))
 
     def abort_request(self, request_id: str) -> bool:
-        if request_id not in self._requests:
-            return False
-        self.scheduler.abort(request_id)
-        self._requests.abort(request_id)
-        return True
+        return bool(self.scheduler.abort(request_id))
 
     def has_unfinished_requests(self) -> bool:
-        return self._requests.has_unfinished
+        return self.scheduler.has_unfinished
 
     def step(self) -> list[EngineOutput]:
-        """schedule -> execute -> update; with async scheduling the update also carries the
-        tokens of the step the previous call launched."""
+        """schedule -> execute -> update; with async scheduling the update is of the step the
+        previous call launched, else of this one."""
         timer = StepTimer(self.step_stats, self.runner.device) if self.step_stats is not None else UNTIMED
         batch = timer.measure("schedule_s", self.scheduler.schedule)
         self._num_scheduled_seqs = len(batch.seqs)
-        previous, self._unprocessed_step = self._unprocessed_step, None
-        outputs: list[EngineOutput] = []
+        outputs = self._rejected_outputs()
         launched = None
         if not batch.is_empty:
-            timer.gpu_begin()
-            pending_tokens = previous.sampled.token_ids if previous is not None else None
-            logits = timer.measure("execute_launch_s", self.runner.execute, batch, pending_tokens)
-            seqs, forks, logits = self._sequences.fork_siblings(batch.sampling_seqs(), logits)
-            if previous is not None and any(needs_token_history(seq.sampling) for seq in seqs):
-                outputs = self._update(timer, sampled=previous)  # penalties count the token it brings
-                previous = None
-            sampled = timer.measure("sampler_launch_s", self.sampler.launch, logits, seqs)
-            timer.gpu_end()
-            launched = _UnprocessedStep(LaunchedBatch(batch, seqs, forks), sampled)
-        outputs += self._update(timer, launched=launched, sampled=previous)
-        if self.config.async_scheduling:
-            self._unprocessed_step = launched
-        elif launched is not None:
-            outputs += self._update(timer, sampled=launched)
+            launched, outputs_before = self._launch(batch, timer)
+            outputs += outputs_before
+        if self._in_flight is not None:
+            outputs += self._process(self._take_in_flight(), timer)
+        if launched is not None:
+            self.scheduler.record_launch(launched.launch)
+            self._in_flight = launched
+            if not self.config.async_scheduling:
+                outputs += self._process(self._take_in_flight(), timer)
         timer.done(len(batch.seqs), batch.num_tokens)
         return outputs
 
     def load(self) -> EngineLoad:
-        """Counts are sequences for num_running / num_waiting; requests for the totals (a request
-        finished by abort counts in both num_aborted_total and num_finished_total)."""
+        """Counts are sequences for num_running / num_waiting. The request totals are the engine
+        loop's, which owns the requests (engine_loop.py)."""
         stats = self.block_manager.stats()
         return EngineLoad(
             num_running=len(self.scheduler.running),
             num_waiting=len(self.scheduler.waiting),
             kv_blocks_total=stats.num_blocks_total,
             kv_blocks_used=stats.num_blocks_used,
-            num_aborted_total=self._requests.num_aborted_total,
-            num_finished_total=self._requests.num_finished_total,
             prefix_cache_queried_tokens_total=stats.prefix_queried_tokens_total,
             prefix_cache_hit_tokens_total=stats.prefix_hit_tokens_total,
             num_preemptions_total=self.scheduler.num_preemptions_total,
@@ -174,29 +159,35 @@ class TorchEngineCore:
     def take_kv_events(self) -> list[CacheEvent]:
         return self.block_manager.take_events()
 
-    # --- update ------------------------------------------------------------------------------
+    # --- execute and update ------------------------------------------------------------------
 
-    def _update(
-        self, timer: StepTimer | Untimed, launched: _UnprocessedStep | None = None, sampled: _UnprocessedStep | None = None
-    ) -> list[EngineOutput]:
-        """Tell the scheduler that `launched` is queued and `sampled`'s tokens (waited for here)
-        are known; the outputs of what that finished or produced."""
-        result = timer.measure("result_wait_s", sampled.sampled.result) if sampled is not None else None
-        update = self.scheduler.update_from_output(
-            launched=launched.launch if launched is not None else None,
-            sampled=SampledTokens(sampled.launch.sampling_seqs, result.token_ids) if result is not None else None,
-        )
-        return self._outputs(update, result)
+    def _launch(self, batch: ScheduledBatch, timer: StepTimer | Untimed) -> tuple[_LaunchedStep, list[EngineOutput]]:
+        """Queue the batch's forward and sampling on the device. Sampling with penalties reads
+        the token history on the host, so then the step in flight is processed first: its
+        outputs come back with the launch."""
+        outputs: list[EngineOutput] = []
+        timer.gpu_begin()
+        in_flight_tokens = self._in_flight.sampled.token_ids if self._in_flight is not None else None
+        logits = timer.measure("execute_launch_s", self.runner.execute, batch, in_flight_tokens)
+        seqs, forks, logits = self._sequences.fork_siblings(batch.sampling_seqs(), logits)
+        if self._in_flight is not None and any(needs_token_history(seq.sampling) for seq in seqs):
+            outputs = self._process(self._take_in_flight(), timer)
+        sampled = timer.measure("sampler_launch_s", self.sampler.launch, logits, seqs)
+        timer.gpu_end()
+        return _LaunchedStep(LaunchedBatch(batch, seqs, forks), sampled), outputs
 
-    def _outputs(self, update: StepUpdate, result: SamplerOutput | None) -> list[EngineOutput]:
+    def _take_in_flight(self) -> _LaunchedStep:
+        step, self._in_flight = self._in_flight, None
+        return step
+
+    def _process(self, step: _LaunchedStep, timer: StepTimer | Untimed) -> list[EngineOutput]:
+        """Wait for the step's sampled tokens and hand them to the scheduler: an output per new
+        token."""
+        result = timer.measure("result_wait_s", step.sampled.result)
+        new_tokens = self.scheduler.update_from_output(step.launch, result.token_ids)
         now_ns = time.monotonic_ns()
-        outputs = []
-        for seq in update.rejected:
-            outputs += error_outputs(seq, now_ns)
-            self._requests.finish_request(seq.request_id)
-        for token in update.new_tokens:
-            output = token_output(token, result.logprobs[token.row], now_ns)
-            if output.is_finished:
-                self._requests.finish_seq(token.seq.request_id)
-            outputs.append(output)
-        return outputs
+        return [token_output(token, result.logprobs[token.row], now_ns) for token in new_tokens]
+
+    def _rejected_outputs(self) -> list[EngineOutput]:
+        now_ns = time.monotonic_ns()
+        return [output for seq in self.scheduler.take_rejected() for output in error_outputs(seq, now_ns)]

@@ -6,12 +6,16 @@ It is written against the documented LLM API (tensorrt_llm.LLM, SamplingParams, 
 RequestOutput / CompletionOutput) and imported only when `--backend trtllm` is chosen.
 
 TensorRT-LLM brings its own scheduler (in-flight batching), paged KV cache with block reuse and
-CUDA graphs, so this class replaces AsyncEngine + EngineCore as a whole rather than plugging in
-as a core: it offers the same public methods (start, shutdown, generate, abort, load,
-model_info) that the servicer uses.
+CUDA graphs, so it does not plug in as an EngineCore that our loop steps: TrtllmClient is a
+core client of its own (the CoreClient of async_engine.py, like EngineThread and EngineProcess),
+and AsyncEngine drives it like the others: admission, the table of requests in flight, metrics
+and the consumers are the same for every backend. Each request is one task on the event loop
+that reads LLM.generate_async and hands its outputs to AsyncEngine as CoreUpdates; the task
+gives every sequence exactly one final output, as the engine loop does for the cores (CANCELLED
+on an abort, DEADLINE at the request's deadline, ERROR when TensorRT-LLM fails).
 
 KV cache events: with prefix caching on, KvCacheConfig(event_buffer_max_size=...) makes
-TensorRT-LLM record them, and a task drains LLM.get_kv_cache_events_async into the sink,
+TensorRT-LLM record them, and a task drains LLM.get_kv_cache_events_async into the updates,
 translated to llmserve's block hashes (trtllm_kv_events.py; never run either).
 """
 
@@ -20,14 +24,14 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Callable
-from typing import AsyncIterator
+from dataclasses import dataclass, field
 
 from llmserve.block_hash import HashNamespace
-from llmserve.errors import InvalidArgument, Unavailable
 from llmserve.inference.engine.config import EngineConfig
+from llmserve.inference.engine.engine_loop import CoreUpdate, Deliver
 from llmserve.inference.engine.trtllm_kv_events import TrtllmKvEventTranslator
-from llmserve.inference.engine.types import CacheEvent, EngineLoad, EngineOutput, EngineRequest, ModelInfo
+from llmserve.engine_output import EngineOutput
+from llmserve.inference.engine.types import EngineLoad, EngineRequest, ModelInfo
 from llmserve.model_files import ModelFiles
 from llmserve.sampling import FinishReason, SamplingParams, TokenLogprob, TopLogprob
 
@@ -101,8 +105,20 @@ def _logprobs(raw, start: int) -> list[TokenLogprob] | None:
     return items
 
 
-class TrtllmEngine:
-    """Async engine over tensorrt_llm.LLM. Every public method runs on the event loop."""
+@dataclass(slots=True)
+class _Request:
+    """One request's TensorRT-LLM result stream and how far its sequences got."""
+
+    request: EngineRequest
+    result: object  # tensorrt_llm's RequestOutput (async-iterable, abort())
+    num_sent: list[int]  # per sequence: tokens handed on
+    finished: set[int] = field(default_factory=set)  # sequences that had their final output
+    first_token_ns: int = 0
+    abort_reason: FinishReason | None = None  # set when we aborted it (cancel or deadline)
+
+
+class TrtllmClient:
+    """A core client over tensorrt_llm.LLM. Every public method runs on the event loop."""
 
     def __init__(self, config: EngineConfig):
         llm_cls, self._trt_sampling_cls, kv_cache_config_cls = _import_trtllm()
@@ -124,6 +140,7 @@ class TrtllmEngine:
                 event_buffer_max_size=KV_EVENT_BUFFER_SIZE if config.enable_prefix_caching else 0,
             ),
         )
+        self._drains_kv_events = config.enable_prefix_caching
         self.model_info = ModelInfo(
             model_name=files.model_name,
             architecture=files.architecture,
@@ -136,126 +153,140 @@ class TrtllmEngine:
             device=config.device,
             hash_namespace=HashNamespace.of_model_dir(files.path, config.block_size_tokens),
         )
-        self._results: dict[str, object] = {}  # request_id → RequestOutput, for each in-flight request
-        self._forwarders: dict[str, asyncio.Task] = {}  # request_id → its submit() task
+        self._requests: dict[str, _Request] = {}  # TensorRT-LLM's handle of each request it runs
+        self._tasks: set[asyncio.Task] = set()
         self._kv_events = TrtllmKvEventTranslator(self.model_info.hash_namespace)
-        self._kv_event_drain: asyncio.Task | None = None
-        self._is_accepting = False
+        self._deliver: Deliver | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._is_running = False
         self._num_aborted_total = 0
         self._num_finished_total = 0
 
-    async def start(self) -> None:
-        self._is_accepting = True
+    def start(self, loop: asyncio.AbstractEventLoop, deliver: Deliver) -> None:
+        self._loop, self._deliver = loop, deliver
+        self._is_running = True
+        if self._drains_kv_events:
+            self._spawn(self._drain_kv_events())
 
-    async def shutdown(self, drain_timeout_s: float) -> None:
-        self._is_accepting = False
-        deadline = time.monotonic() + drain_timeout_s
-        while self._results and time.monotonic() < deadline:
-            await asyncio.sleep(0.05)
-        for request_id in list(self._results):
-            self.abort(request_id)
-        if self._kv_event_drain is not None:
-            self._kv_event_drain.cancel()
+    @property
+    def is_running(self) -> bool:
+        return self._is_running
+
+    async def stop(self) -> None:
+        for request_id in list(self._requests):
+            self._abort(request_id, FinishReason.CANCELLED)
+        if self._tasks:
+            await asyncio.wait(self._tasks, timeout=KV_EVENTS_DRAIN_TIMEOUT_S * 20)
+        for task in list(self._tasks):
+            task.cancel()
+        self._is_running = False
         self._llm.shutdown()
 
-    async def generate(self, request: EngineRequest) -> AsyncIterator[EngineOutput]:
-        if not self._is_accepting:
-            raise Unavailable("the inference engine is shutting down")
-        if request.request_id in self._results:
-            raise InvalidArgument("request_id", f"{request.request_id!r} is already in flight")
+    def add_request(self, request: EngineRequest) -> None:
         sampling = _trt_sampling(self._trt_sampling_cls, request.sampling, self._eos_token_ids)
         result = self._llm.generate_async(request.prompt_token_ids, sampling, streaming=True)
-        self._results[request.request_id] = result
-        num_sent = [0] * request.sampling.n
-        first_token_ns = 0
-        try:
-            async for output in result:
-                for completion in output.outputs:
-                    new_ids = completion.token_ids[num_sent[completion.index] :]
-                    if new_ids and not first_token_ns:
-                        first_token_ns = time.monotonic_ns()
-                    start = num_sent[completion.index]
-                    num_sent[completion.index] = len(completion.token_ids)
-                    finish = _FINISH_REASONS.get(completion.finish_reason) if completion.finish_reason else None
-                    if not new_ids and finish is None:
-                        continue
-                    now_ns = time.monotonic_ns()
-                    yield EngineOutput(
-                        request_id=request.request_id,
-                        sequence_index=completion.index,
-                        new_token_ids=list(new_ids),
-                        logprobs=_logprobs(completion.logprobs, start),
-                        finish_reason=finish,
-                        stop_token_id=completion.stop_reason if isinstance(completion.stop_reason, int) else None,
-                        num_prompt_tokens=len(request.prompt_token_ids) if finish else 0,
-                        num_completion_tokens=len(completion.token_ids) if finish else 0,
-                        time_to_first_token_ns=(first_token_ns - request.arrival_ns) if finish and first_token_ns else 0,
-                        total_time_ns=(now_ns - request.arrival_ns) if finish else 0,
-                    )
-        finally:
-            self._results.pop(request.request_id, None)
-            self._num_finished_total += 1
-            if not result.finished:
-                result.abort()
-                self._num_aborted_total += 1
+        state = _Request(request, result, [0] * request.sampling.n)
+        self._requests[request.request_id] = state
+        if request.deadline_ns:
+            delay_s = max(0.0, (request.deadline_ns - time.monotonic_ns()) / 1e9)
+            self._loop.call_later(delay_s, self._abort, request.request_id, FinishReason.DEADLINE)
+        self._spawn(self._forward(state))
 
-    def submit(self, request: EngineRequest, on_output: Callable[[EngineOutput], None]) -> None:
-        """AsyncEngine.submit's contract on top of generate(): a task forwards the outputs."""
-        if not self._is_accepting:
-            raise Unavailable("the inference engine is shutting down")
-        if request.request_id in self._results or request.request_id in self._forwarders:
-            raise InvalidArgument("request_id", f"{request.request_id!r} is already in flight")
-        task = asyncio.get_running_loop().create_task(self._forward(request, on_output))
-        self._forwarders[request.request_id] = task
-        task.add_done_callback(lambda _: self._forwarders.pop(request.request_id, None))
-
-    async def _forward(self, request: EngineRequest, on_output: Callable[[EngineOutput], None]) -> None:
-        finished_indexes: set[int] = set()
-        try:
-            async for output in self.generate(request):
-                if output.is_finished:
-                    finished_indexes.add(output.sequence_index)
-                on_output(output)
-        except Exception as exc:  # noqa: BLE001 — the request must still end with a final output
-            log.exception("trtllm request %r failed", request.request_id)
-            for index in sorted(set(range(request.sampling.n)) - finished_indexes):
-                on_output(EngineOutput(request.request_id, index, [], finish_reason=FinishReason.ERROR,
-                                       error_message=f"{type(exc).__name__}: {exc}"))
-
-    def detach(self, request_id: str) -> None:
-        """The consumer left: cancelling the forwarder leaves generate(), which aborts."""
-        task = self._forwarders.get(request_id)
-        if task is not None:
-            task.cancel()
-
-    def abort(self, request_id: str) -> bool:
-        result = self._results.get(request_id)
-        if result is None:
-            return False
-        result.abort()
-        return True
-
-    def forward_kv_events(self, sink: Callable[[list[CacheEvent]], None]) -> None:
-        """Drain TensorRT-LLM's KV events into `sink`, in llmserve's hashes, until shutdown."""
-        self._kv_event_drain = asyncio.get_running_loop().create_task(self._drain_kv_events(sink))
-
-    async def _drain_kv_events(self, sink: Callable[[list[CacheEvent]], None]) -> None:
-        while True:
-            raw = [event async for event in self._llm.get_kv_cache_events_async(timeout=KV_EVENTS_DRAIN_TIMEOUT_S)]
-            events = self._kv_events.translate(raw)
-            if events:
-                sink(events)
-            if not raw:
-                await asyncio.sleep(KV_EVENTS_DRAIN_TIMEOUT_S)
+    def abort_request(self, request_id: str) -> None:
+        self._abort(request_id, FinishReason.CANCELLED)
 
     def load(self) -> EngineLoad:
         # The LLM API exposes no cheap per-call KV statistics; num_running counts the in-flight
         # requests.
         return EngineLoad(
-            num_running=len(self._results),
+            num_running=len(self._requests),
             num_waiting=0,
             kv_blocks_total=0,
             kv_blocks_used=0,
             num_aborted_total=self._num_aborted_total,
             num_finished_total=self._num_finished_total,
         )
+
+    def _abort(self, request_id: str, reason: FinishReason) -> None:
+        state = self._requests.get(request_id)
+        if state is not None and state.abort_reason is None:
+            state.abort_reason = reason
+            state.result.abort()
+
+    def _spawn(self, work) -> None:
+        task = self._loop.create_task(work)
+        self._tasks.add(task)  # kept so it is not garbage-collected mid-flight
+        task.add_done_callback(self._tasks.discard)
+
+    async def _forward(self, state: _Request) -> None:
+        """Hand the request's outputs on as they stream; end every sequence exactly once."""
+        error = ""
+        try:
+            async for output in state.result:
+                outputs = [out for completion in output.outputs if (out := self._output(state, completion))]
+                if outputs:
+                    self._deliver(CoreUpdate(outputs, [], []))
+        except Exception as exc:  # noqa: BLE001 — the request must still end with a final output
+            log.exception("trtllm request %r failed", state.request.request_id)
+            error = f"{type(exc).__name__}: {exc}"
+        finally:
+            self._end(state, error)
+
+    def _output(self, state: _Request, completion) -> EngineOutput | None:
+        """TensorRT-LLM's CompletionOutput → our output of its new tokens (None: nothing new)."""
+        index, request = completion.index, state.request
+        start = state.num_sent[index]
+        new_ids = completion.token_ids[start:]
+        state.num_sent[index] = len(completion.token_ids)
+        if new_ids and not state.first_token_ns:
+            state.first_token_ns = time.monotonic_ns()
+        finish = _FINISH_REASONS.get(completion.finish_reason) if completion.finish_reason else None
+        if finish is FinishReason.CANCELLED and state.abort_reason is not None:
+            finish = state.abort_reason
+        if index in state.finished or (not new_ids and finish is None):
+            return None
+        output = EngineOutput(
+            request_id=request.request_id,
+            sequence_index=index,
+            new_token_ids=list(new_ids),
+            logprobs=_logprobs(completion.logprobs, start),
+            finish_reason=finish,
+            stop_token_id=completion.stop_reason if isinstance(completion.stop_reason, int) else None,
+        )
+        if finish is not None:
+            state.finished.add(index)
+            _fill_final(output, state, len(completion.token_ids))
+        return output
+
+    def _end(self, state: _Request, error: str) -> None:
+        """The stream ended: a final output for each sequence that had none."""
+        request = state.request
+        self._requests.pop(request.request_id, None)
+        self._num_finished_total += 1
+        self._num_aborted_total += state.abort_reason is not None
+        reason = FinishReason.ERROR if error else (state.abort_reason or FinishReason.CANCELLED)
+        finals = []
+        for index in sorted(set(range(request.sampling.n)) - state.finished):
+            output = EngineOutput(request.request_id, index, [], finish_reason=reason, error_message=error)
+            _fill_final(output, state, state.num_sent[index])
+            finals.append(output)
+        if finals:
+            self._deliver(CoreUpdate(finals, [], []))
+
+    async def _drain_kv_events(self) -> None:
+        """TensorRT-LLM's KV events into the updates, in llmserve's hashes, until stopped."""
+        while True:
+            raw = [event async for event in self._llm.get_kv_cache_events_async(timeout=KV_EVENTS_DRAIN_TIMEOUT_S)]
+            events = self._kv_events.translate(raw)
+            if events:
+                self._deliver(CoreUpdate([], events, []))
+            if not raw:
+                await asyncio.sleep(KV_EVENTS_DRAIN_TIMEOUT_S)
+
+
+def _fill_final(output: EngineOutput, state: _Request, num_completion_tokens: int) -> None:
+    request, now_ns = state.request, time.monotonic_ns()
+    output.num_prompt_tokens = len(request.prompt_token_ids)
+    output.num_completion_tokens = num_completion_tokens
+    output.time_to_first_token_ns = state.first_token_ns - request.arrival_ns if state.first_token_ns else 0
+    output.total_time_ns = now_ns - request.arrival_ns

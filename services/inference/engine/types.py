@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from llmserve.block_hash import HASH_VERSION, HashNamespace
-from llmserve.sampling import FinishReason, SamplingParams, TokenLogprob
+from llmserve.sampling import SamplingParams
 
 
 @dataclass(slots=True)
@@ -37,48 +37,6 @@ class EngineRequest:
         if self.block_size_tokens != block_size or self.block_hash_version != HASH_VERSION:
             return []
         return list(self.block_hashes[: len(self.prompt_token_ids) // block_size])
-
-
-@dataclass(slots=True)
-class EngineOutput:
-    """Tokens produced for one sequence of a request since its previous output.
-
-    The last output of a sequence has `finish_reason` set, and carries the usage and timing
-    fields; earlier ones leave them at zero.
-    """
-
-    request_id: str
-    sequence_index: int
-    new_token_ids: list[int]
-    logprobs: list[TokenLogprob] | None = None
-    finish_reason: FinishReason | None = None
-    stop_token_id: int | None = None
-    error_message: str = ""
-    num_prompt_tokens: int = 0
-    num_completion_tokens: int = 0
-    num_cached_tokens: int = 0
-    queue_time_ns: int = 0
-    time_to_first_token_ns: int = 0
-    total_time_ns: int = 0
-
-    @property
-    def is_finished(self) -> bool:
-        return self.finish_reason is not None
-
-    @classmethod
-    def for_token(
-        cls, request_id: str, sequence_index: int, token_id: int, logprob: TokenLogprob | None,
-        finish: tuple[FinishReason | None, int | None],
-    ) -> "EngineOutput":
-        """The output of one new token; `finish` = (finish_reason, stop_token_id) at it."""
-        return cls(
-            request_id=request_id,
-            sequence_index=sequence_index,
-            new_token_ids=[token_id],
-            logprobs=[logprob] if logprob is not None else None,
-            finish_reason=finish[0],
-            stop_token_id=finish[1],
-        )
 
 
 @dataclass(frozen=True, slots=True)

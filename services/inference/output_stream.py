@@ -1,0 +1,92 @@
+"""OutputStream: the requests one RPC started on the engine, and their outputs not yet written.
+
+Both generating RPCs are served by it, the same way: Multiplex (many requests of one gateway,
+for as long as it keeps the stream) and GenerateTokens (one request, for a direct caller).
+
+    start(request) ──AsyncEngine.submit──▶ engine
+    on_output (on the loop) ──▶ outputs since the last take ──take()──▶ the RPC's writer
+
+Why buffer: the engine hands over a whole step's outputs at once, and the writer may be slower
+than the engine (the reader on the other end behind): `take` returns everything produced since
+the last write, each sequence's tokens merged into one output (llmserve.engine_output.coalesced),
+so a slow reader gets fewer, larger messages and never a backlog of one-token ones.
+
+Which requests are still open here follows the engine's own `is_last`: AsyncEngine owns the
+request state, this keeps only the ids to detach when the RPC ends early.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import AsyncIterator
+
+from llmserve.engine_output import EngineOutput, coalesced
+from llmserve.errors import ServiceError
+from llmserve.inference.async_engine import AsyncEngine
+from llmserve.inference.engine.types import EngineRequest
+
+
+class OutputStream:
+    def __init__(self, engine: AsyncEngine):
+        self._engine = engine
+        self._outputs: list[EngineOutput] = []  # produced, not yet taken
+        self._refusals: list[tuple[str, ServiceError]] = []  # (request id, why), not yet taken
+        self._open_request_ids: set[str] = set()  # started here, their last output not yet produced
+        self._has_news = asyncio.Event()
+
+    @property
+    def has_open_requests(self) -> bool:
+        return bool(self._open_request_ids)
+
+    @property
+    def has_news(self) -> bool:
+        """Outputs or refusals wait to be taken."""
+        return bool(self._outputs or self._refusals)
+
+    def start(self, request: EngineRequest) -> None:
+        """Submit the request; raises the engine's refusal (nothing started then)."""
+        self._engine.submit(request, self._on_output)
+        self._open_request_ids.add(request.request_id)
+
+    def refuse(self, request_id: str, error: ServiceError) -> None:
+        """A request that never reached the engine: the writer reports `error` for it."""
+        self._refusals.append((request_id, error))
+        self._has_news.set()
+
+    def abort(self, request_id: str) -> None:
+        """Abort a request (idempotent): it ends with CANCELLED outputs."""
+        self._engine.abort(request_id)
+
+    async def wait(self) -> None:
+        """Until something was produced, or `wake` was called, since the last wait."""
+        await self._has_news.wait()
+        self._has_news.clear()
+
+    def wake(self) -> None:
+        self._has_news.set()
+
+    def take(self) -> tuple[list[tuple[str, ServiceError]], list[EngineOutput]]:
+        """The refusals and the outputs (coalesced per sequence) since the last take."""
+        refusals, self._refusals = self._refusals, []
+        outputs, self._outputs = self._outputs, []
+        return refusals, coalesced(outputs)
+
+    async def outputs(self) -> AsyncIterator[EngineOutput]:
+        """The outputs, coalesced per sequence as they accumulated between reads, until every
+        request started here has ended (refusals are Multiplex's and are not included)."""
+        while self.has_open_requests or self.has_news:
+            await self.wait()
+            for output in self.take()[1]:
+                yield output
+
+    def close(self) -> None:
+        """The RPC ended: detach what is still open (its outputs are no longer wanted)."""
+        for request_id in list(self._open_request_ids):
+            self._engine.detach(request_id)
+        self._open_request_ids.clear()
+
+    def _on_output(self, output: EngineOutput, is_last: bool) -> None:
+        self._outputs.append(output)
+        self._has_news.set()
+        if is_last:
+            self._open_request_ids.discard(output.request_id)
