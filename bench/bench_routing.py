@@ -28,16 +28,13 @@ import tempfile
 import time
 from pathlib import Path
 
+import bench_stack
+from llmserve.tools.loadgen.runner import RunConfig, run_workload
+from llmserve.tools.loadgen.stats import summarize
+from llmserve.tools.loadgen.workload import LengthDistribution, PromptBuilder, PromptForm, WorkloadConfig, plan_requests
+from llmserve.tools.service_process import launch_service, start_service, stop_service
+
 REPO_ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO_ROOT))
-sys.path.insert(0, str(REPO_ROOT / "bench"))
-
-import bench_stack  # noqa: E402
-from llmserve.tools.loadgen.runner import RunConfig, run_workload  # noqa: E402
-from llmserve.tools.loadgen.stats import summarize  # noqa: E402
-from llmserve.tools.loadgen.workload import LengthDistribution, PromptBuilder, PromptForm, WorkloadConfig, plan_requests  # noqa: E402
-from tests.procs import launch_service, start_service, stop_service  # noqa: E402
-
 BLOCK_SIZE = 16
 
 

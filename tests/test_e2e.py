@@ -11,7 +11,7 @@ import grpc
 import pytest
 
 from llmserve.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc, preprocess_pb2, preprocess_pb2_grpc
-from tests.procs import start_service, stop_service
+from llmserve.tools.service_process import start_service, stop_service
 
 pytestmark = pytest.mark.slow
 

@@ -14,10 +14,10 @@ from concurrent.futures import ThreadPoolExecutor
 import grpc
 import pytest
 
-from llmserve.tools.service_process import ServiceProcess
+from llmserve.tools.service_process import ServiceProcess, launch_service, stop_service
 from llmserve.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc
 from tests.metrics_scrape import Scrape, scrape
-from tests.procs import launch_service, running_service, stop_service
+from tests.procs import running_service
 
 POLL_TIMEOUT_S = 30.0
 BLOCK = 16

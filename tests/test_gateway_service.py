@@ -25,7 +25,7 @@ from llmserve.v1 import (
     preprocess_pb2_grpc,
 )
 from tests.factories import with_context
-from tests.procs import start_service, stop_service
+from llmserve.tools.service_process import start_service, stop_service
 from tests.rich_status import field_violation, retry_delay_ms
 
 LONG_CONTEXT_TOKENS = 4096

@@ -24,7 +24,7 @@ import redis
 
 from llmserve.block_hash import HashNamespace, chain_block_hashes
 from llmserve.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc, inference_pb2, inference_pb2_grpc
-from tests.procs import start_service, stop_service
+from llmserve.tools.service_process import start_service, stop_service
 from tests.redis_server import redis_server  # noqa: F401 (a fixture)
 
 NUM_REPLICAS = 3
