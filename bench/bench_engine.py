@@ -86,7 +86,7 @@ def parse_args() -> argparse.Namespace:
 
 
 def random_model_dir(kind: str, out_dir: Path) -> Path:
-    from tests.factories import build_tiny_model, build_tokenizer
+    from llmserve.tools.tiny_model import build_tiny_model, build_tokenizer
 
     if kind == "tiny":
         return build_tiny_model(out_dir, "llama")

@@ -174,7 +174,7 @@ def qwen_tokenizer_dir() -> Path:
 def build_model(args, out_dir: Path) -> Path:
     """A checkpoint of --shape with random weights (see the module docstring)."""
     if args.shape == "tiny":
-        from tests.factories import build_tiny_model
+        from llmserve.tools.tiny_model import build_tiny_model
 
         return build_tiny_model(out_dir, "qwen2")
     import shutil

@@ -3,7 +3,7 @@ same step (many users of one system prompt arriving together) cache as much as t
 prompts sent one after another, and the prefix-cache counters add up; a cache salt shares
 blocks only with requests of the same salt; preprocess's hashes are the engine's own.
 
-A tiny random Llama (tests/factories.py) with a 512-token context; block size 16.
+A tiny random Llama (llmserve.tools.tiny_model) with a 512-token context; block size 16.
 """
 
 from __future__ import annotations

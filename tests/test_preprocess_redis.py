@@ -23,7 +23,7 @@ from llmserve.preprocess.config import PreprocessConfig
 from llmserve.preprocess.server import start_server
 from llmserve.server import CHANNEL_OPTIONS
 from llmserve.v1 import common_pb2, preprocess_pb2, preprocess_pb2_grpc
-from tests.factories import CHATML_TEMPLATE
+from llmserve.tools.tiny_model import CHATML_TEMPLATE
 from tests.preprocess_models import with_template
 from tests.procs import running_service
 
