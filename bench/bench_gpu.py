@@ -62,24 +62,21 @@ import gc
 import json
 import math
 import statistics
-import sys
 import tempfile
 import time
 from pathlib import Path
 
 import torch
 
+from llmserve.inference.engine.config import EngineConfig
+from llmserve.inference.engine.sampler import Sampler
+from llmserve.inference.engine.step_stats import StepStatsLog
+from llmserve.inference.engine.torch_engine import TorchEngineCore
+from llmserve.inference.engine.types import EngineRequest
+from llmserve.model_files import ModelFiles
+from llmserve.sampling import SamplingParams
+
 REPO_ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO_ROOT))
-
-from llmserve.inference.engine.config import EngineConfig  # noqa: E402
-from llmserve.inference.engine.sampler import Sampler  # noqa: E402
-from llmserve.inference.engine.step_stats import StepStatsLog  # noqa: E402
-from llmserve.inference.engine.torch_engine import TorchEngineCore  # noqa: E402
-from llmserve.inference.engine.types import EngineRequest  # noqa: E402
-from llmserve.model_files import ModelFiles  # noqa: E402
-from llmserve.sampling import SamplingParams  # noqa: E402
-
 SCENARIOS = ("baselines", "correctness", "decode", "vs-hf", "kernels", "linears", "ttft", "throughput", "fp8", "quant")
 QUANTIZATIONS = ("int8", "fp8")
 LLAMA3_ROPE = {"rope_type": "llama3", "low_freq_factor": 1.0, "high_freq_factor": 4.0,

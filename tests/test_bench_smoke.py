@@ -55,11 +55,7 @@ def test_bench_gpu_quant_scenario_runs_on_cpu(tmp_path):
 def test_measured_rates_never_round_to_zero():
     """A loaded 2-core CPU does ~1 GFLOP/s of bf16 GEMM: 0.0012 TFLOP/s must stay 0.0012, or
     every floor derived from it divides by zero (a fresh clone's `make test` once failed so)."""
-    sys.path.insert(0, str(REPO_ROOT / "bench"))
-    try:
-        from bench_gpu import significant
-    finally:
-        sys.path.remove(str(REPO_ROOT / "bench"))
+    from bench.bench_gpu import significant  # bench/ as a namespace package of the repository root
     assert significant(0.0012345) == 0.001234 or significant(0.0012345) == 0.001235
     assert significant(4.4e-7) == 4.4e-7
     assert significant(4821.77) == 4822
