@@ -401,14 +401,14 @@ def decode_scenario(engine: TorchEngineCore, model, device: torch.device, base: 
         "engine_step_ms_p90": round(sorted(step_ms[8:])[int(0.9 * len(step_ms[8:]))], 4),
     }
     graphs = runner.decode_graphs
-    if graphs is not None and 1 in graphs._graphs:
+    if graphs is not None and 1 in graphs.captured_graphs:
         # The static inputs still hold the last step (context ~prompt + num_steps): replaying
         # it rewrites that token's K/V into a block that is free now, which nothing reads.
-        result["graph_replay_ms"] = round(time_gpu_ms(graphs._graphs[1].replay, device, repeats=50), 4)
+        result["graph_replay_ms"] = round(time_gpu_ms(graphs.captured_graphs[1].replay, device, repeats=50), 4)
         result["graph_replay_over_floor"] = round(result["graph_replay_ms"] / floor_ms, 3)
         with torch.inference_mode():
-            result["eager_step_ms"] = round(time_gpu_ms(lambda: graphs._forward(1), device, repeats=10), 4)
-            result["top_kernels_eager_step"] = top_kernels(lambda: graphs._forward(1), device)
+            result["eager_step_ms"] = round(time_gpu_ms(lambda: graphs.forward_uncaptured(1), device, repeats=10), 4)
+            result["top_kernels_eager_step"] = top_kernels(lambda: graphs.forward_uncaptured(1), device)
     result["engine_step_over_floor"] = round(result["engine_step_ms_median"] / floor_ms, 3)
     return result
 

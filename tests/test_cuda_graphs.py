@@ -261,8 +261,8 @@ def test_captured_graphs_match_eager_kernels_and_are_used(tiny_model_dirs):
     eager = run_scenario(scenario_engine(model_dir, "cuda", attention_backend="triton", enforce_eager=True))
     engine = scenario_engine(model_dir, "cuda", attention_backend="triton")
     for graphs in (engine.runner.decode_graphs, engine.runner.prefill_graphs):
-        assert set(graphs._graphs) == set(graphs.sizes)
-    captured = {*engine.runner.decode_graphs._graphs.values(), *engine.runner.prefill_graphs._graphs.values()}
+        assert set(graphs.captured_graphs) == set(graphs.sizes)
+    captured = {*engine.runner.decode_graphs.captured_graphs.values(), *engine.runner.prefill_graphs.captured_graphs.values()}
     replays = []
     replay = torch.cuda.CUDAGraph.replay
     torch.cuda.CUDAGraph.replay = lambda self: (replays.append(self), replay(self))[1]
