@@ -101,7 +101,7 @@ def test_a_freed_duplicate_is_reused_at_once_and_changes_no_output(long_context_
         results.setdefault(output.request_id, Result()).add(output)
     a, b = sorted((seq for seq in engine.scheduler.running), key=lambda seq: seq.request_id)
     assert b.block_ids[:2] == a.block_ids[:2]
-    duplicates = list(engine.block_manager._free)[:2]  # B's own first blocks, freed by the swap
+    duplicates = engine.block_manager.free_block_ids()[:2]  # B's own first blocks, freed by the swap
     assert engine.block_manager.blocks[duplicates[0]].registration_id == 0
     engine.add_request(request("C", prompts["C"], greedy(NUM_NEW_TOKENS)))
     for output in engine.step():
