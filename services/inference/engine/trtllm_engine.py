@@ -59,8 +59,10 @@ def _import_trtllm():
     return LLM, TrtSamplingParams, KvCacheConfig
 
 
-def _trt_sampling(trt_sampling_cls, params: SamplingParams, eos_token_ids: tuple[int, ...]):
-    """Our resolved SamplingParams → tensorrt_llm.SamplingParams (token ids in and out)."""
+def trt_sampling(trt_sampling_cls, params: SamplingParams, eos_token_ids: tuple[int, ...]):
+    """Our resolved SamplingParams → tensorrt_llm.SamplingParams (token ids in and out).
+    `trt_sampling_cls` is that class, passed in: tensorrt_llm is imported only when the backend
+    starts (and the mapping is tested without it)."""
     greedy = params.is_greedy
     return trt_sampling_cls(
         max_tokens=params.max_tokens,
@@ -163,7 +165,7 @@ class TrtllmEngine:
             raise Unavailable("the inference engine is shutting down")
         if request.request_id in self._results:
             raise InvalidArgument("request_id", f"{request.request_id!r} is already in flight")
-        sampling = _trt_sampling(self._trt_sampling_cls, request.sampling, self._eos_token_ids)
+        sampling = trt_sampling(self._trt_sampling_cls, request.sampling, self._eos_token_ids)
         result = self._llm.generate_async(request.prompt_token_ids, sampling, streaming=True)
         self._results[request.request_id] = result
         num_sent = [0] * request.sampling.n
