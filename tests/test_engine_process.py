@@ -5,6 +5,7 @@ dying process; and the engine loop's deadlines at the step boundary."""
 from __future__ import annotations
 
 import asyncio
+import multiprocessing
 import os
 import signal
 import time
@@ -129,8 +130,9 @@ async def test_a_bad_model_path_raises_the_core_error_in_the_server(tmp_path):
 
 
 async def test_a_dying_process_fails_its_requests_and_refuses_new_ones(tiny_model_dir):
-    client = EngineProcess(torch_config(tiny_model_dir))
-    engine = AsyncEngine(client)
+    children_before = set(multiprocessing.active_children())
+    engine = AsyncEngine(EngineProcess(torch_config(tiny_model_dir)))
+    (core_process,) = set(multiprocessing.active_children()) - children_before  # the engine-core process
     await engine.start()
     outputs = []
 
@@ -138,7 +140,7 @@ async def test_a_dying_process_fails_its_requests_and_refuses_new_ones(tiny_mode
         async for output in engine.generate(make_request("orphan", max_tokens=240)):
             outputs.append(output)
             if len(outputs) == 1:
-                os.kill(client._process.pid, signal.SIGKILL)
+                os.kill(core_process.pid, signal.SIGKILL)
 
     await asyncio.wait_for(consume(), HANG_GUARD_S)
     assert (outputs[-1].finish_reason, outputs[-1].error_message) == (FinishReason.ERROR, "the engine-core process died")
