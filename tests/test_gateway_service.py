@@ -25,7 +25,7 @@ from llmserve.v1 import (
     preprocess_pb2_grpc,
 )
 from tests.factories import with_context
-from llmserve.tools.service_process import start_service, stop_service
+from tests.procs import running_stack, stack_fixture
 from tests.rich_status import field_violation, retry_delay_ms
 
 LONG_CONTEXT_TOKENS = 4096
@@ -40,38 +40,14 @@ def model_dir(tiny_model_dir, tmp_path_factory) -> Path:
     return with_context(tiny_model_dir, tmp_path_factory.mktemp("tiny-llama-4k"), LONG_CONTEXT_TOKENS)
 
 
-# name → (inference flags, gateway flags): the default data plane on each backend, and the
-# torch backend the pre-multiplex way (engine thread, one GenerateTokens call per request).
+# The default data plane on each backend, and the torch backend the pre-multiplex way (engine
+# thread, one GenerateTokens call per request); each test runs on each stack in turn.
 STACKS = {
-    "torch": (["--backend", "torch"], []),
-    "hf": (["--backend", "hf"], []),
-    "torch-calls": (["--backend", "torch", "--no-core-process"], ["--no-multiplex"]),
+    "torch": dict(backend="torch"),
+    "hf": dict(backend="hf"),
+    "torch-calls": dict(backend="torch", inference_args=["--no-core-process"], gateway_args=["--no-multiplex"]),
 }
-
-
-@pytest.fixture(scope="module", params=list(STACKS))
-def services(request, model_dir, tmp_path_factory):
-    """Running preprocess, inference (each stack in turn) and gateway (all subprocesses)."""
-    log_dir = tmp_path_factory.mktemp(f"gateway-service-logs-{request.param}")
-    inference_args, gateway_args = STACKS[request.param]
-    preprocess = start_service("preprocess", ["--model", str(model_dir)], log_dir)
-    inference = None
-    gateway = None
-    try:
-        inference = start_service("inference", ["--model", str(model_dir), *inference_args], log_dir)
-        gateway = start_service(
-            "gateway",
-            ["--model", str(model_dir), "--preprocess", preprocess.address, "--inference", inference.address,
-             *gateway_args],
-            log_dir,
-        )
-        yield {"preprocess": preprocess, "inference": inference, "gateway": gateway}
-    finally:
-        if gateway is not None:
-            assert stop_service(gateway) == 0, gateway.log_tail()
-        for service in (inference, preprocess):
-            if service is not None:
-                stop_service(service)
+services = stack_fixture(model="model_dir", variants=STACKS, clean_exit=["gateway"])
 
 
 @pytest.fixture(scope="module")
@@ -399,29 +375,15 @@ def test_list_models(gateway, inference):
 
 def test_inference_down_is_unavailable(services, model_dir, tmp_path):
     """A second gateway whose inference replica dies: UNAVAILABLE naming inference."""
-    inference = start_service("inference", ["--model", str(model_dir), "--backend", "hf"], tmp_path)
-    gateway = None
-    try:
-        gateway = start_service(
-            "gateway",
-            [
-                "--model", str(model_dir),
-                "--preprocess", services["preprocess"].address,
-                "--inference", inference.address,
-            ],
-            tmp_path,
-        )
-        inference.kill()
-        stub = gateway_pb2_grpc.GatewayServiceStub(grpc.insecure_channel(gateway.address))
+    with running_stack(model_dir, tmp_path, backend="hf", preprocess=services["preprocess"],
+                       clean_exit=["gateway"]) as second:
+        second["inference"].kill()
+        stub = gateway_pb2_grpc.GatewayServiceStub(grpc.insecure_channel(second["gateway"].address))
         request = prompt_params("Hello", max_tokens=2)
         unavailable = grpc.StatusCode.UNAVAILABLE
         for call in (lambda: generate(stub, request), lambda: collect_stream(stub, request)):
             error = assert_rpc_error(call, unavailable, "inference unavailable: ")
             assert retry_delay_ms(error) == UNAVAILABLE_RETRY_AFTER_MS
-    finally:
-        if gateway is not None:
-            assert stop_service(gateway) == 0, gateway.log_tail()
-        stop_service(inference)
 
 
 def test_a_cache_salt_shares_the_prefix_cache_only_with_the_same_salt(gateway, inference, services):

@@ -14,7 +14,6 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 
 import grpc
-import pytest
 
 from llmserve.tools.cli import build_parser as build_cli_parser
 from llmserve.gateway.__main__ import build_parser as build_gateway_parser
@@ -23,7 +22,7 @@ from llmserve.tools.launcher import common_argv, gateway_argv
 from llmserve.tools.serve_config import ServeConfig, default_gateway_workers, serve_config_from_args
 from llmserve.tools.service_process import ServiceProcess
 from llmserve.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc
-from tests.procs import running_service, running_stack
+from tests.procs import running_service, stack_fixture
 
 NUM_WORKERS = 2
 NUM_CLIENTS = 24
@@ -57,11 +56,7 @@ def worker_pids(log_text: str) -> dict[int, int]:
     return {int(w): int(p) for w, p in re.findall(r"gateway worker (\d+) started \(pid (\d+)\)", log_text)}
 
 
-@pytest.fixture(scope="module")
-def stack(tiny_model_dir, tmp_path_factory):
-    with running_stack(tiny_model_dir, tmp_path_factory.mktemp("gateway-workers-logs"),
-                       gateway_args=["--workers", str(NUM_WORKERS)]) as services:
-        yield services
+stack = stack_fixture(gateway_args=["--workers", str(NUM_WORKERS)])
 
 
 def start_second_gateway(stack, model_dir, log_dir):

@@ -15,7 +15,7 @@ from llmserve.tools.loadgen.client import RequestRecord, build_request
 from llmserve.tools.loadgen.conversation import Conversation
 from llmserve.tools.loadgen.stats import itl_samples_ms, percentile, summarize, timeline, tpot_ms
 from llmserve.tools.loadgen.workload import LengthDistribution, PromptBuilder, PromptForm, WorkloadConfig, plan_requests
-from tests.procs import running_stack
+from tests.procs import stack_fixture
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
@@ -136,10 +136,12 @@ def test_statistics_spread_coalesced_messages_over_their_tokens():
     assert over_time["output_tokens_per_s"] == pytest.approx([10.0, 40.0])
 
 
+stack = stack_fixture()
+
+
 @pytest.fixture(scope="module")
-def gateway_address(tiny_model_dir, tmp_path_factory):
-    with running_stack(tiny_model_dir, tmp_path_factory.mktemp("loadgen-logs")) as services:
-        yield services["gateway"].address
+def gateway_address(stack) -> str:
+    return stack["gateway"].address
 
 
 def _bench(address, tiny_model_dir, out_dir, *args) -> subprocess.CompletedProcess:
