@@ -4,6 +4,7 @@ service over real gRPC: refusals carry their status and retry hint, and hold not
 from __future__ import annotations
 
 import asyncio
+import functools
 import random
 import time
 from collections.abc import AsyncIterator
@@ -22,21 +23,20 @@ from llmserve.inference.engine.torch_engine import TorchEngineCore
 from llmserve.inference.engine.types import EngineRequest
 from llmserve.sampling import FinishReason, SamplingParams
 from llmserve.v1 import common_pb2, inference_pb2, inference_pb2_grpc
+from tests import engine_objects
+from tests.engine_objects import PROMPT
 from tests.procs import running_service
 from tests.rich_status import retry_delay_ms
 
 pytestmark = pytest.mark.asyncio(loop_scope="session")
 
-PROMPT = [5, 17, 42, 99, 100, 7, 250, 31]
 NUM_KV_BLOCKS = 20  # 320 tokens: one request of 8 + 200 tokens (13 blocks) fits, two do not
 LONG_MAX_TOKENS = 200
 HANG_GUARD_S = 60.0
 LEAK_GUARD_S = 5.0
 
 
-def make_request(request_id: str, max_tokens: int = LONG_MAX_TOKENS, deadline_ns: int = 0) -> EngineRequest:
-    sampling = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
-    return EngineRequest(request_id, list(PROMPT), sampling, time.monotonic_ns(), deadline_ns=deadline_ns)
+make_request = functools.partial(engine_objects.make_request, max_tokens=LONG_MAX_TOKENS, temperature=0.0, ignore_eos=True)
 
 
 @asynccontextmanager

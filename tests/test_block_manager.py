@@ -2,28 +2,20 @@
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 
 from llmserve.block_hash import HashNamespace, chain_block_hashes
 from llmserve.inference.engine.block_manager import BlockManager
 from llmserve.inference.engine.sequence import Sequence
-from llmserve.sampling import SamplingParams
+from tests import engine_objects
 
 BLOCK_SIZE = 4
 HASH_SEED = HashNamespace(model_fingerprint=1, tokenizer_fingerprint=2, block_size_tokens=BLOCK_SIZE).seed()
 
 
-def make_seq(token_ids, seq_id: int = 1, block_hashes: list[int] | None = None) -> Sequence:
-    return Sequence(
-        seq_id=seq_id,
-        request_id=f"r{seq_id}",
-        sequence_index=0,
-        token_ids=list(token_ids),
-        num_prompt_tokens=len(token_ids),
-        sampling=SamplingParams(max_tokens=8),
-        block_hashes=list(block_hashes or []),
-        hash_seed=HASH_SEED,
-    )
+make_seq = functools.partial(engine_objects.make_seq, max_tokens=8, hash_seed=HASH_SEED)
 
 
 def compute(manager: BlockManager, seq: Sequence, num_tokens: int | None = None) -> None:

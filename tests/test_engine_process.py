@@ -5,6 +5,7 @@ dying process; and the engine loop's deadlines at the step boundary."""
 from __future__ import annotations
 
 import asyncio
+import functools
 import multiprocessing
 import os
 import signal
@@ -19,23 +20,18 @@ from llmserve.inference.engine.engine_process import EngineProcess
 from llmserve.inference.engine.engine_thread import EngineThread
 from llmserve.inference.engine.torch_engine import TorchEngineCore
 from llmserve.inference.engine.types import EngineOutput, EngineRequest
-from llmserve.sampling import DEADLINE_EXCEEDED_MESSAGE, FinishReason, SamplingParams, TokenLogprob
+from llmserve.sampling import DEADLINE_EXCEEDED_MESSAGE, FinishReason, TokenLogprob
+from tests import engine_objects
 from tests.engine_streams import HANG_GUARD_S, collect, wait_until
 
 pytestmark = pytest.mark.asyncio(loop_scope="session")
-
-PROMPT = [5, 17, 42, 99, 100, 7, 250, 31]
 
 
 def torch_config(model_dir, **overrides) -> EngineConfig:
     return EngineConfig(model_path=model_dir, model_name="tiny", backend="torch", num_kv_blocks=64, **overrides)
 
 
-def make_request(request_id: str, *, deadline_ns: int = 0, **sampling) -> EngineRequest:
-    sampling.setdefault("max_tokens", 16)
-    sampling.setdefault("temperature", 0.0)
-    sampling.setdefault("ignore_eos", True)
-    return EngineRequest(request_id, list(PROMPT), SamplingParams(**sampling), time.monotonic_ns(), deadline_ns=deadline_ns)
+make_request = functools.partial(engine_objects.make_request, temperature=0.0, ignore_eos=True)
 
 
 def direct_tokens(model_dir, request: EngineRequest) -> dict[int, list[int]]:
