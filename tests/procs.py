@@ -14,12 +14,21 @@ is llmserve.tools.service_process's (benchmarks start services with it too). Its
 from __future__ import annotations
 
 import contextlib
+import socket
 from pathlib import Path
 from typing import Any, Collection, Iterator, Mapping, Sequence
 
 import pytest
 
 from llmserve.tools.service_process import STARTUP_TIMEOUT_S, ServiceProcess, start_service, stop_service
+
+
+def free_port() -> int:
+    """A port free on 127.0.0.1 now, for what cannot bind port 0 itself and say which it got (a
+    --metrics-port, redis-server, a container port of the Helm runs)."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
 
 
 @contextlib.contextmanager
