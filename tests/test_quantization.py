@@ -35,16 +35,13 @@ from llmserve.inference.models.quant_codes import (
     quantize_weight_int8,
 )
 from llmserve.inference.models.quantization import QUANTIZED_LINEAR_NAMES, Fp8Linear, Int8Linear, quantize_linears
+from tests.tensor_checks import rel_error
 
 needs_triton = pytest.mark.skipif(not HAS_TRITON, reason="triton is not installed")
 needs_cuda = pytest.mark.skipif(not HAS_CUDA, reason="needs CUDA")
 E4M3_RELATIVE_STEP = 2.0**-4  # half the spacing of 3 mantissa bits, relative to the value
 E4M3_SUBNORMAL_HALF_STEP = 2.0**-10  # half the subnormal spacing 2^-9 (in units of the scale)
 FLOAT32_SLACK = 1e-6  # relative to |w|: float32 rounding of scale (and code * scale) on top of the bound
-
-
-def rel_error(out: torch.Tensor, ref: torch.Tensor) -> float:
-    return ((out.double() - ref.double()).norm() / ref.double().norm()).item()
 
 
 def random_weight(num_rows: int, num_cols: int, seed: int, dtype=torch.float32) -> torch.Tensor:
