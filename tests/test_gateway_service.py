@@ -26,7 +26,7 @@ from llmserve.v1 import (
 )
 from tests.factories import with_context
 from tests.procs import running_stack, stack_fixture
-from tests.rich_status import field_violation, retry_delay_ms
+from tests.rich_status import field_violation, is_refused_at_admission, retry_delay_ms
 
 LONG_CONTEXT_TOKENS = 4096
 LONG_MAX_TOKENS = 4000  # with ignore_eos: seconds of generation, so it is still running when stopped
@@ -325,7 +325,7 @@ def test_client_cancel_aborts_inference(gateway, inference):
 def expected_aborts(error: grpc.RpcError) -> int:
     """A request whose deadline passes is either refused by the replica's admission (it predicted
     the miss: nothing was ever admitted) or admitted and then aborted: 0 or 1 aborts."""
-    return 0 if any(words in error.details() for words in ("cannot finish in", "before admission")) else 1
+    return 0 if is_refused_at_admission(error.details()) else 1
 
 
 def test_client_deadline_is_exceeded_and_inference_aborts(gateway, inference):
