@@ -23,7 +23,6 @@ from __future__ import annotations
 import argparse
 import gc
 import json
-import sys
 import tempfile
 import time
 from dataclasses import asdict, dataclass
@@ -31,14 +30,12 @@ from pathlib import Path
 
 import torch
 
+from llmserve.inference.engine.config import EngineConfig
+from llmserve.inference.engine.torch_engine import TorchEngineCore
+from llmserve.inference.engine.types import EngineRequest
+from llmserve.sampling import SamplingParams
+
 REPO_ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO_ROOT))
-
-from llmserve.inference.engine.config import EngineConfig  # noqa: E402
-from llmserve.inference.engine.torch_engine import TorchEngineCore  # noqa: E402
-from llmserve.inference.engine.types import EngineRequest  # noqa: E402
-from llmserve.sampling import SamplingParams  # noqa: E402
-
 SHARED_FRACTION = 0.9
 
 
@@ -86,7 +83,7 @@ def parse_args() -> argparse.Namespace:
 
 
 def random_model_dir(kind: str, out_dir: Path) -> Path:
-    from tests.factories import build_tiny_model, build_tokenizer
+    from llmserve.tools.tiny_model import build_tiny_model, build_tokenizer
 
     if kind == "tiny":
         return build_tiny_model(out_dir, "llama")

@@ -62,24 +62,21 @@ import gc
 import json
 import math
 import statistics
-import sys
 import tempfile
 import time
 from pathlib import Path
 
 import torch
 
+from llmserve.inference.engine.config import EngineConfig
+from llmserve.inference.engine.sampler import Sampler
+from llmserve.inference.engine.step_stats import StepStatsLog
+from llmserve.inference.engine.torch_engine import TorchEngineCore
+from llmserve.inference.engine.types import EngineRequest
+from llmserve.model_files import ModelFiles
+from llmserve.sampling import SamplingParams
+
 REPO_ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO_ROOT))
-
-from llmserve.inference.engine.config import EngineConfig  # noqa: E402
-from llmserve.inference.engine.sampler import Sampler  # noqa: E402
-from llmserve.inference.engine.step_stats import StepStatsLog  # noqa: E402
-from llmserve.inference.engine.torch_engine import TorchEngineCore  # noqa: E402
-from llmserve.inference.engine.types import EngineRequest  # noqa: E402
-from llmserve.model_files import ModelFiles  # noqa: E402
-from llmserve.sampling import SamplingParams  # noqa: E402
-
 SCENARIOS = ("baselines", "correctness", "decode", "vs-hf", "kernels", "linears", "ttft", "throughput", "fp8", "quant")
 QUANTIZATIONS = ("int8", "fp8")
 LLAMA3_ROPE = {"rope_type": "llama3", "low_freq_factor": 1.0, "high_freq_factor": 4.0,
@@ -404,14 +401,14 @@ def decode_scenario(engine: TorchEngineCore, model, device: torch.device, base: 
         "engine_step_ms_p90": round(sorted(step_ms[8:])[int(0.9 * len(step_ms[8:]))], 4),
     }
     graphs = runner.decode_graphs
-    if graphs is not None and 1 in graphs._graphs:
+    if graphs is not None and 1 in graphs.captured_graphs:
         # The static inputs still hold the last step (context ~prompt + num_steps): replaying
         # it rewrites that token's K/V into a block that is free now, which nothing reads.
-        result["graph_replay_ms"] = round(time_gpu_ms(graphs._graphs[1].replay, device, repeats=50), 4)
+        result["graph_replay_ms"] = round(time_gpu_ms(graphs.captured_graphs[1].replay, device, repeats=50), 4)
         result["graph_replay_over_floor"] = round(result["graph_replay_ms"] / floor_ms, 3)
         with torch.inference_mode():
-            result["eager_step_ms"] = round(time_gpu_ms(lambda: graphs._forward(1), device, repeats=10), 4)
-            result["top_kernels_eager_step"] = top_kernels(lambda: graphs._forward(1), device)
+            result["eager_step_ms"] = round(time_gpu_ms(lambda: graphs.forward_uncaptured(1), device, repeats=10), 4)
+            result["top_kernels_eager_step"] = top_kernels(lambda: graphs.forward_uncaptured(1), device)
     result["engine_step_over_floor"] = round(result["engine_step_ms_median"] / floor_ms, 3)
     return result
 

@@ -29,19 +29,15 @@ import tempfile
 import time
 from pathlib import Path
 
+import bench_stack
+from bench_gpu import random_prompts, synchronize, top_kernels
+from llmserve.inference.engine.config import EngineConfig
+from llmserve.inference.engine.step_stats import StepStatsLog
+from llmserve.inference.engine.torch_engine import TorchEngineCore
+from llmserve.inference.engine.types import EngineRequest
+from llmserve.sampling import SamplingParams
+
 REPO_ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO_ROOT))
-sys.path.insert(0, str(REPO_ROOT / "bench"))
-
-import bench_stack  # noqa: E402
-from bench_gpu import random_prompts, synchronize, top_kernels  # noqa: E402
-from llmserve.inference.engine.config import EngineConfig  # noqa: E402
-from llmserve.inference.engine.step_stats import StepStatsLog  # noqa: E402
-from llmserve.inference.engine.torch_engine import TorchEngineCore  # noqa: E402
-from llmserve.inference.engine.types import EngineRequest  # noqa: E402
-from llmserve.sampling import SamplingParams  # noqa: E402
-
-
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--shape", default="qwen2.5-1.5b", choices=(*bench_stack.SHAPES, "tiny"))

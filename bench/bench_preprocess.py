@@ -46,15 +46,13 @@ from pathlib import Path
 import grpc
 import tokenizers
 
+from proc_cpu import CLOCK_TICKS_PER_S, snapshot
+from llmserve.gateway.preprocess_client import PromptInput
+from llmserve.gateway.preprocess_pool import PreprocessPool
+from llmserve.tools.service_process import ServiceProcess, stop_services
+from llmserve.v1 import preprocess_pb2
+
 REPO_ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO_ROOT))
-
-from bench.proc_cpu import CLOCK_TICKS_PER_S, snapshot  # noqa: E402
-from llmserve.gateway.preprocess_client import PromptInput  # noqa: E402
-from llmserve.gateway.preprocess_pool import PreprocessPool  # noqa: E402
-from llmserve.tools.service_process import ServiceProcess, stop_services  # noqa: E402
-from llmserve.v1 import preprocess_pb2  # noqa: E402
-
 METHOD = "/llmserve.v1.PreprocessService/Preprocess"
 SHARED_ASSETS = Path(os.environ.get("LLMSERVE_SHARED_ASSETS", REPO_ROOT.parent / "shared/assets"))
 TARGET_PER_CORE_RATIO = 0.8

@@ -30,7 +30,6 @@ import json
 import multiprocessing as mp
 import queue
 import statistics
-import sys
 import tempfile
 import time
 from dataclasses import dataclass
@@ -38,12 +37,10 @@ from pathlib import Path
 
 import grpc
 
+from llmserve.tools.service_process import ServiceProcess, start_service, stop_service
+from llmserve.v1 import common_pb2, gateway_pb2, preprocess_pb2
+
 REPO_ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO_ROOT))
-
-from llmserve.tools.service_process import ServiceProcess, stop_services  # noqa: E402
-from llmserve.v1 import common_pb2, gateway_pb2, preprocess_pb2  # noqa: E402
-
 TEN_MB = 10 * 1024 * 1024
 NUM_HUGE = 4
 CONFIGS = ("receive-limit", "byte-cap", "gateway")
@@ -77,13 +74,8 @@ def parse_args() -> argparse.Namespace:
 
 
 def start(name: str, args: list[str], log_dir: Path, stack: contextlib.ExitStack) -> ServiceProcess:
-    service = ServiceProcess(
-        name, f"llmserve.{name}", ["--host", "127.0.0.1", "--port", "0", *args],
-        port_file=log_dir / f"{name}.port", log_path=log_dir / f"{name}.log",
-    )
-    stack.callback(stop_services, [[service]], 20.0)
-    service.start()
-    service.wait_until_serving(STARTUP_TIMEOUT_S)
+    service = start_service(name, args, log_dir, timeout_s=STARTUP_TIMEOUT_S)
+    stack.callback(stop_service, service)
     return service
 
 

@@ -15,8 +15,19 @@ over every replica and evicts, KV-aware routing keeps each prefix where it is ca
 
 Per policy: output tok/s, TTFT p50/p90/p99, cached prompt tokens against the ideal (every turn
 finds its whole history cached, and a conversation's first turn its system prompt once another
-conversation of its group ran), requests per replica. Ratios against round-robin, measured in the
-same run: p90 TTFT [kv <= 0.3x], output tok/s [kv >= 1.5x]. Table + --out-dir/routing-<time>.json.
+conversation of its group ran), requests per replica, and the mean requests in flight on each
+replica (running + waiting, sampled every 20 ms while at least half of --concurrency is) with
+their max over min [kv <= 1.5x: the imbalance bound and the load weight keep the holder of a
+popular prefix from becoming a hot spot]. Ratios against round-robin, measured in the same run:
+p90 TTFT [kv <= 0.3x], output tok/s [kv >= 1.5x]. Table + --out-dir/routing-<time>.json.
+
+The CPU routing show of tests/test_routing.py (3 replicas, 18 clients) measured its loads the
+same way; they depend on how a loaded CPU shares its cores between the replicas, so they are
+measured here, not asserted there:
+
+    python bench/bench_routing.py --shape tiny --device cpu --replicas 3 --num-kv-blocks 512 \
+        --prefix-groups 3 --prefix-tokens 32 --conversations 54 --turns 2 --prompt-tokens 80 \
+        --output-tokens 8 --concurrency 18 --client-workers 1
 """
 
 from __future__ import annotations
@@ -25,20 +36,22 @@ import argparse
 import json
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
+import grpc
+
+import bench_stack
+from llmserve.tools.loadgen.runner import RunConfig, run_workload
+from llmserve.tools.loadgen.stats import summarize
+from llmserve.tools.loadgen.workload import LengthDistribution, PromptBuilder, PromptForm, WorkloadConfig, plan_requests
+from llmserve.tools.service_process import launch_service, start_service, stop_service
+from llmserve.v1 import inference_pb2, inference_pb2_grpc
+
 REPO_ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO_ROOT))
-sys.path.insert(0, str(REPO_ROOT / "bench"))
-
-import bench_stack  # noqa: E402
-from llmserve.tools.loadgen.runner import RunConfig, run_workload  # noqa: E402
-from llmserve.tools.loadgen.stats import summarize  # noqa: E402
-from llmserve.tools.loadgen.workload import LengthDistribution, PromptBuilder, PromptForm, WorkloadConfig, plan_requests  # noqa: E402
-from tests.procs import launch_service, start_service, stop_service  # noqa: E402
-
 BLOCK_SIZE = 16
+LOAD_SAMPLE_INTERVAL_S = 0.02
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -125,16 +138,63 @@ def start_stack(args, policy: str, model_dir: Path, log_dir: Path) -> list:
     return services
 
 
-def run_policy(args, policy: str, model_dir: Path, planned, log_dir: Path) -> dict:
+class LoadSampler:
+    """Each replica's requests in flight (running + waiting, from GetLoad) every
+    LOAD_SAMPLE_INTERVAL_S, kept while at least `min_in_flight` are in flight over all of them
+    (the run's ramp-up and its tail, when clients run out of turns, are left out).
+
+    Load, not requests served: a replica that runs slower for a while rightly gets fewer."""
+
+    def __init__(self, replicas, min_in_flight: int):
+        self._channels = [grpc.insecure_channel(replica.address) for replica in replicas]
+        self._stubs = [inference_pb2_grpc.InferenceServiceStub(channel) for channel in self._channels]
+        self._min_in_flight = min_in_flight
+        self.samples: list[list[int]] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._sample, daemon=True)
+
+    def __enter__(self) -> "LoadSampler":
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join()
+        for channel in self._channels:
+            channel.close()
+
+    def _sample(self) -> None:
+        while not self._stop.wait(LOAD_SAMPLE_INTERVAL_S):
+            loads = [stub.GetLoad(inference_pb2.GetLoadRequest(), timeout=5) for stub in self._stubs]
+            sample = [load.num_running + load.num_waiting for load in loads]
+            if sum(sample) >= self._min_in_flight:
+                self.samples.append(sample)
+
+    def mean_loads(self) -> list[float] | None:
+        if not self.samples:
+            return None
+        return [round(sum(sample[i] for sample in self.samples) / len(self.samples), 3) for i in range(len(self._stubs))]
+
+
+def run_policy(args, policy: str, model_dir: Path, planned, log_dir: Path) -> tuple[dict, list[float] | None]:
+    """The run's summary, and each replica's mean requests in flight (LoadSampler)."""
     services = start_stack(args, policy, model_dir, log_dir / policy)
     try:
         config = RunConfig(address=services[-1].address, concurrency=args.concurrency,
                            num_workers=args.client_workers, show_progress=sys.stderr.isatty())
-        result = run_workload(planned, workload(args), config)
+        with LoadSampler(services[1:-1], min_in_flight=(args.concurrency + 1) // 2) as loads:
+            result = run_workload(planned, workload(args), config)
     finally:
         for service in reversed(services):
             stop_service(service)
-    return summarize(result.records, result.start_s, result.end_s)
+    return summarize(result.records, result.start_s, result.end_s), loads.mean_loads()
+
+
+def load_max_over_min(mean_loads: list[float] | None) -> float | None:
+    """The busiest replica's mean load over the quietest's (None: no samples, or an idle replica)."""
+    if not mean_loads or min(mean_loads) == 0:
+        return None
+    return round(max(mean_loads) / min(mean_loads), 3)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -148,21 +208,23 @@ def main(argv: list[str] | None = None) -> int:
         planned = plan_requests(workload(args), builder)
         prefix_lengths = {r.prefix_group: len(builder.token_ids(r.prefix_text)) for r in planned if r.turn == 0}
         ideal = ideal_cached_tokens(planned, args.output_tokens, prefix_lengths)
-        results = {}
+        results, mean_loads = {}, {}
         for policy in args.policies.split(","):
             print(f"{policy}: starting {args.replicas} replicas", flush=True)
-            results[policy] = run_policy(args, policy, model_dir, planned, log_dir)
+            results[policy], mean_loads[policy] = run_policy(args, policy, model_dir, planned, log_dir)
             print(f"{policy}: {results[policy]['output_tokens_per_s']:.1f} out tok/s, "
                   f"TTFT p90 {results[policy]['ttft_ms']['p90']:.1f} ms", flush=True)
     baseline = results.get("round-robin")
-    print("| policy | out tok/s | vs round-robin | TTFT p50 ms | TTFT p90 ms | p90 vs round-robin | cached / ideal | ok |")
-    print("| --- | --- | --- | --- | --- | --- | --- | --- |")
+    print("| policy | out tok/s | vs round-robin | TTFT p50 ms | TTFT p90 ms | p90 vs round-robin | cached / ideal "
+          "| load max / min | ok |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     rows = {}
     for policy, summary in results.items():
         row = {
             "output_tokens_per_s": summary["output_tokens_per_s"], "ttft_ms": summary["ttft_ms"],
             "cached_over_ideal": round(summary["num_cached_tokens"] / max(1, ideal), 3),
             "num_succeeded": summary["num_succeeded"], "num_requests": summary["num_requests"],
+            "mean_load_per_replica": mean_loads[policy], "load_max_over_min": load_max_over_min(mean_loads[policy]),
         }
         if baseline:
             row["throughput_vs_round_robin"] = round(summary["output_tokens_per_s"] / baseline["output_tokens_per_s"], 3)
@@ -170,7 +232,7 @@ def main(argv: list[str] | None = None) -> int:
         rows[policy] = row
         print(f"| {policy} | {row['output_tokens_per_s']:.1f} | {row.get('throughput_vs_round_robin', '-')} | "
               f"{summary['ttft_ms']['p50']:.1f} | {summary['ttft_ms']['p90']:.1f} | {row.get('ttft_p90_vs_round_robin', '-')} | "
-              f"{row['cached_over_ideal']} | {row['num_succeeded']}/{row['num_requests']} |")
+              f"{row['cached_over_ideal']} | {row['load_max_over_min'] or '-'} | {row['num_succeeded']}/{row['num_requests']} |")
     args.out_dir.mkdir(parents=True, exist_ok=True)
     out = args.out_dir / f"routing-{stamp}.json"
     out.write_text(json.dumps({"rows": rows, "summaries": results, "ideal_cached_tokens": ideal,

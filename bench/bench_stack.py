@@ -66,21 +66,19 @@ import threading
 import time
 from pathlib import Path
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO_ROOT))
 # Loadgen's workers are spawned: they re-import this script, so its top level stays light
 # (torch and the engine are imported where a path needs them).
+import proc_cpu
+import stack_drivers
+import stack_report
+import stack_services
+from llmserve.inference.engine.config import default_dtype
+from llmserve.inference.engine_flags import add_engine_arguments, engine_config, engine_options
+from llmserve.tools.loadgen.stats import summarize
+from llmserve.tools.loadgen.workload import PromptBuilder
+from llmserve.model_files import ModelFiles
 
-import proc_cpu  # noqa: E402
-import stack_drivers  # noqa: E402
-import stack_report  # noqa: E402
-import stack_services  # noqa: E402
-from llmserve.inference.engine.config import default_dtype  # noqa: E402
-from llmserve.inference.engine_flags import add_engine_arguments, engine_config, engine_options  # noqa: E402
-from llmserve.tools.loadgen.stats import summarize  # noqa: E402
-from llmserve.tools.loadgen.workload import PromptBuilder  # noqa: E402
-from llmserve.model_files import ModelFiles  # noqa: E402
-
+REPO_ROOT = Path(__file__).resolve().parent.parent
 PATHS = {
     "core": "engine core loop",
     "async": "AsyncEngine in process",
@@ -174,7 +172,7 @@ def qwen_tokenizer_dir() -> Path:
 def build_model(args, out_dir: Path) -> Path:
     """A checkpoint of --shape with random weights (see the module docstring)."""
     if args.shape == "tiny":
-        from tests.factories import build_tiny_model
+        from llmserve.tools.tiny_model import build_tiny_model
 
         return build_tiny_model(out_dir, "qwen2")
     import shutil

@@ -1,6 +1,6 @@
 """The service paths of bench_stack.py (`grpc`: the inference service; `gateway`: preprocess,
-inference and the gateway): start the processes as the tests do (tests/procs.py: port 0, wait
-for SERVING, SIGTERM at the end), drive them with llmserve.tools.loadgen's spawned workers, and
+inference and the gateway): start the processes as the tests do (llmserve.tools.service_process: port 0,
+wait for SERVING, SIGTERM at the end), drive them with llmserve.tools.loadgen's spawned workers, and
 sample the CPU of every process (the bench process and its workers, each service) over each
 cell's window.
 """
@@ -18,7 +18,7 @@ from llmserve.inference.engine_flags import engine_argv
 from llmserve.tools.launcher import PREPROCESS_ENGINE_OPTIONS
 from llmserve.tools.loadgen.runner import RunConfig, run_workload
 from llmserve.tools.loadgen.stats import summarize
-from tests.procs import start_service, stop_service
+from llmserve.tools.service_process import start_service, stop_service
 
 
 def start_services(path: str, args, options, model_dir: Path, log_dir: Path) -> dict:

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.factories import ARCHITECTURES, build_tiny_model
+from llmserve.tools.tiny_model import ARCHITECTURES, build_tiny_model
 
 
 @pytest.fixture(scope="session")

@@ -2,20 +2,12 @@
 
 from __future__ import annotations
 
-import socket
 import urllib.request
 from dataclasses import dataclass
 
 from prometheus_client.parser import text_string_to_metric_families
 
 SCRAPE_TIMEOUT_S = 10.0
-
-
-def free_port() -> int:
-    """A port free on 127.0.0.1 now, for a service's --metrics-port."""
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
 
 
 @dataclass(frozen=True)

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.factories import CHATML_TEMPLATE, SPECIAL_TOKENS
+from llmserve.tools.tiny_model import CHATML_TEMPLATE, SPECIAL_TOKENS
 
 SHARED_ASSETS = Path(os.environ.get("LLMSERVE_SHARED_ASSETS", Path(__file__).resolve().parents[1].parent / "shared/assets"))
 # No boundary token between a user turn and the assistant's reply: the seam of a conversation

@@ -13,14 +13,10 @@ import time
 
 import pytest
 
+from tests.procs import free_port
+
 REDIS_SERVER = shutil.which("redis-server")
 START_TIMEOUT_S = 10.0
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 class RedisServer:

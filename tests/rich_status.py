@@ -1,4 +1,5 @@
-"""Reading the structured details of an error status, as any gRPC client would."""
+"""Reading the structured details of an error status, as any gRPC client would (and, where a
+status has none, its message: is_refused_at_admission)."""
 
 from __future__ import annotations
 
@@ -27,3 +28,19 @@ def field_violation(error) -> tuple[str, str]:
 def retry_delay_ms(error) -> int:
     """The RetryInfo delay of an error, in milliseconds."""
     return _detail(error, error_details_pb2.RetryInfo).retry_delay.ToMilliseconds()
+
+
+# What admission's DeadlineExceeded says (services/inference/admission.py): the request was
+# refused before it ran, because its deadline had passed or could not be met.
+_ADMISSION_REFUSALS = ("cannot finish in", "before admission")
+
+
+def is_refused_at_admission(details: str) -> bool:
+    """Whether a DEADLINE_EXCEEDED error's details say the replica refused it at admission
+    (nothing ran, so nothing is aborted), not that its deadline ran out while it ran.
+
+    Read from the message: such a refusal carries no structured detail (no BadRequest, and no
+    RetryInfo: the same request cannot be retried into its deadline), and a status from the
+    server does not tell it apart either, since the gateway also sends one for a request the
+    engine aborted at its deadline. This is the one place the tests read those words."""
+    return any(words in details for words in _ADMISSION_REFUSALS)

@@ -4,6 +4,7 @@ service over real gRPC: refusals carry their status and retry hint, and hold not
 from __future__ import annotations
 
 import asyncio
+import functools
 import random
 import time
 from collections.abc import AsyncIterator
@@ -22,22 +23,21 @@ from llmserve.inference.engine.torch_engine import TorchEngineCore
 from llmserve.inference.engine.types import EngineRequest
 from llmserve.sampling import FinishReason, SamplingParams
 from llmserve.v1 import common_pb2, inference_pb2, inference_pb2_grpc
+from tests import engine_objects
+from tests.engine_objects import PROMPT
 from tests.engine_streams import generate
 from tests.procs import running_service
 from tests.rich_status import retry_delay_ms
 
 pytestmark = pytest.mark.asyncio(loop_scope="session")
 
-PROMPT = [5, 17, 42, 99, 100, 7, 250, 31]
 NUM_KV_BLOCKS = 20  # 320 tokens: one request of 8 + 200 tokens (13 blocks) fits, two do not
 LONG_MAX_TOKENS = 200
 HANG_GUARD_S = 60.0
 LEAK_GUARD_S = 5.0
 
 
-def make_request(request_id: str, max_tokens: int = LONG_MAX_TOKENS, deadline_ns: int = 0) -> EngineRequest:
-    sampling = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
-    return EngineRequest(request_id, list(PROMPT), sampling, time.monotonic_ns(), deadline_ns=deadline_ns)
+make_request = functools.partial(engine_objects.make_request, max_tokens=LONG_MAX_TOKENS, temperature=0.0, ignore_eos=True)
 
 
 @asynccontextmanager
@@ -262,21 +262,31 @@ async def test_a_sharer_that_could_compute_the_prefix_twice_waits_for_room(tiny_
 async def test_random_shared_prefix_traffic_on_a_small_pool_is_never_preempted(tiny_model_dir):
     rng = random.Random(7)
     prefixes = [[rng.randrange(3, 300) for _ in range(length)] for length in (40, 72, 120)]
-    outcomes = {"done": 0, "refused": 0}
-
-    async def one(index: int, engine: AsyncEngine) -> None:
-        await asyncio.sleep(rng.choice([0.0, 0.5, 1.0, 2.0]) + rng.random() * 0.1)  # bursts
+    # Drawn up front, so the traffic is the same however the run interleaves: 40 requests in
+    # bursts, each sharing one of the prefixes.
+    bursts: dict[int, list[tuple[list[int], SamplingParams]]] = {}
+    for _ in range(40):
+        burst = rng.randrange(4)
         prompt = rng.choice(prefixes) + [rng.randrange(3, 300) for _ in range(rng.randrange(0, 20))]
         sampling = SamplingParams(max_tokens=rng.randrange(1, 24), temperature=0.0, ignore_eos=True, n=rng.choice([1, 2]))
+        bursts.setdefault(burst, []).append((prompt, sampling))
+    outcomes = {"done": 0, "refused": 0}
+
+    async def one(request_id: str, prompt: list[int], sampling: SamplingParams, engine: AsyncEngine) -> None:
         try:
-            await run_to_end(engine, EngineRequest(f"r{index}", prompt, sampling, time.monotonic_ns()))
+            await run_to_end(engine, EngineRequest(request_id, prompt, sampling, time.monotonic_ns()))
             outcomes["done"] += 1
         except ResourceExhausted:
             outcomes["refused"] += 1
 
     # 32 tokens a step: long prompts are computed in chunks, by several sharers at once
     async with started_engine(tiny_model_dir, 24, max_batched_tokens=32) as engine:
-        await asyncio.gather(*(one(index, engine) for index in range(40)))
+        for burst, requests in sorted(bursts.items()):
+            # A burst arrives at once (its requests are admitted or refused in one turn of the
+            # event loop, where admission runs), on a pool its previous burst has freed: what is
+            # refused depends on the traffic, not on how fast this machine computes.
+            await wait_until_pool_is_free(engine)
+            await asyncio.gather(*(one(f"b{burst}-r{i}", *request, engine) for i, request in enumerate(requests)))
         assert engine.load().num_preemptions_total == 0
         assert outcomes["done"] >= 10 and outcomes["refused"] >= 5
         await assert_nothing_is_held(engine)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import functools
 import time
 from contextlib import aclosing
 
@@ -15,19 +16,16 @@ from llmserve.inference.engine.engine_thread import EngineThread
 from llmserve.inference.engine.hf_engine import HFEngineCore
 from llmserve.engine_output import EngineOutput
 from llmserve.inference.engine.types import EngineRequest
-from llmserve.sampling import FinishReason, SamplingParams
+from llmserve.sampling import FinishReason
+from tests import engine_objects
+from tests.engine_objects import PROMPT
 from tests.engine_streams import HANG_GUARD_S, collect, generate, wait_until
 
 # Async fixtures live on the session loop (pyproject); run the tests on it too.
 pytestmark = pytest.mark.asyncio(loop_scope="session")
 
-PROMPT = [5, 17, 42, 99, 100, 7, 250, 31]
 
-
-def make_request(request_id: str, prompt: list[int] = PROMPT, **sampling) -> EngineRequest:
-    sampling.setdefault("max_tokens", 16)
-    sampling.setdefault("temperature", 0.0)
-    return EngineRequest(request_id, list(prompt), SamplingParams(**sampling), time.monotonic_ns())
+make_request = functools.partial(engine_objects.make_request, temperature=0.0)
 
 
 def hf_config(model_dir) -> EngineConfig:

@@ -55,11 +55,7 @@ def test_bench_gpu_quant_scenario_runs_on_cpu(tmp_path):
 def test_measured_rates_never_round_to_zero():
     """A loaded 2-core CPU does ~1 GFLOP/s of bf16 GEMM: 0.0012 TFLOP/s must stay 0.0012, or
     every floor derived from it divides by zero (a fresh clone's `make test` once failed so)."""
-    sys.path.insert(0, str(REPO_ROOT / "bench"))
-    try:
-        from bench_gpu import significant
-    finally:
-        sys.path.remove(str(REPO_ROOT / "bench"))
+    from bench.bench_gpu import significant  # bench/ as a namespace package of the repository root
     assert significant(0.0012345) == 0.001234 or significant(0.0012345) == 0.001235
     assert significant(4.4e-7) == 4.4e-7
     assert significant(4821.77) == 4822
@@ -86,10 +82,11 @@ def test_bench_stack_measures_every_path_on_cpu(tmp_path):
                     "itl_ratio_vs_core"):
             assert row[key] > 0, (path, streams, key)
         assert set(row["cpu_pct"]) == processes[path]
-        # may not reach a clock tick: preprocess (24-token prompts), and the bench process of
-        # `async`, which only awaits outputs while its engine core runs in the engine-core process
-        busy = processes[path] - {"preprocess"} - ({"bench"} if path == "async" else set())
-        assert all(row["cpu_pct"][process] > 0 for process in busy), row["cpu_pct"]
+        # CPU is read in clock ticks (10 ms): a process that works a few ms in a short cell may
+        # not reach one on a fast machine, so only the process that steps the engine the whole
+        # cell is required to show CPU; every other one is reported, at 0 or more
+        busy = "bench" if path == "core" else "engine-core"
+        assert row["cpu_pct"][busy] > 0 and all(pct >= 0 for pct in row["cpu_pct"].values()), row["cpu_pct"]
         assert (row["gateway_tokens_per_s_per_core"] or 0) > 0 if path == "gateway" else \
             row["gateway_tokens_per_s_per_core"] is None
     assert {rows[("core", s)]["output_ratio_vs_core"] for s in (1, 4)} == {1.0}
@@ -121,3 +118,5 @@ def test_bench_routing_compares_policies_on_cpu(tmp_path):
     assert all(row["num_succeeded"] == row["num_requests"] == 24 for row in rows.values())
     assert rows["round-robin"]["throughput_vs_round_robin"] == 1.0
     assert all(0 < row["cached_over_ideal"] <= 1.0 for row in rows.values())
+    for row in rows.values():  # sampled only while half the clients' turns are in flight: maybe never here
+        assert row["mean_load_per_replica"] is None or len(row["mean_load_per_replica"]) == 3

@@ -12,9 +12,8 @@ import pytest
 
 from llmserve.block_hash import HashNamespace
 from llmserve.gateway.block_layout import BlockLayout, BlockLayoutMismatch, check_block_layouts
-from llmserve.tools.launcher import ServiceProcess
 from llmserve.v1 import common_pb2, inference_pb2, inference_pb2_grpc, preprocess_pb2, preprocess_pb2_grpc
-from tests.procs import start_service, stop_service
+from llmserve.tools.service_process import ServiceProcess, start_service, stop_service
 from tests.rich_status import field_violation
 
 EXIT_TIMEOUT_S = 60.0

@@ -2,28 +2,20 @@
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 
 from llmserve.block_hash import HashNamespace, chain_block_hashes
 from llmserve.inference.engine.block_manager import BlockManager
 from llmserve.inference.engine.sequence import Sequence
-from llmserve.sampling import SamplingParams
+from tests import engine_objects
 
 BLOCK_SIZE = 4
 HASH_SEED = HashNamespace(model_fingerprint=1, tokenizer_fingerprint=2, block_size_tokens=BLOCK_SIZE).seed()
 
 
-def make_seq(token_ids, seq_id: int = 1, block_hashes: list[int] | None = None) -> Sequence:
-    return Sequence(
-        seq_id=seq_id,
-        request_id=f"r{seq_id}",
-        sequence_index=0,
-        token_ids=list(token_ids),
-        num_prompt_tokens=len(token_ids),
-        sampling=SamplingParams(max_tokens=8),
-        block_hashes=list(block_hashes or []),
-        hash_seed=HASH_SEED,
-    )
+make_seq = functools.partial(engine_objects.make_seq, max_tokens=8, hash_seed=HASH_SEED)
 
 
 def compute(manager: BlockManager, seq: Sequence, num_tokens: int | None = None) -> None:
@@ -96,7 +88,7 @@ def test_fully_cached_prompt_still_computes_its_last_token(manager):
     again.num_computed_tokens = 8
     manager.register_computed_blocks(again)
     assert again.block_ids == [0, 1]  # ... then swapped onto its cached twin, which is freed
-    assert list(manager._free)[0] == 2 and ref_counts(manager)[:3] == [2, 2, 0]
+    assert manager.free_block_ids()[0] == 2 and ref_counts(manager)[:3] == [2, 2, 0]
     again.token_ids += [8, 9, 10, 11, 12]  # its decodes fill a block chained to the twin
     compute(manager, again, 4)
     assert manager.find_cached_blocks(make_seq(range(13), seq_id=3)) == [0, 1, 2]
@@ -135,7 +127,7 @@ def test_freed_blocks_stay_cached_until_evicted_lru_tail_first(manager):
     manager.free(b)
     manager.free(c)
     # Uncached first (5, and the never-used 6, 7), then cached LRU, each sequence tail first.
-    assert list(manager._free) == [5, 6, 7, 1, 0, 3, 2, 4]
+    assert manager.free_block_ids() == [5, 6, 7, 1, 0, 3, 2, 4]
     assert manager.stats().num_blocks_cached == 5
     filler = make_seq(range(300, 320), seq_id=4)  # 5 blocks: evicts a's blocks 1, 0
     assert manager.allocate(filler, 20)
@@ -155,7 +147,7 @@ def test_hit_refreshes_recency(manager):
     compute(manager, reuse)  # cached block 0 again, then the front of the queue: 3, freed last
     assert reuse.block_ids == [0, 3]
     manager.free(reuse)
-    assert list(manager._free)[-2:] == [2, 0]  # block 0 is now the most recently used
+    assert manager.free_block_ids()[-2:] == [2, 0]  # block 0 is now the most recently used
 
 
 def compute_in_one_step(manager: BlockManager, seqs: list[Sequence]) -> None:
@@ -173,7 +165,7 @@ def test_twin_blocks_computed_in_one_step_register_once_and_the_chains_go_on(man
     compute_in_one_step(manager, [a, b])
     assert a.block_ids == [0, 1, 2, 3]
     assert b.block_ids == [0, 1, 6, 7]  # swapped onto a's blocks 0, 1; its own 4, 5 freed ...
-    assert list(manager._free)[:2] == [5, 4]  # ... to the front: they hold nothing to keep
+    assert manager.free_block_ids()[:2] == [5, 4]  # ... to the front: they hold nothing to keep
     assert ref_counts(manager) == [2, 2, 1, 1, 0, 0, 1, 1]
     assert b.num_registered_blocks == 3 and manager.stats().num_blocks_cached == 4
     assert manager.blocks[6].parent_registration_id == manager.blocks[1].registration_id

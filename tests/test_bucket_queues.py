@@ -39,17 +39,17 @@ def start_order(scheduler: Scheduler, arrivals_per_step: dict[int, list] | None 
 def test_a_short_prompt_starts_ahead_of_long_ones_queued_before_it():
     scheduler = make_scheduler()
     for seq_id in (1, 2, 3):
-        scheduler.add(make_seq(seq_id, LONG))
-    scheduler.add(make_seq(4, SHORT))
-    scheduler.add(make_seq(5, SHORT))
+        scheduler.add(make_seq(LONG, seq_id=seq_id))
+    scheduler.add(make_seq(SHORT, seq_id=4))
+    scheduler.add(make_seq(SHORT, seq_id=5))
     # Turns between the buckets: FCFS within each, so the long ones keep their order.
     assert start_order(scheduler) == [4, 1, 5, 2, 3]
 
 
 def test_a_long_prompt_gets_in_under_a_steady_stream_of_short_ones():
     scheduler = make_scheduler()
-    scheduler.add(make_seq(1, LONG))
-    shorts = {step: [make_seq(10 + step, SHORT)] for step in range(6)}
+    scheduler.add(make_seq(LONG, seq_id=1))
+    shorts = {step: [make_seq(SHORT, seq_id=10 + step)] for step in range(6)}
     order = start_order(scheduler, shorts)
     assert order[:3] == [10, 1, 11]  # one turn each
     assert sorted(order) == [1, *range(10, 16)]
@@ -57,17 +57,17 @@ def test_a_long_prompt_gets_in_under_a_steady_stream_of_short_ones():
 
 def test_priority_comes_before_the_turns():
     scheduler = make_scheduler()
-    scheduler.add(make_seq(1, SHORT))
-    scheduler.add(make_seq(2, LONG, priority=-1))
-    scheduler.add(make_seq(3, LONG))
-    scheduler.add(make_seq(4, SHORT, priority=-1))
+    scheduler.add(make_seq(SHORT, seq_id=1))
+    scheduler.add(make_seq(LONG, seq_id=2, priority=-1))
+    scheduler.add(make_seq(LONG, seq_id=3))
+    scheduler.add(make_seq(SHORT, seq_id=4, priority=-1))
     assert start_order(scheduler) == [4, 2, 1, 3]
 
 
 def test_the_waiting_queue_lists_every_sequence_by_priority_then_arrival():
     scheduler = make_scheduler()
     for seq_id, num_tokens, priority in ((1, LONG, 0), (2, SHORT, 0), (3, LONG, -1)):
-        scheduler.add(make_seq(seq_id, num_tokens, priority=priority))
+        scheduler.add(make_seq(num_tokens, seq_id=seq_id, priority=priority))
     assert [seq.seq_id for seq in scheduler.waiting] == [3, 1, 2] and len(scheduler.waiting) == 3
     scheduler.abort("r1")
     assert [seq.seq_id for seq in scheduler.waiting] == [3, 2] and scheduler.waiting.peek().seq_id == 3

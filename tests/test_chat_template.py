@@ -22,7 +22,7 @@ from llmserve.errors import InvalidArgument
 from llmserve.preprocess.chat_template import ChatTemplate
 from llmserve.preprocess.tokenizer import ModelTokenizer
 from llmserve.sampling import ChatMessage
-from tests.factories import CHATML_TEMPLATE, build_tokenizer
+from llmserve.tools.tiny_model import CHATML_TEMPLATE, build_tokenizer
 
 # Copied verbatim from SmolLM2-135M-Instruct's tokenizer_config.json ("chat_template").
 SMOLLM2_TEMPLATE = (

@@ -24,7 +24,7 @@ from llmserve.gateway.replica_stream import ClientNotReading, MultiplexedTokens
 from llmserve.sampling import FinishReason
 from llmserve.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc, inference_pb2, inference_pb2_grpc
 from tests.factories import with_context
-from tests.procs import running_stack
+from tests.procs import stack_fixture
 
 REQUEST_ID = "r1"
 
@@ -148,12 +148,7 @@ def long_context_model_dir(tiny_model_dir, tmp_path_factory) -> Path:
     return with_context(tiny_model_dir, tmp_path_factory.mktemp("tiny-llama-long"), CONTEXT_TOKENS)
 
 
-@pytest.fixture(scope="module")
-def stack(long_context_model_dir, tmp_path_factory):
-    gateway_args = ["--max-unsent-tokens", str(MAX_UNSENT_TOKENS)]
-    with running_stack(long_context_model_dir, tmp_path_factory.mktemp("client-stream-logs"),
-                       gateway_args=gateway_args) as services:
-        yield services
+stack = stack_fixture(model="long_context_model_dir", gateway_args=["--max-unsent-tokens", str(MAX_UNSENT_TOKENS)])
 
 
 def params(max_tokens: int) -> gateway_pb2.GenerateParams:

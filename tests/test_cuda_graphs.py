@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from tests.triton_cpu import HAS_CUDA, HAS_TRITON  # noqa: I001  (before any kernel import)
 
+import functools
 import json
 
 import pytest
@@ -20,7 +21,6 @@ from llmserve.inference.engine.config import ATTENTION_BACKENDS
 from llmserve.inference.engine.cuda_graphs import graph_batch_sizes, graph_size_for, pad_decode_step
 from llmserve.inference.engine.prefill_graphs import pad_prefill_step, prefill_graph_sizes
 from llmserve.inference.engine.scheduler import ScheduledBatch
-from llmserve.inference.engine.sequence import Sequence
 from llmserve.inference.engine.static_inputs import StaticInputs
 from llmserve.inference.engine.batch_inputs import build_step_inputs
 from llmserve.inference.models.attention_backend import (
@@ -30,7 +30,7 @@ from llmserve.inference.models.attention_backend import (
     resolve_attention_backend,
 )
 from llmserve.inference.models.decoder_config import DecoderConfig
-from llmserve.sampling import SamplingParams
+from tests import engine_objects
 from tests.test_torch_engine import greedy, make_engine, make_prompt, request, run
 
 needs_triton = pytest.mark.skipif(not HAS_TRITON, reason="triton is not installed")
@@ -53,19 +53,15 @@ def test_graph_size_for_picks_the_smallest_size_that_fits():
     assert graph_size_for(25, sizes) is None
 
 
-def make_seq(seq_id: int, token_ids: list[int], num_computed: int, block_ids: list[int]) -> Sequence:
-    seq = Sequence(seq_id, f"r{seq_id}", 0, list(token_ids), len(token_ids), SamplingParams(max_tokens=4))
-    seq.num_computed_tokens = num_computed
-    seq.block_ids = block_ids
-    return seq
+make_seq = functools.partial(engine_objects.make_seq, max_tokens=4)
 
 
 def test_step_inputs_put_decodes_first_and_sample_only_finished_prompts():
     block_size = 4
     batch = ScheduledBatch()
-    prefill = make_seq(1, list(range(10, 20)), 0, [7, 3, 9])  # 10 tokens, chunk of 6: does not sample
-    decode = make_seq(2, [5, 6, 7, 8, 9], 4, [2, 5])  # computes token 4 (position 4): samples
-    tail = make_seq(3, [1, 2, 3], 2, [8])  # a 1-token chunk that ends its prompt: samples
+    prefill = make_seq(range(10, 20), seq_id=1, block_ids=[7, 3, 9])  # 10 tokens, chunk of 6: does not sample
+    decode = make_seq([5, 6, 7, 8, 9], seq_id=2, num_computed_tokens=4, block_ids=[2, 5])  # computes token 4 (position 4): samples
+    tail = make_seq([1, 2, 3], seq_id=3, num_computed_tokens=2, block_ids=[8])  # a 1-token chunk that ends its prompt: samples
     batch.add(prefill, 6)
     batch.add(decode, 1)
     batch.add(tail, 1)
@@ -86,8 +82,8 @@ def test_step_inputs_put_decodes_first_and_sample_only_finished_prompts():
 
 def test_pad_decode_step_fills_spare_rows_with_no_op_tokens():
     batch = ScheduledBatch()
-    batch.add(make_seq(1, [4, 5, 6], 2, [3]), 1)
-    batch.add(make_seq(2, list(range(40)), 39, [1, 2, 6]), 1)
+    batch.add(make_seq([4, 5, 6], seq_id=1, num_computed_tokens=2, block_ids=[3]), 1)
+    batch.add(make_seq(range(40), seq_id=2, num_computed_tokens=39, block_ids=[1, 2, 6]), 1)
     step = build_step_inputs(batch, block_size=16)
 
     padded = pad_decode_step(step, 4)
@@ -109,7 +105,7 @@ def test_prefill_graph_sizes_stop_at_the_step_budget_and_at_1024_tokens():
 
 def test_pad_prefill_step_fills_spare_rows_with_no_op_tokens():
     batch = ScheduledBatch()
-    batch.add(make_seq(1, list(range(100, 140)), 35, [4, 9, 2]), 5)  # 35 cached, computes 35..39
+    batch.add(make_seq(range(100, 140), seq_id=1, num_computed_tokens=35, block_ids=[4, 9, 2]), 5)  # 35 cached, computes 35..39
     step = build_step_inputs(batch, block_size=16)
 
     padded = pad_prefill_step(step, 8)
@@ -261,8 +257,8 @@ def test_captured_graphs_match_eager_kernels_and_are_used(tiny_model_dirs):
     eager = run_scenario(scenario_engine(model_dir, "cuda", attention_backend="triton", enforce_eager=True))
     engine = scenario_engine(model_dir, "cuda", attention_backend="triton")
     for graphs in (engine.runner.decode_graphs, engine.runner.prefill_graphs):
-        assert set(graphs._graphs) == set(graphs.sizes)
-    captured = {*engine.runner.decode_graphs._graphs.values(), *engine.runner.prefill_graphs._graphs.values()}
+        assert set(graphs.captured_graphs) == set(graphs.sizes)
+    captured = {*engine.runner.decode_graphs.captured_graphs.values(), *engine.runner.prefill_graphs.captured_graphs.values()}
     replays = []
     replay = torch.cuda.CUDAGraph.replay
     torch.cuda.CUDAGraph.replay = lambda self: (replays.append(self), replay(self))[1]

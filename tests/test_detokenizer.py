@@ -7,7 +7,7 @@ from tokenizers import Tokenizer
 
 from llmserve.gateway.detokenizer import REPLACEMENT_CHAR, Detokenizer
 from llmserve.text_decoder import TextDecoder
-from tests.factories import build_tokenizer
+from llmserve.tools.tiny_model import build_tokenizer
 
 MULTI_BYTE_TEXTS = [
     "é",

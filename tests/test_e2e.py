@@ -11,7 +11,8 @@ import grpc
 import pytest
 
 from llmserve.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc, preprocess_pb2, preprocess_pb2_grpc
-from tests.procs import start_service, stop_service
+from llmserve.tools.service_process import start_service, stop_service
+from tests.procs import running_stack
 
 pytestmark = pytest.mark.slow
 
@@ -39,19 +40,11 @@ def preprocess(default_model_dir, tmp_path_factory):
 def gateway(request, default_model_dir, preprocess, tmp_path_factory):
     """A gateway in front of the shared preprocess and one inference replica per backend."""
     log_dir = tmp_path_factory.mktemp(f"e2e-{request.param}")
-    inference = start_service(
-        "inference", ["--model", str(default_model_dir), "--backend", request.param], log_dir
-    )
-    gateway = start_service(
-        "gateway",
-        ["--model", str(default_model_dir), "--preprocess", preprocess.address, "--inference", inference.address],
-        log_dir,
-    )
-    channel = grpc.insecure_channel(gateway.address)
-    yield request.param, gateway_pb2_grpc.GatewayServiceStub(channel)
-    channel.close()
-    assert stop_service(gateway) == 0
-    assert stop_service(inference) == 0
+    with running_stack(default_model_dir, log_dir, backend=request.param, preprocess=preprocess,
+                       clean_exit=["gateway", "inference"]) as stack:
+        channel = grpc.insecure_channel(stack["gateway"].address)
+        yield request.param, gateway_pb2_grpc.GatewayServiceStub(channel)
+        channel.close()
 
 
 _answers: dict[str, str] = {}

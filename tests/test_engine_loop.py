@@ -5,6 +5,7 @@ sequence ends; aborted ones, by a command, a deadline or a stop, count in both t
 
 from __future__ import annotations
 
+import functools
 import time
 
 import pytest
@@ -14,18 +15,11 @@ from llmserve.inference.engine.config import EngineConfig
 from llmserve.inference.engine.engine_loop import AbortRequest, AddRequest, EngineLoop, Iteration, Stop
 from llmserve.inference.engine.hf_engine import HFEngineCore
 from llmserve.inference.engine.torch_engine import TorchEngineCore
-from llmserve.inference.engine.types import EngineRequest
-from llmserve.sampling import FinishReason, SamplingParams
+from llmserve.sampling import FinishReason
+from tests import engine_objects
 
-PROMPT = [5, 17, 42, 99, 100, 7, 250, 31]
 MAX_ITERATIONS = 2000
-
-
-def make_request(request_id: str, prompt: list[int] = PROMPT, *, deadline_ns: int = 0, **sampling) -> EngineRequest:
-    sampling.setdefault("max_tokens", 8)
-    sampling.setdefault("temperature", 0.0)
-    sampling.setdefault("ignore_eos", True)
-    return EngineRequest(request_id, list(prompt), SamplingParams(**sampling), time.monotonic_ns(), deadline_ns=deadline_ns)
+make_request = functools.partial(engine_objects.make_request, max_tokens=8, temperature=0.0, ignore_eos=True)
 
 
 @pytest.fixture(params=["torch", "hf"])

@@ -5,6 +5,8 @@ dying process; and the engine loop's deadlines at the step boundary."""
 from __future__ import annotations
 
 import asyncio
+import functools
+import multiprocessing
 import os
 import signal
 import time
@@ -20,23 +22,18 @@ from llmserve.inference.engine.torch_engine import TorchEngineCore
 from llmserve.engine_output import EngineOutput, coalesced
 from llmserve.inference.engine.engine_loop import CoreUpdate
 from llmserve.inference.engine.types import EngineRequest
-from llmserve.sampling import FinishReason, SamplingParams, TokenLogprob
+from llmserve.sampling import FinishReason, TokenLogprob
+from tests import engine_objects
 from tests.engine_streams import HANG_GUARD_S, collect, generate, wait_until
 
 pytestmark = pytest.mark.asyncio(loop_scope="session")
-
-PROMPT = [5, 17, 42, 99, 100, 7, 250, 31]
 
 
 def torch_config(model_dir, **overrides) -> EngineConfig:
     return EngineConfig(model_path=model_dir, model_name="tiny", backend="torch", num_kv_blocks=64, **overrides)
 
 
-def make_request(request_id: str, *, deadline_ns: int = 0, **sampling) -> EngineRequest:
-    sampling.setdefault("max_tokens", 16)
-    sampling.setdefault("temperature", 0.0)
-    sampling.setdefault("ignore_eos", True)
-    return EngineRequest(request_id, list(PROMPT), SamplingParams(**sampling), time.monotonic_ns(), deadline_ns=deadline_ns)
+make_request = functools.partial(engine_objects.make_request, temperature=0.0, ignore_eos=True)
 
 
 def direct_tokens(model_dir, request: EngineRequest) -> dict[int, list[int]]:
@@ -131,8 +128,9 @@ async def test_a_bad_model_path_raises_the_core_error_in_the_server(tmp_path):
 
 
 async def test_a_dying_process_fails_its_requests_and_refuses_new_ones(tiny_model_dir):
-    client = EngineProcess(torch_config(tiny_model_dir))
-    engine = AsyncEngine(client)
+    children_before = set(multiprocessing.active_children())
+    engine = AsyncEngine(EngineProcess(torch_config(tiny_model_dir)))
+    (core_process,) = set(multiprocessing.active_children()) - children_before  # the engine-core process
     await engine.start()
     outputs = []
 
@@ -140,7 +138,7 @@ async def test_a_dying_process_fails_its_requests_and_refuses_new_ones(tiny_mode
         async for output in generate(engine, make_request("orphan", max_tokens=240)):
             outputs.append(output)
             if len(outputs) == 1:
-                os.kill(client._process.pid, signal.SIGKILL)
+                os.kill(core_process.pid, signal.SIGKILL)
 
     await asyncio.wait_for(consume(), HANG_GUARD_S)
     assert (outputs[-1].finish_reason, outputs[-1].error_message) == (FinishReason.ERROR, "the engine-core process died")

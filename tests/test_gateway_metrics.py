@@ -14,10 +14,10 @@ from concurrent.futures import ThreadPoolExecutor
 import grpc
 import pytest
 
-from llmserve.tools.service_process import ServiceProcess
+from llmserve.tools.service_process import ServiceProcess, launch_service, stop_service
 from llmserve.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc
 from tests.metrics_scrape import Scrape, scrape
-from tests.procs import launch_service, running_service, stop_service
+from tests.procs import running_service
 
 POLL_TIMEOUT_S = 30.0
 BLOCK = 16
@@ -249,7 +249,9 @@ def test_kv_routing_counts_its_decisions_and_the_cached_tokens_per_replica(stack
         # The first request finds nothing; a later one finds the prompt where the first ran, once
         # that replica's events have reached the gateway.
         results = [generate(stub, token_params(prompt, max_tokens=2))]
-        while results[-1].routing.predicted_cached_tokens == 0 and len(results) < 20:
+        deadline = time.monotonic() + POLL_TIMEOUT_S
+        while results[-1].routing.predicted_cached_tokens == 0:
+            assert time.monotonic() < deadline, "the first request's blocks never reached the gateway's index"
             time.sleep(0.1)
             results.append(generate(stub, token_params(prompt, max_tokens=2)))
         after = scrape_when(url, lambda samples: requests_ended(samples) == requests_ended(before) + len(results))

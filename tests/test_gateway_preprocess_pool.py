@@ -22,9 +22,8 @@ from llmserve.gateway.config import GatewayConfig
 from llmserve.gateway.discovery import Target
 from llmserve.gateway.preprocess_client import PromptInput
 from llmserve.gateway.preprocess_replicas import PreprocessReplicas
-from llmserve.tools.service_process import ServiceProcess
+from llmserve.tools.service_process import ServiceProcess, start_service, stop_service
 from llmserve.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc
-from tests.procs import start_service, stop_service
 
 NUM_CLIENTS = 4
 SERVED_LINE = " prompt_tokens="  # preprocess's DEBUG line for each request it answered

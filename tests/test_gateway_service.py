@@ -25,8 +25,8 @@ from llmserve.v1 import (
     preprocess_pb2_grpc,
 )
 from tests.factories import with_context
-from tests.procs import start_service, stop_service
-from tests.rich_status import field_violation, retry_delay_ms
+from tests.procs import running_stack, stack_fixture
+from tests.rich_status import field_violation, is_refused_at_admission, retry_delay_ms
 
 LONG_CONTEXT_TOKENS = 4096
 LONG_MAX_TOKENS = 4000  # with ignore_eos: seconds of generation, so it is still running when stopped
@@ -40,38 +40,14 @@ def model_dir(tiny_model_dir, tmp_path_factory) -> Path:
     return with_context(tiny_model_dir, tmp_path_factory.mktemp("tiny-llama-4k"), LONG_CONTEXT_TOKENS)
 
 
-# name → (inference flags, gateway flags): the default data plane on each backend, and the
-# torch backend with its core on a thread of the server (--no-core-process).
+# The default data plane on each backend, and the torch backend with its core on a thread of the
+# server (--no-core-process); each test runs on each stack in turn.
 STACKS = {
-    "torch": (["--backend", "torch"], []),
-    "hf": (["--backend", "hf"], []),
-    "torch-thread": (["--backend", "torch", "--no-core-process"], []),
+    "torch": dict(backend="torch"),
+    "hf": dict(backend="hf"),
+    "torch-thread": dict(backend="torch", inference_args=["--no-core-process"]),
 }
-
-
-@pytest.fixture(scope="module", params=list(STACKS))
-def services(request, model_dir, tmp_path_factory):
-    """Running preprocess, inference (each stack in turn) and gateway (all subprocesses)."""
-    log_dir = tmp_path_factory.mktemp(f"gateway-service-logs-{request.param}")
-    inference_args, gateway_args = STACKS[request.param]
-    preprocess = start_service("preprocess", ["--model", str(model_dir)], log_dir)
-    inference = None
-    gateway = None
-    try:
-        inference = start_service("inference", ["--model", str(model_dir), *inference_args], log_dir)
-        gateway = start_service(
-            "gateway",
-            ["--model", str(model_dir), "--preprocess", preprocess.address, "--inference", inference.address,
-             *gateway_args],
-            log_dir,
-        )
-        yield {"preprocess": preprocess, "inference": inference, "gateway": gateway}
-    finally:
-        if gateway is not None:
-            assert stop_service(gateway) == 0, gateway.log_tail()
-        for service in (inference, preprocess):
-            if service is not None:
-                stop_service(service)
+services = stack_fixture(model="model_dir", variants=STACKS, clean_exit=["gateway"])
 
 
 @pytest.fixture(scope="module")
@@ -349,7 +325,7 @@ def test_client_cancel_aborts_inference(gateway, inference):
 def expected_aborts(error: grpc.RpcError) -> int:
     """A request whose deadline passes is either refused by the replica's admission (it predicted
     the miss: nothing was ever admitted) or admitted and then aborted: 0 or 1 aborts."""
-    return 0 if any(words in error.details() for words in ("cannot finish in", "before admission")) else 1
+    return 0 if is_refused_at_admission(error.details()) else 1
 
 
 def test_client_deadline_is_exceeded_and_inference_aborts(gateway, inference):
@@ -399,29 +375,15 @@ def test_list_models(gateway, inference):
 
 def test_inference_down_is_unavailable(services, model_dir, tmp_path):
     """A second gateway whose inference replica dies: UNAVAILABLE naming inference."""
-    inference = start_service("inference", ["--model", str(model_dir), "--backend", "hf"], tmp_path)
-    gateway = None
-    try:
-        gateway = start_service(
-            "gateway",
-            [
-                "--model", str(model_dir),
-                "--preprocess", services["preprocess"].address,
-                "--inference", inference.address,
-            ],
-            tmp_path,
-        )
-        inference.kill()
-        stub = gateway_pb2_grpc.GatewayServiceStub(grpc.insecure_channel(gateway.address))
+    with running_stack(model_dir, tmp_path, backend="hf", preprocess=services["preprocess"],
+                       clean_exit=["gateway"]) as second:
+        second["inference"].kill()
+        stub = gateway_pb2_grpc.GatewayServiceStub(grpc.insecure_channel(second["gateway"].address))
         request = prompt_params("Hello", max_tokens=2)
         unavailable = grpc.StatusCode.UNAVAILABLE
         for call in (lambda: generate(stub, request), lambda: collect_stream(stub, request)):
             error = assert_rpc_error(call, unavailable, "inference unavailable: ")
             assert retry_delay_ms(error) == UNAVAILABLE_RETRY_AFTER_MS
-    finally:
-        if gateway is not None:
-            assert stop_service(gateway) == 0, gateway.log_tail()
-        stop_service(inference)
 
 
 def test_a_cache_salt_shares_the_prefix_cache_only_with_the_same_salt(gateway, inference, services):

@@ -14,16 +14,15 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 
 import grpc
-import pytest
 
 from llmserve.tools.cli import build_parser as build_cli_parser
 from llmserve.gateway.__main__ import build_parser as build_gateway_parser
 from llmserve.gateway.__main__ import config_from_args as gateway_config_from_args
-from llmserve.tools.launcher import _common_args, _gateway_args
+from llmserve.tools.launcher import common_argv, gateway_argv
 from llmserve.tools.serve_config import ServeConfig, default_gateway_workers, serve_config_from_args
 from llmserve.tools.service_process import ServiceProcess
 from llmserve.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc
-from tests.procs import running_service, running_stack
+from tests.procs import running_service, stack_fixture
 
 NUM_WORKERS = 2
 NUM_CLIENTS = 24
@@ -57,11 +56,7 @@ def worker_pids(log_text: str) -> dict[int, int]:
     return {int(w): int(p) for w, p in re.findall(r"gateway worker (\d+) started \(pid (\d+)\)", log_text)}
 
 
-@pytest.fixture(scope="module")
-def stack(tiny_model_dir, tmp_path_factory):
-    with running_stack(tiny_model_dir, tmp_path_factory.mktemp("gateway-workers-logs"),
-                       gateway_args=["--workers", str(NUM_WORKERS)]) as services:
-        yield services
+stack = stack_fixture(gateway_args=["--workers", str(NUM_WORKERS)])
 
 
 def start_second_gateway(stack, model_dir, log_dir):
@@ -131,7 +126,7 @@ def test_serve_passes_its_gateway_workers_to_the_gateway(tmp_path):
     for port, hop in enumerate(hops, start=1):
         hop.port = port
     preprocess, inference = hops
-    command = _gateway_args(config, _common_args(config, tmp_path, None), preprocess, [inference])
+    command = gateway_argv(config, common_argv(config, tmp_path, None), preprocess, [inference])
     assert gateway_config_from_args(build_gateway_parser().parse_args(command)).num_workers == 3
     assert ServeConfig().gateway_workers == default_gateway_workers() >= 1
 

@@ -48,7 +48,7 @@ from tests.helm_manifests import (  # noqa: E402
     render,
     selects,
 )
-from tests.redis_server import free_port  # noqa: E402
+from tests.procs import free_port  # noqa: E402
 
 pytestmark = pytest.mark.slow
 

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import shutil
-import time
 from pathlib import Path
 
 import pytest
@@ -14,14 +13,8 @@ from llmserve.inference.engine.config import EngineConfig
 from llmserve.inference.engine.hf_engine import HFEngineCore
 from llmserve.engine_output import EngineOutput
 from llmserve.inference.engine.types import EngineRequest
-from llmserve.sampling import FinishReason, SamplingParams
-
-PROMPT = [5, 17, 42, 99, 100, 7, 250, 31]
-
-
-def make_request(request_id: str = "r", prompt: list[int] = PROMPT, **sampling) -> EngineRequest:
-    sampling.setdefault("max_tokens", 16)
-    return EngineRequest(request_id, list(prompt), SamplingParams(**sampling), time.monotonic_ns())
+from llmserve.sampling import FinishReason
+from tests.engine_objects import PROMPT, make_request
 
 
 def run(core: HFEngineCore, *requests: EngineRequest) -> list[EngineOutput]:

@@ -19,7 +19,7 @@ from llmserve.inference.__main__ import config_from_args, parse_args
 from llmserve.inference.engine.config import EngineConfig
 from llmserve.inference.models.attention_backend import resolve_attention_backend
 from llmserve.inference.engine_flags import flag_of, flagged_fields, parsed_default, value_type
-from llmserve.tools.launcher import PREPROCESS_ENGINE_OPTIONS, _common_args, _inference_args, _preprocess_args
+from llmserve.tools.launcher import PREPROCESS_ENGINE_OPTIONS, common_argv, inference_argv, preprocess_argv
 from llmserve.preprocess.__main__ import build_parser as build_preprocess_parser
 from llmserve.preprocess.__main__ import config_from_args as preprocess_config_from_args
 from llmserve.tools.serve_config import ServeConfig, serve_config_from_args
@@ -164,20 +164,20 @@ def serve_config(*flags: str) -> ServeConfig:
 
 
 def inference_command(config: ServeConfig, model_dir: Path) -> list[str]:
-    return _inference_args(config, _common_args(config, model_dir, None), 0)
+    return inference_argv(config, common_argv(config, model_dir, None), 0)
 
 
 def test_serve_passes_nothing_extra_by_default(tiny_model_dir):
     config = serve_config()
     assert config == ServeConfig(model="default")
-    common = _common_args(config, tiny_model_dir, None)
-    assert _inference_args(config, common, 0) == ["--host", "127.0.0.1", "--port", "0", *common]
-    assert _preprocess_args(config, common) == ["--host", "127.0.0.1", "--port", "0", *common]
+    common = common_argv(config, tiny_model_dir, None)
+    assert inference_argv(config, common, 0) == ["--host", "127.0.0.1", "--port", "0", *common]
+    assert preprocess_argv(config, common) == ["--host", "127.0.0.1", "--port", "0", *common]
 
 
 def test_serve_replicas_get_ids_and_one_gpu_each_on_cuda(tiny_model_dir):
     def replica_flags(config, replica):
-        command = _inference_args(config, _common_args(config, tiny_model_dir, None), replica)
+        command = inference_argv(config, common_argv(config, tiny_model_dir, None), replica)
         engine = config_from_args(parse_args(command)).engine
         return engine.device, command[command.index("--replica-id") + 1]
 
@@ -198,20 +198,20 @@ def test_serve_refuses_flags_that_do_not_fit_in_one_line(capsys):
 
 def test_serve_metrics_port_gives_each_service_its_own(tiny_model_dir):
     config = serve_config("--replicas", "2", "--metrics-port", "9400")
-    common = _common_args(config, tiny_model_dir, None)
+    common = common_argv(config, tiny_model_dir, None)
 
     def metrics_port(command):
         return config_from_args(parse_args(command)).observability.metrics_port if command is not None else None
 
-    assert [metrics_port(_inference_args(config, common, i)) for i in range(2)] == [9402, 9403]
-    preprocess = _preprocess_args(config, common)
+    assert [metrics_port(inference_argv(config, common, i)) for i in range(2)] == [9402, 9403]
+    preprocess = preprocess_argv(config, common)
     assert preprocess[preprocess.index("--metrics-port") + 1] == "9401"
-    assert "--metrics-port" not in _inference_args(serve_config(), common, 0)
+    assert "--metrics-port" not in inference_argv(serve_config(), common, 0)
 
 
 def test_serve_log_flags_reach_every_service(tiny_model_dir):
     config = serve_config("--log-format", "json", "--log-prompts")
-    observability = config_from_args(parse_args(_inference_args(config, _common_args(config, tiny_model_dir, None), 0))).observability
+    observability = config_from_args(parse_args(inference_argv(config, common_argv(config, tiny_model_dir, None), 0))).observability
     assert (observability.log_format, observability.log_prompts) == ("json", True)
 
 
@@ -279,7 +279,7 @@ def test_engine_config_fields_without_a_flag_are_the_ones_set_elsewhere():
 def test_serve_passes_block_size_and_context_to_preprocess_too(tiny_model_dir):
     config = serve_config("--block-size", "32", "--max-context-tokens", "512")
     assert set(PREPROCESS_ENGINE_OPTIONS) == {"block_size_tokens", "max_context_tokens"}
-    command = _preprocess_args(config, _common_args(config, tiny_model_dir, None))
+    command = preprocess_argv(config, common_argv(config, tiny_model_dir, None))
     preprocess = preprocess_config_from_args(build_preprocess_parser().parse_args(command))
     engine = config_from_args(parse_args(inference_command(config, tiny_model_dir))).engine
     assert (preprocess.block_size_tokens, preprocess.max_context_tokens) == (32, 512)

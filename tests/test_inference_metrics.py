@@ -18,8 +18,8 @@ from llmserve.inference.engine.types import EngineRequest
 from llmserve.sampling import SamplingParams
 from llmserve.v1 import common_pb2, inference_pb2, inference_pb2_grpc
 from tests.engine_streams import generate as engine_outputs
-from tests.metrics_scrape import Scrape, free_port, scrape
-from tests.procs import running_service
+from tests.metrics_scrape import Scrape, scrape
+from tests.procs import free_port, running_service
 
 pytestmark = pytest.mark.asyncio(loop_scope="session")
 

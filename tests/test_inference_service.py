@@ -30,7 +30,7 @@ from llmserve.message_limits import token_ids_request_bytes
 from llmserve.sampling import SamplingParams
 from llmserve.server import CHANNEL_OPTIONS, RunningServer, create_server
 from llmserve.v1 import common_pb2, inference_pb2, inference_pb2_grpc
-from tests.rich_status import field_violation
+from tests.rich_status import field_violation, is_refused_at_admission
 
 pytestmark = pytest.mark.asyncio(loop_scope="session")
 
@@ -293,7 +293,7 @@ async def test_deadline_exceeded_aborts_the_request(service):
         await read_all(call)
     assert error.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
     # refused by admission (it predicted the miss: never admitted), or admitted and aborted
-    num_aborts = 0 if any(w in error.value.details() for w in ("cannot finish in", "before admission")) else 1
+    num_aborts = 0 if is_refused_at_admission(error.value.details()) else 1
     load = await wait_for_load(
         service.stub, lambda load: load.num_aborted_total == before.num_aborted_total + num_aborts
     )

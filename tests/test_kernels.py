@@ -15,6 +15,7 @@ import torch
 
 from llmserve.inference.models.layers import RMSNorm
 from llmserve.inference.models.rope import apply_rope
+from tests.tensor_checks import rel_error
 
 pytestmark = pytest.mark.skipif(not HAS_TRITON, reason="triton is not installed")
 
@@ -22,10 +23,6 @@ DTYPES = [torch.float32, torch.bfloat16] if HAS_CUDA else [torch.float32]
 # ||out - ref|| / ||ref||: float32 arithmetic; bfloat16 operands and outputs.
 REL_TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 1.5e-2}
 BLOCK_SIZE = 16
-
-
-def rel_error(out: torch.Tensor, ref: torch.Tensor) -> float:
-    return ((out.double() - ref.double()).norm() / ref.double().norm()).item()
 
 
 def random_cache(num_blocks, num_kv_heads, head_dim, dtype, seed):

@@ -28,7 +28,7 @@ from llmserve.kv_events import AllCleared, BlocksRemoved, BlocksStored, KvEventB
 from llmserve.message_limits import token_ids_request_bytes
 from llmserve.server import CHANNEL_OPTIONS, RunningServer, create_server
 from llmserve.v1 import common_pb2, inference_pb2, inference_pb2_grpc
-from tests.procs import start_service
+from llmserve.tools.service_process import start_service
 from tests.test_block_manager import BLOCK_SIZE as SMALL_BLOCK
 from tests.test_block_manager import HASH_SEED, compute, make_seq
 

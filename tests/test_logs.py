@@ -192,9 +192,12 @@ def test_preprocess_labels_its_request_and_logs_the_prompt_only_when_asked(tiny_
             stub.Tokenize(preprocess_pb2.TokenizeRequest())
     lines = _read_json_log(tmp_path / "preprocess.log")
 
-    serving = _logged_between(lines, start, end)
+    # The Tokenize call's line ends the request's lines: log times are truncated to the
+    # millisecond, so a line logged just after `end` can carry a time before it.
+    (rejected_at,) = [i for i, line in enumerate(lines) if line["message"].startswith("tokenize rejected")]
+    serving = _logged_between(lines[:rejected_at], start, end)
     assert serving and all(line.get("request_id") == REQUEST_ID for line in serving)
-    (rejected,) = [line for line in lines if line["message"].startswith("tokenize rejected")]
+    rejected = lines[rejected_at]
     assert "request_id" not in rejected
     (preprocessed,) = [line for line in lines if line["message"].startswith("preprocessed")]
     assert f"prompt_tokens={len(response.token_ids)}" in preprocessed["message"]

@@ -30,7 +30,7 @@ from llmserve.tools.model_store import (
     gguf_cache_name,
     resolve_model,
 )
-from tests.factories import CHATML_TEMPLATE, build_tokenizer as build_tiny_tokenizer
+from llmserve.tools.tiny_model import CHATML_TEMPLATE, build_tokenizer as build_tiny_tokenizer
 
 NUM_HEADS = 4
 NUM_KV_HEADS = 2

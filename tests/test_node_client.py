@@ -16,7 +16,7 @@ import grpc
 import pytest
 
 from llmserve.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc, preprocess_pb2, preprocess_pb2_grpc
-from tests.procs import running_stack
+from tests.procs import stack_fixture
 
 NODE_DIR = Path(__file__).resolve().parent / "node"
 NODE_TIMEOUT_S = 120
@@ -34,11 +34,7 @@ def node() -> str:
     return node
 
 
-@pytest.fixture(scope="module")
-def services(tiny_model_dir, tmp_path_factory):
-    """Running preprocess, inference (torch) and gateway subprocesses."""
-    with running_stack(tiny_model_dir, tmp_path_factory.mktemp("node-client-logs")) as started:
-        yield started
+services = stack_fixture()
 
 
 def node_stream(node: str, address: str, params: dict) -> subprocess.CompletedProcess:

@@ -19,7 +19,7 @@ import pytest
 
 from llmserve.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc, inference_pb2, inference_pb2_grpc
 from tests.procs import running_stack
-from tests.rich_status import retry_delay_ms
+from tests.rich_status import is_refused_at_admission, retry_delay_ms
 
 pytestmark = [pytest.mark.slow, pytest.mark.asyncio(loop_scope="session")]
 
@@ -97,5 +97,5 @@ async def test_500_streams_with_deadlines_end_in_success_or_a_typed_refusal(defa
         if outcome.code is grpc.StatusCode.RESOURCE_EXHAUSTED:
             assert outcome.retry_after_ms and outcome.retry_after_ms > 0, outcome
         if outcome.code is grpc.StatusCode.DEADLINE_EXCEEDED:  # refused at admission, not run out
-            assert "before admission" in outcome.details or "cannot finish" in outcome.details, outcome
+            assert is_refused_at_admission(outcome.details), outcome
     assert load.kv_blocks_used == 0 and load.num_running == 0 and load.num_waiting == 0

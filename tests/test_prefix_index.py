@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import signal
 import time
 
 import pytest
@@ -17,6 +18,7 @@ from tests.redis_server import redis_server  # noqa: F401 (a fixture)
 
 BLOCK = 4
 # The index stores whatever hashes replicas send: any one namespace does.
+HANG_GUARD_S = 30.0  # what polls and guards wait at most: only a broken index takes this long
 HASH_SEED = HashNamespace(model_fingerprint=1, tokenizer_fingerprint=2, block_size_tokens=BLOCK).seed()
 SYSTEM = list(range(100, 112))  # 3 blocks
 PROMPT_A = SYSTEM + [1, 2, 3, 4, 5, 6, 7, 8]  # 5 blocks
@@ -140,28 +142,38 @@ async def redis_index(redis_server):
 
 
 async def test_the_sweeper_drops_replicas_whose_liveness_expired(redis_index):
-    await redis_index.apply(snapshot("r1", 1, stored(HASHES_A), ttl_ms=200))
+    await redis_index.apply(snapshot("r1", 1, stored(HASHES_A), ttl_ms=60_000))
     await redis_index.apply(snapshot("r2", 1, stored(HASHES_A), ttl_ms=60_000))
     assert await redis_index.sweep() == []
-    await asyncio.sleep(0.3)
-    assert await redis_index.sweep() == ["r1"]
+    await redis_index.apply(batch("r1", 1, ttl_ms=1))  # a heartbeat that lets r1's liveness lapse at once
+    swept = await poll(redis_index.sweep)
+    assert swept == ["r1"]
     assert await redis_index.sweep() == []
     assert await redis_index.lookup(HASHES_A) == {"r2": 5}
     # r1 was stalled, not gone: its next batch is refused and it republishes a snapshot.
     assert await redis_index.apply(batch("r1", 1, ttl_ms=200)) is ApplyOutcome.RESYNC
 
 
+async def assert_index_down(index: RedisPrefixIndex) -> None:
+    assert await index.lookup(HASHES_A) == {}
+    with pytest.raises(IndexUnavailable):
+        await index.apply(batch("r1", 1))
+    assert not await index.ping()
+
+
 async def test_redis_down_lookups_answer_nothing_and_applies_raise(redis_server):
     index = RedisPrefixIndex.from_config(RedisIndexConfig(redis_server.url, "{test-down}", 100))
     try:
         await index.apply(snapshot("r1", 1, stored(HASHES_A)))
-        redis_server.kill()
-        started = time.monotonic()
-        assert await index.lookup(HASHES_A) == {}
-        with pytest.raises(IndexUnavailable):
-            await index.apply(batch("r1", 1))
-        assert not await index.ping()
-        assert time.monotonic() - started < 1.0
+        # Hung (stopped): connections stay open and nothing answers, so only the index's own
+        # timeout can end each call; the guard fails the test where one would wait on.
+        redis_server.process.send_signal(signal.SIGSTOP)
+        try:
+            await asyncio.wait_for(assert_index_down(index), HANG_GUARD_S)
+        finally:
+            redis_server.process.send_signal(signal.SIGCONT)
+        redis_server.kill()  # gone: connections refused
+        await asyncio.wait_for(assert_index_down(index), HANG_GUARD_S)
         redis_server.start()  # empty: it kept nothing
         assert await index.ping()
         assert await index.lookup(HASHES_A) == {}
@@ -204,10 +216,16 @@ class ReplicaEvents:
 
 
 async def wait_for(condition, timeout_s: float = 5.0) -> None:
+    await poll(condition, timeout_s)
+
+
+async def poll(call, timeout_s: float = HANG_GUARD_S):
+    """`await call()` until it answers something truthy (every 20 ms); that answer."""
     deadline = time.monotonic() + timeout_s
-    while not await condition():
+    while not (answer := await call()):
         assert time.monotonic() < deadline, "condition not met in time"
         await asyncio.sleep(0.02)
+    return answer
 
 
 async def test_the_publisher_rebuilds_a_restarted_redis_from_its_replica(redis_server):

@@ -3,7 +3,7 @@ same step (many users of one system prompt arriving together) cache as much as t
 prompts sent one after another, and the prefix-cache counters add up; a cache salt shares
 blocks only with requests of the same salt; preprocess's hashes are the engine's own.
 
-A tiny random Llama (tests/factories.py) with a 512-token context; block size 16.
+A tiny random Llama (llmserve.tools.tiny_model) with a 512-token context; block size 16.
 """
 
 from __future__ import annotations
@@ -101,7 +101,7 @@ def test_a_freed_duplicate_is_reused_at_once_and_changes_no_output(long_context_
         results.setdefault(output.request_id, Result()).add(output)
     a, b = sorted((seq for seq in engine.scheduler.running), key=lambda seq: seq.request_id)
     assert b.block_ids[:2] == a.block_ids[:2]
-    duplicates = list(engine.block_manager._free)[:2]  # B's own first blocks, freed by the swap
+    duplicates = engine.block_manager.free_block_ids()[:2]  # B's own first blocks, freed by the swap
     assert engine.block_manager.blocks[duplicates[0]].registration_id == 0
     engine.add_request(request("C", prompts["C"], greedy(NUM_NEW_TOKENS)))
     for output in engine.step():

@@ -19,25 +19,31 @@ from llmserve.v1 import common_pb2, preprocess_pb2, preprocess_pb2_grpc
 
 pytestmark = pytest.mark.asyncio(loop_scope="session")
 
+HANG_GUARD_S = 30.0  # only a broken batcher waits this long
+
 
 async def test_jobs_queued_behind_a_busy_worker_run_as_one_batch_with_their_own_outcomes():
-    release = threading.Event()
+    first_running, release = threading.Event(), threading.Event()
     batches: list[list[int]] = []
 
     def square_batch(jobs):
         batches.append(list(jobs))
         if len(batches) == 1:
-            release.wait(10)
+            first_running.set()
+            release.wait(HANG_GUARD_S)
         return [ValueError(f"no {job}") if job == 3 else job * job for job in jobs]
 
     pool = WorkerPool(num_workers=1, max_in_flight_bytes=1000)
     batcher = MicroBatcher(pool, square_batch, max_batch_jobs=4)
     try:
         first = asyncio.create_task(batcher.run(0, 1))
-        await asyncio.sleep(0.05)  # the first job runs alone at once: nothing waits for a batch to fill
+        # The first job runs alone at once (nothing waits for a batch to fill): its worker says so.
+        assert await asyncio.to_thread(first_running.wait, HANG_GUARD_S)
         queued = [asyncio.create_task(batcher.run(job, 1)) for job in range(1, 7)]
         cancelled = asyncio.create_task(batcher.run(99, 1))
-        await asyncio.sleep(0.05)
+        # One turn of the loop runs each new task up to its await (tasks start in creation
+        # order): every job is queued behind the busy worker before the cancel and the release.
+        await asyncio.sleep(0)
         cancelled.cancel()
         release.set()
         assert await first == 0

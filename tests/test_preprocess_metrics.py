@@ -12,8 +12,8 @@ from llmserve.preprocess.config import PreprocessConfig
 from llmserve.preprocess.server import start_server
 from llmserve.server import CHANNEL_OPTIONS
 from llmserve.v1 import common_pb2, preprocess_pb2, preprocess_pb2_grpc
-from tests.metrics_scrape import free_port, scrape
-from tests.procs import running_service
+from tests.metrics_scrape import scrape
+from tests.procs import free_port, running_service
 from tests.redis_server import redis_server  # noqa: F401 (a fixture)
 
 pytestmark = pytest.mark.asyncio(loop_scope="session")

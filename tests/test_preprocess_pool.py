@@ -11,7 +11,7 @@ import pytest
 from llmserve.errors import Unavailable
 from llmserve.gateway.preprocess_client import PromptInput
 from llmserve.gateway.preprocess_pool import PreprocessPool
-from tests.procs import start_service, stop_service
+from llmserve.tools.service_process import start_service, stop_service
 
 pytestmark = pytest.mark.asyncio(loop_scope="session")
 PROMPT = PromptInput(prompt="The capital of France is")

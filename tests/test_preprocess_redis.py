@@ -8,8 +8,6 @@ from __future__ import annotations
 import contextlib
 import shutil
 import signal
-import socket
-import subprocess
 import time
 from pathlib import Path
 
@@ -23,46 +21,32 @@ from llmserve.preprocess.config import PreprocessConfig
 from llmserve.preprocess.server import start_server
 from llmserve.server import CHANNEL_OPTIONS
 from llmserve.v1 import common_pb2, preprocess_pb2, preprocess_pb2_grpc
-from tests.factories import CHATML_TEMPLATE
+from llmserve.tools.tiny_model import CHATML_TEMPLATE
 from tests.preprocess_models import with_template
 from tests.procs import running_service
+from tests.redis_server import RedisServer
 
 pytestmark = pytest.mark.skipif(shutil.which("redis-server") is None, reason="redis-server is not installed")
 KEY_PATTERN = "llmserve:prompt:v1:*"
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 @contextlib.contextmanager
-def redis_server(tmp_path: Path):
-    """A throwaway redis-server (no persistence) and a client to it; killed at the end."""
-    port = _free_port()
-    process = subprocess.Popen(
-        ["redis-server", "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
-         "--dir", str(tmp_path)],
-        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-    )
-    client = redis.Redis(port=port, socket_timeout=5)
+def redis_server():
+    """A throwaway redis-server (tests/redis_server.py: no persistence), its process and a client
+    to it, and its URL; killed at the end."""
+    server = RedisServer()
+    server.start()
+    client = redis.Redis(port=server.port, socket_timeout=5)
     try:
-        for _ in range(100):
-            with contextlib.suppress(redis.ConnectionError):
-                if client.ping():
-                    break
-            time.sleep(0.05)
-        yield process, client, f"redis://127.0.0.1:{port}/0"
+        yield server.process, client, server.url
     finally:
-        process.kill()
-        process.wait()
+        server.kill()
         client.close()
 
 
 @pytest.fixture
-def redis_instance(tmp_path):
-    with redis_server(tmp_path) as instance:
+def redis_instance():
+    with redis_server() as instance:
         yield instance
 
 
@@ -158,7 +142,7 @@ def _tokenize_timed(address: str, request, reference) -> float:
 
 
 def test_a_redis_that_hangs_or_dies_mid_run_only_means_tokenizing_locally(tiny_model_dir, tmp_path, reference):
-    with redis_server(tmp_path) as (process, client, url):
+    with redis_server() as (process, client, url):
         flags = ["--model", str(tiny_model_dir), "--redis-url", url, "--redis-timeout-ms", "300"]
         with running_service("preprocess", flags, tmp_path) as service:
             for i in range(5):  # each system prompt is new: Redis is asked every time

@@ -14,7 +14,7 @@ from llmserve.message_limits import prompt_request_bytes, token_ids_request_byte
 from llmserve.preprocess.tokenizer import ModelTokenizer
 from llmserve.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc, inference_pb2, inference_pb2_grpc
 from llmserve.v1 import preprocess_pb2, preprocess_pb2_grpc
-from tests.procs import running_service, running_stack
+from tests.procs import running_service, stack_fixture
 from tests.rich_status import field_violation
 
 TEN_MB = 10 * 1024 * 1024
@@ -22,11 +22,7 @@ CONTEXT = 256  # the tiny model's
 GREEDY_2 = common_pb2.SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True)
 
 
-@pytest.fixture(scope="module")
-def stack(tiny_model_dir, tmp_path_factory):
-    log_dir = tmp_path_factory.mktemp("prompt-bytes-logs")
-    with running_stack(tiny_model_dir, log_dir) as services:
-        yield {**services, "log_dir": log_dir}
+stack = stack_fixture()
 
 
 @pytest.fixture(scope="module")
@@ -91,7 +87,7 @@ def test_an_oversized_message_is_refused_by_every_service_and_they_keep_serving(
             assert f"bytes exceeds the limit of {limit} bytes for /llmserve.v1." in error.details(), service
             assert error.details().startswith("request: ") and error.details().endswith("; not parsed")
             _assert_serving(stack[service].address)
-            log_text = (stack["log_dir"] / f"{service}.log").read_text()
+            log_text = stack[service].log_path.read_text()
             assert "rejected an oversized request to /llmserve.v1." in log_text and "Traceback" not in log_text
         normal = gateway_pb2.GenerateRequest(params=gateway_pb2.GenerateParams(prompt="hello", sampling=GREEDY_2))
         assert gateway.Generate(normal, timeout=60).result.usage.completion_tokens == 2

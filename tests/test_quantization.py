@@ -35,16 +35,13 @@ from llmserve.inference.models.quant_codes import (
     quantize_weight_int8,
 )
 from llmserve.inference.models.quantization import QUANTIZED_LINEAR_NAMES, Fp8Linear, Int8Linear, quantize_linears
+from tests.tensor_checks import rel_error
 
 needs_triton = pytest.mark.skipif(not HAS_TRITON, reason="triton is not installed")
 needs_cuda = pytest.mark.skipif(not HAS_CUDA, reason="needs CUDA")
 E4M3_RELATIVE_STEP = 2.0**-4  # half the spacing of 3 mantissa bits, relative to the value
 E4M3_SUBNORMAL_HALF_STEP = 2.0**-10  # half the subnormal spacing 2^-9 (in units of the scale)
 FLOAT32_SLACK = 1e-6  # relative to |w|: float32 rounding of scale (and code * scale) on top of the bound
-
-
-def rel_error(out: torch.Tensor, ref: torch.Tensor) -> float:
-    return ((out.double() - ref.double()).norm() / ref.double().norm()).item()
 
 
 def random_weight(num_rows: int, num_cols: int, seed: int, dtype=torch.float32) -> torch.Tensor:
@@ -398,10 +395,11 @@ def test_fp8_quant_kernel_reads_strided_rows(exact_fp8_cast_in_interpreter):
 
 def float32_reference(module, x: torch.Tensor) -> torch.Tensor:
     """The module's math in float32 (fp8: activations still quantized per token)."""
+    x = x.float()
     if isinstance(module, Fp8Linear):
-        return module._forward_reference(x.float())
+        x = dequantize(*quantize_per_token_fp8(x))  # what the fp8 GEMM reads of the activations
     bias = module.bias.float() if module.bias is not None else None
-    return F.linear(x.float(), dequantize(module.weight, module.weight_scale), bias)
+    return F.linear(x, dequantize(module.weight, module.weight_scale), bias)
 
 # bfloat16 outputs round at 2^-9 relative; the CUDA paths also sum in another order (and the
 # int8 reference rounds the dequantized weight to bfloat16 before its GEMM).

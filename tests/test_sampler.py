@@ -2,29 +2,20 @@
 
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
 
 from llmserve.inference.engine.sampler import Sampler
 from llmserve.inference.engine.sequence import Sequence
-from llmserve.sampling import SamplingParams
+from tests import engine_objects
 
 EOS = 5
 VOCAB = 6
 
 
-def make_seq(prompt=(0, 1), output=(), seed: int = 0, **sampling) -> Sequence:
-    sampling.setdefault("max_tokens", 16)
-    return Sequence(
-        seq_id=1,
-        request_id="r",
-        sequence_index=0,
-        token_ids=[*prompt, *output],
-        num_prompt_tokens=len(prompt),
-        sampling=SamplingParams(**sampling),
-        rng=torch.Generator().manual_seed(seed),
-    )
+make_seq = functools.partial(engine_objects.make_seq, prompt=(0, 1), seed=0)
 
 
 def logits_of(*rows) -> torch.Tensor:

@@ -8,13 +8,16 @@ update_from_output with its sampled tokens).
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 
 from llmserve.inference.engine.block_manager import BlockManager
 from llmserve.inference.engine.scheduler import ScheduledBatch, Scheduler, SchedulerConfig
-from llmserve.inference.engine.sequence import PENDING_TOKEN, Sequence, SequenceStatus
+from llmserve.inference.engine.sequence import PENDING_TOKEN, SequenceStatus
 from llmserve.inference.engine.step_output import LaunchedBatch
-from llmserve.sampling import FinishReason, SamplingParams
+from llmserve.sampling import FinishReason
+from tests import engine_objects
 
 BLOCK_SIZE = 4
 SAMPLED_TOKEN = 7
@@ -40,18 +43,7 @@ def make_scheduler(
     return Scheduler(config, manager)
 
 
-def make_seq(seq_id: int, num_tokens: int, priority: int = 0, first_token: int | None = None,
-             max_tokens: int = 64) -> Sequence:
-    start = seq_id * 1000 if first_token is None else first_token
-    return Sequence(
-        seq_id=seq_id,
-        request_id=f"r{seq_id}",
-        sequence_index=0,
-        token_ids=list(range(start, start + num_tokens)),
-        num_prompt_tokens=num_tokens,
-        sampling=SamplingParams(max_tokens=max_tokens),
-        priority=priority,
-    )
+make_seq = functools.partial(engine_objects.make_seq, max_tokens=64)
 
 
 def run_step(scheduler: Scheduler, stopping=(), forks=()) -> ScheduledBatch:
@@ -83,9 +75,9 @@ def finish_all(scheduler: Scheduler) -> None:
 
 def test_decodes_go_first_and_a_long_prompt_is_chunked_around_them():
     scheduler = make_scheduler(max_batched_tokens=8)
-    scheduler.add(make_seq(1, 4))
+    scheduler.add(make_seq(4, seq_id=1))
     assert plan(run_step(scheduler)) == [(1, 4)]
-    scheduler.add(make_seq(2, 20))  # joins between steps
+    scheduler.add(make_seq(20, seq_id=2))  # joins between steps
     assert plan(run_step(scheduler)) == [(1, 1), (2, 7)]
     assert plan(run_step(scheduler)) == [(1, 1), (2, 7)]
     batch = run_step(scheduler)
@@ -99,7 +91,7 @@ def test_decodes_go_first_and_a_long_prompt_is_chunked_around_them():
 def test_max_num_seqs_holds_back_new_sequences():
     scheduler = make_scheduler(max_num_seqs=2)
     for seq_id in (1, 2, 3):
-        scheduler.add(make_seq(seq_id, 3))
+        scheduler.add(make_seq(3, seq_id=seq_id))
     first = scheduler.waiting.peek()
     assert plan(run_step(scheduler, stopping={first})) == [(1, 3), (2, 3)]
     assert [s.seq_id for s in scheduler.waiting] == [3] and first.finish_reason is FinishReason.STOP
@@ -110,10 +102,10 @@ def test_max_num_seqs_holds_back_new_sequences():
 
 def test_lower_priority_value_first_then_first_come_first_served():
     scheduler = make_scheduler(max_num_seqs=1)
-    scheduler.add(make_seq(1, 2, priority=5))
-    scheduler.add(make_seq(2, 2, priority=0))
-    scheduler.add(make_seq(3, 2, priority=0))
-    scheduler.add(make_seq(4, 2, priority=-1))
+    scheduler.add(make_seq(2, seq_id=1, priority=5))
+    scheduler.add(make_seq(2, seq_id=2, priority=0))
+    scheduler.add(make_seq(2, seq_id=3, priority=0))
+    scheduler.add(make_seq(2, seq_id=4, priority=-1))
     order = []
     while scheduler.waiting:
         batch = run_step(scheduler, stopping=set(scheduler.waiting))
@@ -124,7 +116,7 @@ def test_lower_priority_value_first_then_first_come_first_served():
 def test_budget_smaller_than_the_decodes_defers_the_rest():
     scheduler = make_scheduler(max_batched_tokens=2)
     for seq_id in (1, 2, 3):
-        scheduler.add(make_seq(seq_id, 1))
+        scheduler.add(make_seq(1, seq_id=seq_id))
     assert plan(run_step(scheduler)) == [(1, 1), (2, 1)]
     assert plan(run_step(scheduler)) == [(1, 1), (2, 1)]  # decodes first; 3 still waits
     finish_all(scheduler)
@@ -133,7 +125,7 @@ def test_budget_smaller_than_the_decodes_defers_the_rest():
 
 def test_preemption_frees_the_newest_and_it_resumes_from_the_cache():
     scheduler = make_scheduler(num_blocks=4)
-    a, b = make_seq(1, 8), make_seq(2, 8)
+    a, b = make_seq(8, seq_id=1), make_seq(8, seq_id=2)
     scheduler.add(a)
     scheduler.add(b)
     assert plan(run_step(scheduler)) == [(1, 8), (2, 8)]
@@ -143,7 +135,7 @@ def test_preemption_frees_the_newest_and_it_resumes_from_the_cache():
     assert scheduler.num_preemptions_total == 1
     assert b.status is SequenceStatus.WAITING and b.block_ids == [] and b.num_computed_tokens == 0
     assert a.block_ids == [0, 1, 3]  # b's tail block went first; its block 2 stays cached
-    c = make_seq(3, 2)
+    c = make_seq(2, seq_id=3)
     scheduler.add(c)  # newer arrival: queues behind the preempted b
     assert [s.seq_id for s in scheduler.waiting] == [2, 3]
     assert plan(run_step(scheduler, stopping={a})) == [(1, 1)]  # b needs 2 fresh blocks, 0 are free: waits
@@ -157,7 +149,7 @@ def test_preemption_frees_the_newest_and_it_resumes_from_the_cache():
 
 def test_a_sequence_preempts_itself_when_it_is_the_newest():
     scheduler = make_scheduler(num_blocks=3, max_batched_tokens=4)
-    a, b = make_seq(1, 4), make_seq(2, 8)
+    a, b = make_seq(4, seq_id=1), make_seq(8, seq_id=2)
     scheduler.add(a)
     scheduler.add(b)
     assert plan(run_step(scheduler)) == [(1, 4)]  # budget 4: b waits
@@ -171,7 +163,7 @@ def test_a_sequence_preempts_itself_when_it_is_the_newest():
 
 def test_a_prompt_that_can_never_fit_is_rejected_with_numbers():
     scheduler = make_scheduler(num_blocks=8, max_seq_tokens=32)
-    too_long = make_seq(1, 33)
+    too_long = make_seq(33, seq_id=1)
     scheduler.add(too_long)
     assert not scheduler.waiting
     assert scheduler.take_rejected() == [too_long]
@@ -184,7 +176,7 @@ def test_a_prompt_that_can_never_fit_is_rejected_with_numbers():
 
 def test_abort_frees_running_and_waiting_blocks_at_once():
     scheduler = make_scheduler(max_num_seqs=1)
-    running, waiting = make_seq(1, 9), make_seq(2, 3)
+    running, waiting = make_seq(9, seq_id=1), make_seq(3, seq_id=2)
     scheduler.add(running)
     scheduler.add(waiting)
     run_step(scheduler)
@@ -199,10 +191,10 @@ def test_abort_frees_running_and_waiting_blocks_at_once():
 
 def test_without_chunking_prompts_run_whole():
     scheduler = make_scheduler(max_batched_tokens=8, chunked=False)
-    scheduler.add(make_seq(1, 10))
+    scheduler.add(make_seq(10, seq_id=1))
     assert plan(run_step(scheduler)) == [(1, 10)]  # over budget but alone: runs whole
-    scheduler.add(make_seq(2, 6))
-    scheduler.add(make_seq(3, 6))
+    scheduler.add(make_seq(6, seq_id=2))
+    scheduler.add(make_seq(6, seq_id=3))
     assert plan(run_step(scheduler)) == [(1, 1), (2, 6)]  # 3 does not fit the remaining 1
     assert plan(run_step(scheduler)) == [(1, 1), (2, 1), (3, 6)]
     finish_all(scheduler)
@@ -211,9 +203,9 @@ def test_without_chunking_prompts_run_whole():
 
 def test_prefix_hits_skip_cached_tokens_and_are_counted():
     scheduler = make_scheduler()
-    scheduler.add(make_seq(1, 9, first_token=0))
+    scheduler.add(make_seq(range(9), seq_id=1))
     run_step(scheduler)
-    shared = make_seq(2, 10, first_token=0)  # same first 9 tokens
+    shared = make_seq(range(10), seq_id=2)  # same first 9 tokens
     scheduler.add(shared)
     assert plan(run_step(scheduler)) == [(1, 1), (2, 2)]
     assert shared.num_cached_tokens == 8 and shared.block_ids[:2] == scheduler.running[0].block_ids[:2]
@@ -225,9 +217,9 @@ def test_prefix_hits_skip_cached_tokens_and_are_counted():
 
 def test_prefix_caching_off_computes_everything():
     scheduler = make_scheduler(prefix_caching=False)
-    scheduler.add(make_seq(1, 9, first_token=0))
+    scheduler.add(make_seq(range(9), seq_id=1))
     run_step(scheduler)
-    scheduler.add(make_seq(2, 10, first_token=0))
+    scheduler.add(make_seq(range(10), seq_id=2))
     assert plan(run_step(scheduler)) == [(1, 1), (2, 10)]
     finish_all(scheduler)
     assert_pool_full(scheduler)
@@ -235,9 +227,9 @@ def test_prefix_caching_off_computes_everything():
 
 def test_fork_shares_the_prompt_and_copies_the_partial_block_next_step():
     scheduler = make_scheduler(max_num_seqs=2)
-    parent = make_seq(1, 6)
+    parent = make_seq(6, seq_id=1)
     scheduler.add(parent)
-    child, late = make_seq(2, 6, first_token=1000), make_seq(3, 6, first_token=1000)
+    child, late = make_seq(range(1000, 1006), seq_id=2), make_seq(range(1000, 1006), seq_id=3)
     run_step(scheduler, forks=[(parent, child), (parent, late)])  # the step that computes the prompt
     assert child.status is SequenceStatus.RUNNING and child.token_ids[-1] == SAMPLED_TOKEN
     assert child.block_ids == [parent.block_ids[0], 2]
@@ -254,7 +246,7 @@ def test_async_steps_discard_the_token_launched_after_a_stop():
     that stops on one of them is not advanced and gets no placeholder when step N is recorded,
     and step N's token for it is dropped."""
     scheduler = make_scheduler()
-    seq = make_seq(1, 4)
+    seq = make_seq(4, seq_id=1)
     scheduler.add(seq)
     first = scheduler.schedule()
     first_launch = LaunchedBatch(first, first.sampling_seqs())
@@ -275,7 +267,7 @@ def test_launches_and_their_tokens_are_recorded_in_order():
     """One launch in flight at a time: recording the next before the tokens of the one before,
     or tokens for a launch other than the one in flight, is a bug the scheduler refuses."""
     scheduler = make_scheduler()
-    scheduler.add(make_seq(1, 4))
+    scheduler.add(make_seq(4))
     first = scheduler.schedule()
     first_launch = LaunchedBatch(first, first.sampling_seqs())
     scheduler.record_launch(first_launch)
@@ -293,7 +285,7 @@ def test_launches_and_their_tokens_are_recorded_in_order():
 
 def test_a_sequence_whose_pending_token_is_its_last_is_not_scheduled_again():
     scheduler = make_scheduler()
-    seq = make_seq(1, 4, max_tokens=1)
+    seq = make_seq(4, seq_id=1, max_tokens=1)
     scheduler.add(seq)
     batch = scheduler.schedule()
     launch = LaunchedBatch(batch, batch.sampling_seqs())

@@ -22,7 +22,7 @@ from llmserve.inference.engine.torch_engine import TorchEngineCore
 from llmserve.engine_output import EngineOutput
 from llmserve.inference.engine.types import EngineRequest
 from llmserve.sampling import FinishReason, SamplingParams
-from tests.factories import ARCHITECTURES
+from llmserve.tools.tiny_model import ARCHITECTURES
 
 NUM_NEW_TOKENS = 32
 LOGPROB_TOLERANCE = 1e-4

@@ -14,7 +14,7 @@ import pytest
 from llmserve.inference.backends import create_engine
 from llmserve.inference.engine.cores import BackendUnavailable
 from llmserve.inference.engine.config import EngineConfig
-from llmserve.inference.engine.trtllm_engine import _trt_sampling
+from llmserve.inference.engine.trtllm_engine import trt_sampling
 from llmserve.sampling import SamplingParams
 
 pytestmark = pytest.mark.skipif(
@@ -37,7 +37,7 @@ class _Keywords:
 
 def test_greedy_maps_to_top_k_one_and_eos_to_end_id():
     params = SamplingParams(max_tokens=7, temperature=0.0, stop_token_ids=(11,), min_tokens=2, seed=5)
-    kw = _trt_sampling(_Keywords, params, eos_token_ids=(2, 3)).kwargs
+    kw = trt_sampling(_Keywords, params, eos_token_ids=(2, 3)).kwargs
     assert kw["max_tokens"] == 7 and kw["top_k"] == 1 and kw["temperature"] is None
     assert kw["end_id"] == 2 and kw["stop_token_ids"] == [11, 3]
     assert kw["min_tokens"] == 2 and kw["seed"] == 5 and kw["detokenize"] is False
@@ -45,7 +45,7 @@ def test_greedy_maps_to_top_k_one_and_eos_to_end_id():
 
 def test_sampling_and_ignore_eos():
     params = SamplingParams(max_tokens=3, temperature=0.8, top_p=0.9, top_k=40, ignore_eos=True, logprobs=2, n=2)
-    kw = _trt_sampling(_Keywords, params, eos_token_ids=(2,)).kwargs
+    kw = trt_sampling(_Keywords, params, eos_token_ids=(2,)).kwargs
     assert kw["temperature"] == 0.8 and kw["top_p"] == 0.9 and kw["top_k"] == 40
     assert kw["end_id"] == -1 and kw["stop_token_ids"] == []
     assert kw["logprobs"] == 2 and kw["n"] == 2

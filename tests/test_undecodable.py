@@ -8,7 +8,7 @@ import grpc
 import pytest
 
 from llmserve.v1 import common_pb2, gateway_pb2, inference_pb2, preprocess_pb2
-from tests.procs import running_stack
+from tests.procs import stack_fixture
 
 MARK = "Xmark-utf8"
 NUM_BAD_REQUESTS = 5
@@ -21,11 +21,7 @@ def invalid_utf8(message) -> bytes:
     return data.replace(MARK.encode(), b"\xff" + MARK.encode()[1:])
 
 
-@pytest.fixture(scope="module")
-def stack(tiny_model_dir, tmp_path_factory):
-    log_dir = tmp_path_factory.mktemp("undecodable-logs")
-    with running_stack(tiny_model_dir, log_dir) as services:
-        yield {**services, "log_dir": log_dir}
+stack = stack_fixture()
 
 
 CASES = [
@@ -60,7 +56,7 @@ def test_invalid_utf8_is_invalid_argument_naming_the_message(stack, service, met
             details = info.value.details()
             assert details.startswith(f"request: not a valid protobuf message for {method}: ")
             assert type_name in details and "UTF-8" in details
-    log_text = (stack["log_dir"] / f"{service}.log").read_text()
+    log_text = stack[service].log_path.read_text()
     lines = [line for line in log_text.splitlines() if f"rejected an undecodable request to {method}: " in line]
     assert len(lines) == 1  # rate-limited: one line stands for the burst
     assert "Traceback" not in log_text

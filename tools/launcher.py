@@ -35,7 +35,11 @@ log = logging.getLogger("llmserve.tools.launcher")
 PREPROCESS_ENGINE_OPTIONS = ("block_size_tokens", "max_context_tokens")
 
 
-def _common_args(config: ServeConfig, model_dir: Path, model_name: str | None) -> list[str]:
+# --- each child's command line (after `python -m llmserve.<service>`) ---------------------------
+
+
+def common_argv(config: ServeConfig, model_dir: Path, model_name: str | None) -> list[str]:
+    """The flags every service gets from `serve`: the model, logging, the grace period."""
     args = [
         "--model", str(model_dir), "--log-level", config.log_level, "--grace-period-s", str(config.grace_period_s),
         *(["--log-format", config.log_format] if config.log_format != "text" else []),
@@ -51,7 +55,9 @@ def _metrics_args(config: ServeConfig, offset: int) -> list[str]:
     return [] if config.metrics_port is None else ["--metrics-port", str(config.metrics_port + offset)]
 
 
-def _preprocess_args(config: ServeConfig, common: list[str]) -> list[str]:
+def preprocess_argv(config: ServeConfig, common: list[str]) -> list[str]:
+    """Preprocess's flags: loopback port 0, `common` (common_argv), the engine options it shares
+    (PREPROCESS_ENGINE_OPTIONS), its metrics port and the output-token cap."""
     args = [
         "--host", LOOPBACK, "--port", "0", *common, *engine_argv(config.engine, PREPROCESS_ENGINE_OPTIONS),
         *_metrics_args(config, 1),
@@ -61,7 +67,9 @@ def _preprocess_args(config: ServeConfig, common: list[str]) -> list[str]:
     return args
 
 
-def _inference_args(config: ServeConfig, common: list[str], replica: int) -> list[str]:
+def inference_argv(config: ServeConfig, common: list[str], replica: int) -> list[str]:
+    """Inference replica `replica`'s flags: loopback port 0, `common` (common_argv), its engine
+    options (replica_engine_options), its metrics port, and a replica id when there are several."""
     args = [
         "--host", LOOPBACK, "--port", "0", *common, *engine_argv(replica_engine_options(config, replica)),
         *_metrics_args(config, 2 + replica),
@@ -79,9 +87,11 @@ def replica_engine_options(config: ServeConfig, replica: int) -> dict:
     return config.engine
 
 
-def _gateway_args(
+def gateway_argv(
     config: ServeConfig, common: list[str], preprocess: ServiceProcess, replicas: Sequence[ServiceProcess]
 ) -> list[str]:
+    """The gateway's flags: the public address, its workers, `common` (common_argv), its metrics
+    port, and the addresses of `preprocess` and every replica (all serving already)."""
     args = [
         "--host", config.host, "--port", str(config.port), "--workers", str(config.gateway_workers), *common,
         "--preprocess", preprocess.address, *_metrics_args(config, 0),
@@ -170,14 +180,14 @@ def _run_services(
     out: IO[str],
     log_sink: IO[str],
 ) -> int:
-    common = _common_args(config, model_dir, model_name)
+    common = common_argv(config, model_dir, model_name)
     preprocess = ServiceProcess(
-        "preprocess", "llmserve.preprocess", _preprocess_args(config, common),
+        "preprocess", "llmserve.preprocess", preprocess_argv(config, common),
         port_file=run_dir / "preprocess.port", log_sink=log_sink,
     )
     replicas = [
         ServiceProcess(
-            _replica_name(config, i), "llmserve.inference", _inference_args(config, common, i),
+            _replica_name(config, i), "llmserve.inference", inference_argv(config, common, i),
             port_file=run_dir / f"{_replica_name(config, i)}.port", log_sink=log_sink,
         )
         for i in range(config.num_replicas)
@@ -193,7 +203,7 @@ def _run_services(
         for service in (preprocess, *replicas):
             service.wait_until_serving(config.startup_timeout_s, stop=signals.stop)
         gateway = ServiceProcess(
-            "gateway", "llmserve.gateway", _gateway_args(config, common, preprocess, replicas),
+            "gateway", "llmserve.gateway", gateway_argv(config, common, preprocess, replicas),
             port_file=run_dir / "gateway.port", log_sink=log_sink, connect_host=connect_host(config.host),
         )
         gateway.start()

@@ -1,8 +1,9 @@
 """One llmserve service run as a child process: start it, wait until it serves, stop it.
 
-`llmserve serve` runs its three services with it, and tests start single services with it.
-A child is ready when it wrote its port file (`--port 0 --port-file PATH`) and grpc health says
-SERVING; one that exits during start-up fails at once, with the tail of its log.
+`llmserve serve` runs its three services with it, and tests and benchmarks start services on
+loopback with start_service / launch_service / stop_service. A child is ready when it wrote its
+port file (`--port 0 --port-file PATH`) and grpc health says SERVING; one that exits during
+start-up fails at once, with the tail of its log.
 """
 
 from __future__ import annotations
@@ -28,6 +29,10 @@ log = logging.getLogger(__name__)
 
 LOOPBACK = "127.0.0.1"
 NUM_LOG_TAIL_LINES = 40
+# start_service's defaults: the tiny test model serves in seconds, a real one on a loaded CPU in
+# minutes; a draining service exits within its grace period.
+STARTUP_TIMEOUT_S = 180.0
+STOP_TIMEOUT_S = 20.0
 _POLL_INTERVAL_S = 0.1
 
 
@@ -208,3 +213,44 @@ def stop_services(
                 why = "a second stop signal" if is_forced else f"not exited within {timeout_s:.0f}s"
                 log.warning("%s: killing it (%s)", service.name, why)
             service.kill()
+
+
+# --- one service on loopback, for tests and benchmarks ------------------------------------------
+
+
+def launch_service(name: str, args: Sequence[str], log_dir: Path, *, module: str | None = None) -> ServiceProcess:
+    """Start `python -m llmserve.<name> --host 127.0.0.1 --port 0 ARGS` (`module` to run another
+    module), its log in `<log_dir>/<name>.log`. Not yet SERVING: start several, then wait for
+    each, and they load at once."""
+    log_dir = Path(log_dir)
+    log_dir.mkdir(parents=True, exist_ok=True)
+    service = ServiceProcess(
+        name,
+        module or f"llmserve.{name}",
+        ["--host", LOOPBACK, "--port", "0", *args],
+        port_file=log_dir / f"{name}.port",
+        log_path=log_dir / f"{name}.log",
+    )
+    service.start()
+    return service
+
+
+def start_service(
+    name: str, args: Sequence[str], log_dir: Path, *, module: str | None = None, timeout_s: float = STARTUP_TIMEOUT_S
+) -> ServiceProcess:
+    """launch_service, then wait until SERVING (stopped again if it does not get there)."""
+    service = launch_service(name, args, log_dir, module=module)
+    try:
+        service.wait_until_serving(timeout_s)
+    except BaseException:
+        stop_service(service)
+        raise
+    return service
+
+
+def stop_service(service: ServiceProcess, timeout_s: float = STOP_TIMEOUT_S) -> int | None:
+    """SIGTERM, wait, SIGKILL if needed; the exit code after SIGTERM (None if it had to be killed)."""
+    service.send_signal(signal.SIGTERM)
+    exit_code = service.wait(timeout_s)
+    service.kill()
+    return exit_code

@@ -90,6 +90,11 @@ class BlockManager:
     def num_used_blocks(self) -> int:
         return len(self.blocks) - len(self._free)
 
+    def free_block_ids(self) -> list[int]:
+        """The free blocks in the order they will be reused, first first (the free queue of the
+        module docstring): what an eviction order is checked against."""
+        return list(self._free)
+
     def stats(self) -> BlockStats:
         return BlockStats(
             num_blocks_total=self.num_blocks,

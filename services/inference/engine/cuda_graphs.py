@@ -25,8 +25,9 @@ from __future__ import annotations
 import bisect
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from types import MappingProxyType
 
 import torch
 
@@ -89,6 +90,17 @@ class GraphSet:
         self.num_steps = 0  # steps run on the static inputs (replays when captured)
         self._graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self._outputs: dict[int, torch.Tensor] = {}
+
+    @property
+    def captured_graphs(self) -> Mapping[int, torch.cuda.CUDAGraph]:
+        """The captured graphs by size (empty when uncaptured), read-only: what a benchmark
+        replays alone, or a test checks a replay against."""
+        return MappingProxyType(self._graphs)
+
+    def forward_uncaptured(self, size: int) -> torch.Tensor:
+        """The forward a graph of `size` captures, run eagerly over the static inputs as they
+        are (a benchmark's eager step against the replay)."""
+        return self._forward(size)
 
     def _forward(self, size: int) -> torch.Tensor:
         raise NotImplementedError

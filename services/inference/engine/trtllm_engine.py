@@ -63,8 +63,10 @@ def _import_trtllm():
     return LLM, TrtSamplingParams, KvCacheConfig
 
 
-def _trt_sampling(trt_sampling_cls, params: SamplingParams, eos_token_ids: tuple[int, ...]):
-    """Our resolved SamplingParams → tensorrt_llm.SamplingParams (token ids in and out)."""
+def trt_sampling(trt_sampling_cls, params: SamplingParams, eos_token_ids: tuple[int, ...]):
+    """Our resolved SamplingParams → tensorrt_llm.SamplingParams (token ids in and out).
+    `trt_sampling_cls` is that class, passed in: tensorrt_llm is imported only when the backend
+    starts (and the mapping is tested without it)."""
     greedy = params.is_greedy
     return trt_sampling_cls(
         max_tokens=params.max_tokens,
@@ -183,7 +185,7 @@ class TrtllmClient:
         self._llm.shutdown()
 
     def add_request(self, request: EngineRequest) -> None:
-        sampling = _trt_sampling(self._trt_sampling_cls, request.sampling, self._eos_token_ids)
+        sampling = trt_sampling(self._trt_sampling_cls, request.sampling, self._eos_token_ids)
         result = self._llm.generate_async(request.prompt_token_ids, sampling, streaming=True)
         state = _Request(request, result, [0] * request.sampling.n)
         self._requests[request.request_id] = state
