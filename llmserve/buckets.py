@@ -1,7 +1,8 @@
 """Length buckets: one shared config that groups prompts by length.
 
-Preprocess reports each prompt's bucket; admission, per-bucket metrics and engine sizing (CUDA
-graph batch sizes, TensorRT-LLM profiles) read the same list so they agree.
+One flag, `--length-buckets`, sets it for preprocess (its per-bucket metrics, GetPreprocessInfo)
+and for the engine (one waiting queue per bucket); `llmserve serve` and the chart pass the one
+value to both, so they agree.
 """
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ import bisect
 from dataclasses import dataclass
 
 DEFAULT_BUCKET_BOUNDS = (128, 512, 2048, 8192, 32768, 131072)
+LENGTH_BUCKETS_FLAG = "--length-buckets"
 
 # Decode batch sizes that get a CUDA graph (the torch engine captures those <= max_num_seqs,
 # plus max_num_seqs itself). A decode step of n sequences replays the smallest graph >= n with

@@ -230,7 +230,7 @@ def test_args_parse_with_the_services_own_parsers(rendered, mode):
 def test_preprocess_and_inference_agree_on_blocks_and_buckets(rendered, mode):
     args = {c["name"]: a for _pod, c, _env, a in service_containers(rendered[mode])}
     assert flag_value(args["preprocess"], "--block-size") == flag_value(args["inference"], "--block-size")
-    assert flag_value(args["preprocess"], "--buckets") == flag_value(args["inference"], "--length-buckets")
+    assert flag_value(args["preprocess"], "--length-buckets") == flag_value(args["inference"], "--length-buckets")
 
 
 @modes

@@ -19,6 +19,7 @@ from llmserve.inference.__main__ import config_from_args, parse_args
 from llmserve.inference.engine.config import EngineConfig
 from llmserve.inference.models.attention_backend import resolve_attention_backend
 from llmserve.inference.engine_flags import flag_of, flagged_fields, parsed_default, value_type
+from llmserve.buckets import BucketConfig
 from llmserve.tools.launcher import PREPROCESS_ENGINE_OPTIONS, common_argv, inference_argv, preprocess_argv
 from llmserve.preprocess.__main__ import build_parser as build_preprocess_parser
 from llmserve.preprocess.__main__ import config_from_args as preprocess_config_from_args
@@ -276,14 +277,15 @@ def test_engine_config_fields_without_a_flag_are_the_ones_set_elsewhere():
     assert unflagged == {"model_path", "model_name", "kv_cpu_memory_bytes", "enable_chunked_prefill"}
 
 
-def test_serve_passes_block_size_and_context_to_preprocess_too(tiny_model_dir):
-    config = serve_config("--block-size", "32", "--max-context-tokens", "512")
-    assert set(PREPROCESS_ENGINE_OPTIONS) == {"block_size_tokens", "max_context_tokens"}
+def test_serve_passes_block_size_context_and_buckets_to_preprocess_too(tiny_model_dir):
+    config = serve_config("--block-size", "32", "--max-context-tokens", "512", "--length-buckets", "64,256")
+    assert set(PREPROCESS_ENGINE_OPTIONS) == {"block_size_tokens", "max_context_tokens", "length_buckets"}
     command = preprocess_argv(config, common_argv(config, tiny_model_dir, None))
     preprocess = preprocess_config_from_args(build_preprocess_parser().parse_args(command))
     engine = config_from_args(parse_args(inference_command(config, tiny_model_dir))).engine
     assert (preprocess.block_size_tokens, preprocess.max_context_tokens) == (32, 512)
     assert (engine.block_size_tokens, engine.max_context_tokens) == (32, 512)
+    assert preprocess.length_buckets == BucketConfig.parse(engine.length_buckets) == BucketConfig((64, 256))
 
 
 def test_unset_dtype_follows_the_device(tiny_model_dir):

@@ -52,7 +52,7 @@ def _config(model_dir: Path, **overrides) -> PreprocessConfig:
         port=0,
         max_output_tokens=MAX_OUTPUT,
         block_size_tokens=BLOCK_SIZE,
-        buckets=BucketConfig((16, 64)),
+        length_buckets=BucketConfig((16, 64)),
         num_workers=4,
         max_prompt_bytes=MAX_PROMPT_BYTES,
     )
@@ -189,7 +189,6 @@ async def test_preprocess_prompt(stub, reference, namespace):
     response = await stub.Preprocess(preprocess_pb2.PreprocessRequest(request_id="r-1", prompt=prompt))
 
     assert list(response.token_ids) == expected_ids
-    assert response.bucket == common_pb2.LengthBucket(index=1, max_prompt_tokens=64)
     assert list(response.block_hashes) == namespace.block_hashes(expected_ids)
     assert len(response.block_hashes) == len(expected_ids) // BLOCK_SIZE
     assert response.block_size_tokens == BLOCK_SIZE
@@ -241,7 +240,7 @@ async def test_token_ids_are_preprocessed_exactly_as_the_text_they_encode(stub, 
     from_text.ClearField("preprocess_time_ns")
     assert from_ids.preprocess_time_ns > 0
     from_ids.ClearField("preprocess_time_ns")
-    assert from_ids == from_text  # same ids, bucket, block hashes and max_tokens
+    assert from_ids == from_text  # same ids, block hashes and max_tokens
     # Used as they are: no BOS or other special token is added around them.
     one = await stub.Preprocess(preprocess_pb2.PreprocessRequest(prompt_token_ids=_token_ids(7)))
     assert list(one.token_ids) == [7] and one.max_tokens == MAX_OUTPUT
@@ -251,7 +250,6 @@ async def test_max_tokens_is_kept_when_it_fits(stub, reference):
     prompt = _x_prompt(200, reference)
     response = await stub.Preprocess(preprocess_pb2.PreprocessRequest(prompt=prompt, max_tokens=CONTEXT - 200))
     assert response.max_tokens == CONTEXT - 200
-    assert response.bucket == common_pb2.LengthBucket(index=2, max_prompt_tokens=CONTEXT)
 
 
 async def test_unset_max_tokens_fills_the_context_up_to_the_output_limit(stub, reference):
@@ -464,7 +462,7 @@ async def test_subprocess_serves_reflects_and_exits_0_on_sigterm(tiny_model_dir,
         process = await asyncio.create_subprocess_exec(
             sys.executable, "-m", "llmserve.preprocess", "--model", str(tiny_model_dir),
             "--host", "127.0.0.1", "--port", "0", "--port-file", str(port_file), "--log-level", "DEBUG",
-            "--grace-period-s", "5", "--block-size", "4", "--buckets", "16,64", "--workers", "2",
+            "--grace-period-s", "5", "--block-size", "4", "--length-buckets", "16,64", "--workers", "2",
             stderr=stderr,
         )  # fmt: skip
     try:
@@ -504,7 +502,7 @@ async def test_help_explains_every_flag():
     text = build_parser().format_help()
     for flag in (
         "--model", "--model-name", "--host", "--port", "--port-file", "--log-level", "--grace-period-s",
-        "--block-size", "--buckets", "--max-output-tokens", "--max-context-tokens", "--workers",
+        "--block-size", "--length-buckets", "--max-output-tokens", "--max-context-tokens", "--workers",
     ):  # fmt: skip
         assert flag in text
     assert text.count("default:") >= 9

@@ -31,8 +31,9 @@ from llmserve.tools.service_process import LOOPBACK, ServiceProcess, ServiceStar
 log = logging.getLogger("llmserve.tools.launcher")
 
 # Engine options preprocess must share: it hashes prompt blocks of the engine's block size
-# (the engine ignores hashes of another size) and validates lengths against the same context.
-PREPROCESS_ENGINE_OPTIONS = ("block_size_tokens", "max_context_tokens")
+# (the engine ignores hashes of another size), validates lengths against the same context and
+# counts prompts by the same length buckets (the flags have the same names on both).
+PREPROCESS_ENGINE_OPTIONS = ("block_size_tokens", "max_context_tokens", "length_buckets")
 
 
 # --- each child's command line (after `python -m llmserve.<service>`) ---------------------------

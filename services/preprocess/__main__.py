@@ -13,7 +13,7 @@ import sys
 from pathlib import Path
 
 from llmserve.block_hash import DEFAULT_BLOCK_SIZE
-from llmserve.buckets import DEFAULT_BUCKET_BOUNDS, BucketConfig
+from llmserve.buckets import DEFAULT_BUCKET_BOUNDS, LENGTH_BUCKETS_FLAG, BucketConfig
 from llmserve.preprocess.config import (
     DEFAULT_MAX_BATCH_PROMPTS,
     DEFAULT_MAX_IN_FLIGHT_PROMPT_BYTES,
@@ -65,9 +65,11 @@ def build_parser() -> argparse.ArgumentParser:
         "(default: %(default)s)",
     )
     parser.add_argument(
-        "--buckets", type=_buckets, default=BucketConfig(DEFAULT_BUCKET_BOUNDS), metavar="N,N,...",
+        LENGTH_BUCKETS_FLAG, dest="length_buckets", type=_buckets, default=BucketConfig(DEFAULT_BUCKET_BOUNDS),
+        metavar="N,N,...",
         help="length-bucket upper bounds in prompt tokens, increasing; cut at the context, whose length "
-        f"becomes the last bucket (default: {','.join(map(str, DEFAULT_BUCKET_BOUNDS))})",
+        "becomes the last bucket: the requests-by-bucket metric and GetPreprocessInfo; the same flag "
+        f"and value as the inference engine's (default: {','.join(map(str, DEFAULT_BUCKET_BOUNDS))})",
     )
     parser.add_argument(
         "--max-output-tokens", type=_positive_int, default=DEFAULT_MAX_OUTPUT_TOKENS, metavar="TOKENS",
@@ -131,7 +133,7 @@ def config_from_args(args: argparse.Namespace) -> PreprocessConfig:
         model_name=args.model_name,
         **server_options(args),
         block_size_tokens=args.block_size,
-        buckets=args.buckets,
+        length_buckets=args.length_buckets,
         max_output_tokens=args.max_output_tokens,
         max_context_tokens=args.max_context_tokens,
         num_workers=args.workers,

@@ -44,7 +44,7 @@ class PreprocessConfig:
     grace_period_s: float = DEFAULT_GRACE_PERIOD_S
     observability: ObservabilityConfig = ObservabilityConfig()  # metrics endpoint, log format
     block_size_tokens: int = DEFAULT_BLOCK_SIZE
-    buckets: BucketConfig = field(default_factory=BucketConfig)
+    length_buckets: BucketConfig = field(default_factory=BucketConfig)
     max_output_tokens: int = DEFAULT_MAX_OUTPUT_TOKENS
     # None: the model's own context length. Lower it to match an engine started with a
     # shorter --max-context-tokens.

@@ -133,7 +133,7 @@ class Preprocessor:
             tokenizer=tokenizer,
             chat_template=chat_template,
             limits=limits,
-            buckets=config.buckets.limited_to(limits.max_context_tokens),
+            buckets=config.length_buckets.limited_to(limits.max_context_tokens),
             hash_namespace=HashNamespace.of_model_dir(model.path, config.block_size_tokens),
             model_name=model.model_name,
             eos_token_ids=model.eos_token_ids,

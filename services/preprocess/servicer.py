@@ -83,7 +83,6 @@ class PreprocessServicer(preprocess_pb2_grpc.PreprocessServiceServicer):
         )
         return preprocess_pb2.PreprocessResponse(
             token_ids=result.token_ids,
-            bucket=_bucket_to_pb(result.bucket),
             block_hashes=result.block_hashes,
             block_size_tokens=self._preprocessor.info.block_size_tokens,
             block_hash_version=self._preprocessor.info.block_hash_version,

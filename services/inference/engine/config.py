@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from llmserve.block_hash import DEFAULT_BLOCK_SIZE
-from llmserve.buckets import DEFAULT_BUCKET_BOUNDS, BucketConfig
+from llmserve.buckets import DEFAULT_BUCKET_BOUNDS, LENGTH_BUCKETS_FLAG, BucketConfig
 
 BACKENDS = ("torch", "hf", "trtllm")
 # torch backend attention/small-op implementation (models/attention_backend.py): "auto" = the
@@ -129,9 +129,10 @@ class EngineConfig:
         2048, "--max-batched-tokens", "per-step token budget: prefill chunks plus decodes", metavar="TOKENS"
     )
     length_buckets: str = _flagged(
-        ",".join(map(str, DEFAULT_BUCKET_BOUNDS)), "--length-buckets", "prompt-length bucket upper bounds "
+        ",".join(map(str, DEFAULT_BUCKET_BOUNDS)), LENGTH_BUCKETS_FLAG, "prompt-length bucket upper bounds "
         "in tokens, increasing (cut at the context): the waiting queue keeps one queue per bucket and "
-        "admits from them in turn, so short prompts do not wait behind long documents",
+        "admits from them in turn, so short prompts do not wait behind long documents; preprocess "
+        "takes the same flag, and must get the same value",
         metavar="N,N,...",
     )  # fmt: skip
     enable_prefix_caching: bool = _flagged(True, "--no-prefix-caching", "do not reuse KV blocks of shared prefixes")

@@ -50,7 +50,7 @@
   command: [python, -m, llmserve.preprocess]
   args:
     {{- include "llmserve.serverArgs" (dict "root" . "port" $v.port "metricsPort" $metricsPort "drain" $v.drain) | nindent 4 }}
-    {{- include "llmserve.sharedArgs" (dict "root" . "bucketsFlag" "--buckets") | nindent 4 }}
+    {{- include "llmserve.sharedArgs" . | nindent 4 }}
     {{- if include "llmserve.hasPromptCacheRedis" . }}
     - --redis-url
     - $(LLMSERVE_PROMPT_CACHE_REDIS_URL)
@@ -91,7 +91,7 @@
   command: [python, -m, llmserve.inference]
   args:
     {{- include "llmserve.serverArgs" (dict "root" . "port" $v.port "metricsPort" .Values.metrics.port "drain" $v.drain) | nindent 4 }}
-    {{- include "llmserve.sharedArgs" (dict "root" . "bucketsFlag" "--length-buckets") | nindent 4 }}
+    {{- include "llmserve.sharedArgs" . | nindent 4 }}
     # The pod name: a stable routing key for this replica's lifetime.
     - --replica-id
     - $(POD_NAME)

@@ -129,13 +129,13 @@ The flags every service takes (llmserve/server_flags.py):
 {{- end }}
 {{- end }}
 
-{{/* The flags preprocess and inference must agree on, from the shared ConfigMap: (dict "root" $ "bucketsFlag" "--buckets"). */}}
+{{/* The flags preprocess and inference must agree on, from the shared ConfigMap; the same flag names on both (include with the root context). */}}
 {{- define "llmserve.sharedArgs" -}}
 - --block-size
 - $(LLMSERVE_BLOCK_SIZE_TOKENS)
-- {{ .bucketsFlag }}
+- --length-buckets
 - $(LLMSERVE_BUCKETS)
-{{- if .root.Values.shared.maxContextTokens }}
+{{- if .Values.shared.maxContextTokens }}
 - --max-context-tokens
 - $(LLMSERVE_MAX_CONTEXT_TOKENS)
 {{- end }}
