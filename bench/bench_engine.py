@@ -140,7 +140,7 @@ def run_requests(engine, requests: list[EngineRequest]) -> tuple[dict[str, list[
     outputs: dict[str, list[int]] = {r.request_id: [] for r in requests}
     ttft_ns: dict[str, int] = {}
     num_steps = 0
-    while engine.has_unfinished_requests():
+    while engine.has_requests_in_flight():
         num_steps += 1
         for output in engine.step():
             outputs[output.request_id].extend(output.new_token_ids)

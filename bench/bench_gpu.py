@@ -319,7 +319,7 @@ def run_all(engine: TorchEngineCore, requests: list[EngineRequest], deadline: fl
         engine.add_request(request)
     outputs: dict[str, list[int]] = {r.request_id: [] for r in requests}
     num_steps, profiled = 0, []
-    while engine.has_unfinished_requests():
+    while engine.has_requests_in_flight():
         if deadline is not None and time.perf_counter() > deadline:
             for request in requests:
                 engine.abort_request(request.request_id)
@@ -385,7 +385,7 @@ def decode_scenario(engine: TorchEngineCore, model, device: torch.device, base: 
     engine.add_request(EngineRequest("decode", prompt, greedy(num_steps + 1), time.monotonic_ns()))
     engine.step()  # the prompt
     step_ms = []
-    while engine.has_unfinished_requests():
+    while engine.has_requests_in_flight():
         start = time.perf_counter()
         engine.step()
         step_ms.append((time.perf_counter() - start) * 1e3)

@@ -79,7 +79,7 @@ def time_to_first_token_ms(engine: TorchEngineCore, request_id: str, prompt: lis
     while not any(output.new_token_ids for output in engine.step()):
         pass
     elapsed_ms = (time.perf_counter() - start) * 1e3
-    while engine.has_unfinished_requests():
+    while engine.has_requests_in_flight():
         engine.step()
     return elapsed_ms
 

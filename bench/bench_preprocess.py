@@ -12,7 +12,7 @@ repo's docs, seeded), sent as `Preprocess` requests (text prompts, max_tokens 16
     prompt's `encode` / `encode_batch([prompt])` latency;
   - latency: one request at a time to one replica: the gRPC round trip as the client sees it, and
     the service's own `preprocess_time_ns` (handler start to response built);
-  - throughput: N replicas (processes, --workers left at its default, the cores), driven for
+  - throughput: N replicas (processes, --tokenizer-threads left at its default, the cores), driven for
     --seconds by --client-processes processes with --concurrency calls in flight each; CPU of
     the replicas from /proc over the window. Per core = tokens / replica CPU-seconds, the ratio
     is to the baseline's tokens per CPU-second. Requests/s and tokens/s are also given as a
@@ -77,7 +77,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--service-env", action="append", default=[], metavar="KEY=VALUE",
                         help="environment of the replicas (repeatable), e.g. TOKENIZERS_PARALLELISM=true")
     parser.add_argument("--service-arg", action="append", default=[], metavar="FLAG",
-                        help="extra flag for the replicas (repeatable), e.g. --service-arg=--workers=1")
+                        help="extra flag for the replicas (repeatable), e.g. --service-arg=--tokenizer-threads=1")
     parser.add_argument("--results-dir", type=Path, default=REPO_ROOT / "bench" / "results")
     return parser.parse_args()
 

@@ -27,7 +27,7 @@ measured here, not asserted there:
 
     python bench/bench_routing.py --shape tiny --device cpu --replicas 3 --num-kv-blocks 512 \
         --prefix-groups 3 --prefix-tokens 32 --conversations 54 --turns 2 --prompt-tokens 80 \
-        --output-tokens 8 --concurrency 18 --client-workers 1
+        --output-tokens 8 --concurrency 18 --client-processes 1
 """
 
 from __future__ import annotations
@@ -69,7 +69,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--prompt-tokens", type=int, default=256, help="new tokens per turn")
     parser.add_argument("--output-tokens", type=int, default=64)
     parser.add_argument("--concurrency", type=int, default=32)
-    parser.add_argument("--client-workers", type=int, default=4)
+    parser.add_argument("--client-processes", type=int, default=4)
     parser.add_argument("--gateway-arg", action="append", default=[], help="extra gateway flag (repeatable)")
     parser.add_argument("--inference-arg", action="append", default=[], help="extra inference flag (repeatable)")
     parser.add_argument("--seed", type=int, default=0)
@@ -80,7 +80,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if args.smoke:
         args.shape, args.device, args.replicas, args.num_kv_blocks = "tiny", "cpu", 3, 64
         args.prefix_groups, args.prefix_tokens, args.conversations, args.turns = 3, 96, 12, 2
-        args.prompt_tokens, args.output_tokens, args.concurrency, args.client_workers = 16, 4, 6, 1
+        args.prompt_tokens, args.output_tokens, args.concurrency, args.client_processes = 16, 4, 6, 1
     return args
 
 
@@ -181,7 +181,7 @@ def run_policy(args, policy: str, model_dir: Path, planned, log_dir: Path) -> tu
     services = start_stack(args, policy, model_dir, log_dir / policy)
     try:
         config = RunConfig(address=services[-1].address, concurrency=args.concurrency,
-                           num_workers=args.client_workers, show_progress=sys.stderr.isatty())
+                           num_client_processes=args.client_processes, show_progress=sys.stderr.isatty())
         with LoadSampler(services[1:-1], min_in_flight=(args.concurrency + 1) // 2) as loads:
             result = run_workload(planned, workload(args), config)
     finally:

@@ -6,7 +6,7 @@
 
 Paths (each on a fresh engine: the same weights, the same engine flags):
   core     engine core loop: the EngineCore (create_engine_core) stepped by a plain
-           `while core.has_unfinished_requests(): core.step()` loop in this process; the
+           `while core.has_requests_in_flight(): core.step()` loop in this process; the
            baseline of every ratio;
   async    AsyncEngine in process: create_engine(config), what the inference service wraps
            (engine thread + event loop), one asyncio task per stream;
@@ -102,7 +102,7 @@ SHAPES = {
     ),
 }
 SMOKE = dict(shape="tiny", device="cpu", streams="1,4", prompt_tokens=24, output_tokens=16, warmup_output_tokens=2,
-             client_workers=1)
+             client_processes=1)
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -128,7 +128,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                       help="requests per cell = this x streams, at least --min-requests (default: %(default)s)")
     load.add_argument("--min-requests", type=int, default=4, metavar="N", help="(default: %(default)s)")
     load.add_argument("--warmup-output-tokens", type=int, default=16, metavar="N", help="(default: %(default)s)")
-    load.add_argument("--client-workers", type=int, default=4, metavar="N",
+    load.add_argument("--client-processes", type=int, default=4, metavar="N",
                       help="loadgen worker processes for the grpc and gateway paths (default: %(default)s)")
     load.add_argument("--seed", type=int, default=0)
     variants = parser.add_argument_group("variants (repeatable, shell-split)")

@@ -6,7 +6,7 @@ RequestRecord (monotonic times of each message that carried tokens), so one set 
   drive_core          an EngineCore stepped by a plain loop on this thread;
   drive_async_engine  an AsyncEngine (engine thread + this event loop), one task per stream;
   send_to_inference   one request to an inference replica's GenerateTokens, for loadgen's
-                      workers (WorkerPlan.send); the gateway path uses loadgen's own send_one.
+                      workers (ClientPlan.send); the gateway path uses loadgen's own send_one.
 The requests (`Plans`) are planned once by loadgen's planner, token ids and text alike, and sent
 on every path.
 
@@ -25,7 +25,7 @@ import grpc
 from llmserve.engine_output import EngineOutput
 from llmserve.inference.output_stream import OutputStream
 from llmserve.inference.engine.types import EngineCore, EngineRequest
-from llmserve.tools.loadgen.client import RequestRecord, WorkerPlan, record_stream
+from llmserve.tools.loadgen.client import RequestRecord, ClientPlan, record_stream
 from llmserve.tools.loadgen.workload import (
     LengthDistribution, PlannedRequest, PromptBuilder, PromptForm, WorkloadConfig, plan_requests,
 )
@@ -86,7 +86,7 @@ def record_output(record: RequestRecord, output: EngineOutput, now_s: float) -> 
 
 
 def drive_core(core: EngineCore, planned: list[PlannedRequest], concurrency: int, tag: str) -> list[RequestRecord]:
-    """`while core.has_unfinished_requests(): core.step()`, topping the batch up to
+    """`while core.has_requests_in_flight(): core.step()`, topping the batch up to
     `concurrency` after each step: the baseline every other path is compared with."""
     waiting = collections.deque(planned)
     records: dict[str, RequestRecord] = {}
@@ -99,7 +99,7 @@ def drive_core(core: EngineCore, planned: list[PlannedRequest], concurrency: int
 
     for _ in range(min(concurrency, len(waiting))):
         add_next()
-    while core.has_unfinished_requests():
+    while core.has_requests_in_flight():
         outputs = core.step()
         now_s = time.monotonic()
         for output in outputs:
@@ -128,9 +128,9 @@ async def drive_async_engine(engine, planned: list[PlannedRequest], concurrency:
     return sorted(records, key=lambda record: record.index)
 
 
-async def send_to_inference(channel: grpc.aio.Channel, planned: PlannedRequest, plan: WorkerPlan,
+async def send_to_inference(channel: grpc.aio.Channel, planned: PlannedRequest, plan: ClientPlan,
                             conversation) -> RequestRecord:
-    """One GenerateTokens call with the planned prompt's token ids (WorkerPlan.send; single turns
+    """One GenerateTokens call with the planned prompt's token ids (ClientPlan.send; single turns
     only: `conversation` is always empty)."""
     stub = inference_pb2_grpc.InferenceServiceStub(channel)
     sampling = common_pb2.SamplingParams(max_tokens=planned.max_tokens, temperature=0.0, ignore_eos=plan.ignore_eos)

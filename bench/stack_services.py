@@ -68,7 +68,7 @@ def run_services(path: str, args, options, model_dir: Path, plans: stack_drivers
     send = stack_drivers.send_to_inference if path == "grpc" else None
 
     def run(cell: stack_drivers.PlannedCell):
-        config = RunConfig(address=front.address, concurrency=cell.streams, num_workers=args.client_workers,
+        config = RunConfig(address=front.address, concurrency=cell.streams, num_client_processes=args.client_processes,
                            show_progress=False, send=send)
         return run_workload(cell.requests, cell.workload, config)
 

@@ -96,16 +96,16 @@ class CleanUpStream:
     """
 
     def __init__(self) -> None:
-        self._pending = ""
+        self._held_back = ""
 
     def push(self, text: str) -> str:
-        self._pending += text
-        cut = _last_safe_cut(self._pending)
-        ready, self._pending = self._pending[:cut], self._pending[cut:]
+        self._held_back += text
+        cut = _last_safe_cut(self._held_back)
+        ready, self._held_back = self._held_back[:cut], self._held_back[cut:]
         return clean_up_tokenization(ready)
 
     def flush(self) -> str:
-        ready, self._pending = self._pending, ""
+        ready, self._held_back = self._held_back, ""
         return clean_up_tokenization(ready)
 
 

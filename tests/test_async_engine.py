@@ -48,7 +48,7 @@ def reference_tokens(model_dir, request: EngineRequest) -> list[int]:
     core = HFEngineCore(hf_config(model_dir))
     core.add_request(request)
     outputs = []
-    while core.has_unfinished_requests():
+    while core.has_requests_in_flight():
         outputs += core.step()
     return [t for o in outputs for t in o.new_token_ids]
 

@@ -123,7 +123,7 @@ def test_flush_emits_an_incomplete_character_at_the_end(tokenizer, detokenizer):
 
 
 def test_invalid_utf8_is_not_held_back_forever(tokenizer, detokenizer):
-    # A model can emit lead bytes that never complete; after MAX_PENDING_TOKENS the text goes out.
+    # A model can emit lead bytes that never complete; after MAX_HELD_BACK_TOKENS the text goes out.
     lead_byte = byte_token_ids(tokenizer, "東")[0]
     stream = detokenizer.new_stream()
     deltas = [stream.push([lead_byte]) for _ in range(6)]

@@ -40,7 +40,7 @@ def direct_tokens(model_dir, request: EngineRequest) -> dict[int, list[int]]:
     core = TorchEngineCore(torch_config(model_dir))
     core.add_request(request)
     tokens: dict[int, list[int]] = {}
-    while core.has_unfinished_requests():
+    while core.has_requests_in_flight():
         for output in core.step():
             tokens.setdefault(output.sequence_index, []).extend(output.new_token_ids)
     return tokens

@@ -21,7 +21,7 @@ def run(core: HFEngineCore, *requests: EngineRequest) -> list[EngineOutput]:
     for request in requests:
         core.add_request(request)
     outputs = []
-    while core.has_unfinished_requests():
+    while core.has_requests_in_flight():
         outputs += core.step()
     return outputs
 
@@ -244,7 +244,7 @@ def test_abort_running_and_waiting_requests(tiny_model_dir):
     assert core.abort_request("a") is False  # idempotent
     assert core.abort_request("unknown") is False
     outputs = []
-    while core.has_unfinished_requests():
+    while core.has_requests_in_flight():
         outputs += core.step()
     assert {o.request_id for o in outputs} == {"b"}
     load = core.load()

@@ -121,7 +121,7 @@ def direct_outputs(model_dir, request: EngineRequest):
     core = HFEngineCore(hf_config(model_dir))
     core.add_request(request)
     outputs = []
-    while core.has_unfinished_requests():
+    while core.has_requests_in_flight():
         outputs += core.step()
     return outputs
 

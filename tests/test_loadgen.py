@@ -153,7 +153,7 @@ def _bench(address, tiny_model_dir, out_dir, *args) -> subprocess.CompletedProce
 
 def test_bench_measures_a_real_stack(gateway_address, tiny_model_dir, tmp_path):
     completed = _bench(gateway_address, tiny_model_dir, tmp_path, "--num-requests", "12", "--concurrency", "4",
-                       "--workers", "2", "--prompt-tokens", "uniform:20:40", "--output-tokens", "6",
+                       "--client-processes", "2", "--prompt-tokens", "uniform:20:40", "--output-tokens", "6",
                        "--prefix-groups", "2", "--prefix-tokens", "32")
     assert completed.returncode == 0, completed.stderr[-3000:]
     assert "12/12 succeeded" in completed.stdout and "TTFT" in completed.stdout
@@ -178,7 +178,7 @@ def test_itl_counts_every_token_after_the_first_message(gateway_address, tiny_mo
     workload = WorkloadConfig(num_requests=12, prompt_tokens=LengthDistribution.parse("uniform:20:40"),
                               output_tokens=LengthDistribution.parse("6"), num_prefix_groups=2, prefix_tokens=32)
     planned = plan_requests(workload, PromptBuilder.from_path(tiny_model_dir))
-    result = run_workload(planned, workload, RunConfig(gateway_address, concurrency=4, num_workers=2,
+    result = run_workload(planned, workload, RunConfig(gateway_address, concurrency=4, num_client_processes=2,
                                                        show_progress=False))
     assert [r.status for r in result.records] == ["OK"] * 12
     for record in result.records:
@@ -217,7 +217,7 @@ def test_bench_sends_token_ids_of_exactly_the_planned_lengths(gateway_address, t
 
 def test_bench_replays_conversations_over_their_own_answers(gateway_address, tiny_model_dir, tmp_path):
     completed = _bench(gateway_address, tiny_model_dir, tmp_path, "--num-requests", "12", "--turns", "3",
-                       "--concurrency", "2", "--workers", "2", "--token-ids", "--prompt-tokens", "uniform:20:40",
+                       "--concurrency", "2", "--client-processes", "2", "--token-ids", "--prompt-tokens", "uniform:20:40",
                        "--output-tokens", "5", "--seed", "3", "--no-plots")
     assert completed.returncode == 0, completed.stderr[-3000:]
     report = json.loads((tmp_path / "run.json").read_text())

@@ -1,6 +1,6 @@
-"""Micro-batching: jobs that arrive while the workers are busy run as one batch, each job gets its
+"""Micro-batching: jobs that arrive while the tokenizer threads are busy run as one batch, each job gets its
 own result or error, and a server answering many concurrent requests in batches answers each
-exactly as it answers it alone. Real worker threads, a real server on the tiny model."""
+exactly as it answers it alone. Real tokenizer threads, a real server on the tiny model."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ import pytest
 from llmserve.preprocess.config import PreprocessConfig
 from llmserve.preprocess.micro_batcher import MicroBatcher
 from llmserve.preprocess.server import start_server
-from llmserve.preprocess.worker_pool import WorkerPool
+from llmserve.preprocess.tokenizer_threads import TokenizerThreads
 from llmserve.server import CHANNEL_OPTIONS
 from llmserve.v1 import common_pb2, preprocess_pb2, preprocess_pb2_grpc
 
@@ -33,7 +33,7 @@ async def test_jobs_queued_behind_a_busy_worker_run_as_one_batch_with_their_own_
             release.wait(HANG_GUARD_S)
         return [ValueError(f"no {job}") if job == 3 else job * job for job in jobs]
 
-    pool = WorkerPool(num_workers=1, max_in_flight_bytes=1000)
+    pool = TokenizerThreads(num_tokenizer_threads=1, max_in_flight_bytes=1000)
     batcher = MicroBatcher(pool, square_batch, max_batch_jobs=4)
     try:
         first = asyncio.create_task(batcher.run(0, 1))
@@ -86,8 +86,8 @@ async def _answer(stub, request):
 
 
 async def test_batched_answers_equal_the_answers_to_each_request_alone(tiny_model_dir):
-    alone_config = PreprocessConfig(model_path=tiny_model_dir, port=0, num_workers=1, max_batch_prompts=1, prompt_cache_bytes=0)
-    batched_config = PreprocessConfig(model_path=tiny_model_dir, port=0, num_workers=1, max_batch_prompts=16)
+    alone_config = PreprocessConfig(model_path=tiny_model_dir, port=0, num_tokenizer_threads=1, max_batch_prompts=1, prompt_cache_bytes=0)
+    batched_config = PreprocessConfig(model_path=tiny_model_dir, port=0, num_tokenizer_threads=1, max_batch_prompts=16)
     servers = [await start_server(alone_config), await start_server(batched_config)]
     channels = [grpc.aio.insecure_channel(f"127.0.0.1:{s.port}", options=CHANNEL_OPTIONS) for s in servers]
     try:

@@ -1,6 +1,6 @@
 """Preprocess under floods of oversized and of long prompts: refusals are precise statuses, a
 normal request beside them succeeds, and what waits for the tokenizer threads is bounded.
-Real preprocess servers on the tiny model, and the worker pool on its own. No timings are
+Real preprocess servers on the tiny model, and the tokenizer threads on its own. No timings are
 asserted here (bench/bench_preprocess_flood.py measures them)."""
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from llmserve.errors import ResourceExhausted
-from llmserve.preprocess.worker_pool import WorkerPool
+from llmserve.preprocess.tokenizer_threads import TokenizerThreads
 from llmserve.v1 import preprocess_pb2, preprocess_pb2_grpc
 from tests.procs import running_service
 from tests.rich_status import field_violation, retry_delay_ms
@@ -73,7 +73,7 @@ def test_four_10_mb_prompts_are_refused_beside_a_normal_request(tiny_model_dir, 
 def test_a_flood_of_long_legal_prompts_is_refused_with_a_retry_delay_or_served(tiny_model_dir, tmp_path):
     # One worker and room for about one long prompt: the others that arrive while it tokenizes
     # are refused; which ones depends on timing, so each outcome is checked, not their count.
-    flags = ["--model", str(tiny_model_dir), "--workers", "1", "--max-prompt-bytes", "2000000",
+    flags = ["--model", str(tiny_model_dir), "--tokenizer-threads", "1", "--max-prompt-bytes", "2000000",
              "--max-in-flight-prompt-bytes", "1500000"]
     with running_service("preprocess", flags, tmp_path) as service:
         long = [preprocess_pb2.PreprocessRequest(request_id=f"long-{i}", prompt="word " * 200_000) for i in range(8)]
@@ -95,7 +95,7 @@ def test_a_flood_of_long_legal_prompts_is_refused_with_a_retry_delay_or_served(t
 
 
 async def test_the_worker_pool_admits_by_bytes_held_and_always_admits_when_idle():
-    pool = WorkerPool(num_workers=1, max_in_flight_bytes=100)
+    pool = TokenizerThreads(num_tokenizer_threads=1, max_in_flight_bytes=100)
     release = threading.Event()
     try:
         held = asyncio.create_task(pool.run(60, release.wait))

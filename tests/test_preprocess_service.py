@@ -53,7 +53,7 @@ def _config(model_dir: Path, **overrides) -> PreprocessConfig:
         max_output_tokens=MAX_OUTPUT,
         block_size_tokens=BLOCK_SIZE,
         length_buckets=BucketConfig((16, 64)),
-        num_workers=4,
+        num_tokenizer_threads=4,
         max_prompt_bytes=MAX_PROMPT_BYTES,
     )
     return PreprocessConfig(**{**settings, **overrides})
@@ -462,7 +462,7 @@ async def test_subprocess_serves_reflects_and_exits_0_on_sigterm(tiny_model_dir,
         process = await asyncio.create_subprocess_exec(
             sys.executable, "-m", "llmserve.preprocess", "--model", str(tiny_model_dir),
             "--host", "127.0.0.1", "--port", "0", "--port-file", str(port_file), "--log-level", "DEBUG",
-            "--grace-period-s", "5", "--block-size", "4", "--length-buckets", "16,64", "--workers", "2",
+            "--grace-period-s", "5", "--block-size", "4", "--length-buckets", "16,64", "--tokenizer-threads", "2",
             stderr=stderr,
         )  # fmt: skip
     try:
@@ -502,7 +502,7 @@ async def test_help_explains_every_flag():
     text = build_parser().format_help()
     for flag in (
         "--model", "--model-name", "--host", "--port", "--port-file", "--log-level", "--grace-period-s",
-        "--block-size", "--length-buckets", "--max-output-tokens", "--max-context-tokens", "--workers",
+        "--block-size", "--length-buckets", "--max-output-tokens", "--max-context-tokens", "--tokenizer-threads",
     ):  # fmt: skip
         assert flag in text
     assert text.count("default:") >= 9

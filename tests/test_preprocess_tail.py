@@ -129,7 +129,7 @@ def test_a_splice_whose_window_does_not_start_with_the_anchor_is_refused(tiny_mo
 
 @pytest_asyncio.fixture(loop_scope="session")
 async def stub(model_dir):
-    config = PreprocessConfig(model_path=model_dir, port=0, max_prompt_bytes=10_000_000, num_workers=2)
+    config = PreprocessConfig(model_path=model_dir, port=0, max_prompt_bytes=10_000_000, num_tokenizer_threads=2)
     server = await start_server(config)
     channel = grpc.aio.insecure_channel(f"127.0.0.1:{server.port}", options=CHANNEL_OPTIONS)
     yield preprocess_pb2_grpc.PreprocessServiceStub(channel)

@@ -79,12 +79,12 @@ async def test_a_holder_s_prefill_queue_counts_against_what_it_holds():
         assert (await router(replicas, index, queue_weight=0).choose(PROMPT)).replica.replica_id == "r0"
     with replicas[0].dispatched(prefill_blocks=1):  # r0: 1 + 1 < r1: 3
         assert (await router(replicas, index, queue_weight=1).choose(PROMPT)).replica.replica_id == "r0"
-    # Its first token ends a request's pending prefill, before the request itself ends.
+    # Its first token ends a request's queued prefill, before the request itself ends.
     with replicas[0].dispatched(prefill_blocks=10) as dispatch:
         dispatch.prefilled()
-        assert replicas[0].pending_prefill_blocks == 0
+        assert replicas[0].queued_prefill_blocks == 0
         assert (await router(replicas, index, queue_weight=1).choose(PROMPT)).replica.replica_id == "r0"
-    assert replicas[0].pending_prefill_blocks == 0
+    assert replicas[0].queued_prefill_blocks == 0
 
 
 async def test_requests_in_flight_count_against_what_a_replica_holds():

@@ -14,7 +14,7 @@ import pytest
 
 from llmserve.inference.engine.block_manager import BlockManager
 from llmserve.inference.engine.scheduler import ScheduledBatch, Scheduler, SchedulerConfig
-from llmserve.inference.engine.sequence import PENDING_TOKEN, SequenceStatus
+from llmserve.inference.engine.sequence import PLACEHOLDER_TOKEN, SequenceStatus
 from llmserve.inference.engine.step_output import LaunchedBatch
 from llmserve.sampling import FinishReason
 from tests import engine_objects
@@ -251,14 +251,14 @@ def test_async_steps_discard_the_token_launched_after_a_stop():
     first = scheduler.schedule()
     first_launch = LaunchedBatch(first, first.sampling_seqs())
     scheduler.record_launch(first_launch)
-    assert seq.token_ids[-1] == PENDING_TOKEN and seq.pending_token_row == 0
+    assert seq.token_ids[-1] == PLACEHOLDER_TOKEN and seq.placeholder_row == 0
     second = scheduler.schedule()
-    assert plan(second) == [(1, 1)]  # the pending token, read on the device
+    assert plan(second) == [(1, 1)]  # the placeholder, read on the device
     new_tokens = scheduler.update_from_output(first_launch, [EOS])
     assert [(t.token_id, t.finish_reason, t.stop_token_id) for t in new_tokens] == [(EOS, FinishReason.STOP, EOS)]
     second_launch = LaunchedBatch(second, second.sampling_seqs())
     scheduler.record_launch(second_launch)
-    assert seq.token_ids == [1000, 1001, 1002, 1003, EOS] and seq.is_finished and not seq.has_pending_token
+    assert seq.token_ids == [1000, 1001, 1002, 1003, EOS] and seq.is_finished and not seq.has_placeholder
     assert scheduler.update_from_output(second_launch, [SAMPLED_TOKEN]) == []
     assert_pool_full(scheduler)
 
@@ -283,7 +283,7 @@ def test_launches_and_their_tokens_are_recorded_in_order():
     assert_pool_full(scheduler)
 
 
-def test_a_sequence_whose_pending_token_is_its_last_is_not_scheduled_again():
+def test_a_sequence_whose_placeholder_is_its_last_token_is_not_scheduled_again():
     scheduler = make_scheduler()
     seq = make_seq(4, seq_id=1, max_tokens=1)
     scheduler.add(seq)

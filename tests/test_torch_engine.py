@@ -66,7 +66,7 @@ class Result:
 def drain(engine: TorchEngineCore, results: dict[str, Result] | None = None, max_steps: int = 2000):
     results = {} if results is None else results
     for _ in range(max_steps):
-        if not engine.has_unfinished_requests():
+        if not engine.has_requests_in_flight():
             return results
         for output in engine.step():
             results.setdefault(output.request_id, Result()).add(output)
@@ -82,7 +82,7 @@ def run(engine: TorchEngineCore, requests: list[EngineRequest]) -> dict[str, Res
 def assert_pool_full(engine: TorchEngineCore) -> None:
     load = engine.load()
     assert (load.kv_blocks_used, load.num_running, load.num_waiting) == (0, 0, 0)
-    assert not engine.has_unfinished_requests()
+    assert not engine.has_requests_in_flight()
 
 
 class Oracle:
@@ -473,10 +473,10 @@ def test_async_scheduling_overlaps_one_step(tiny_model_dirs):
     engine.add_request(request("r", make_prompt(10, seed=1), greedy(max_tokens=3)))
     assert engine.step() == []  # prompt launched; its first token is in flight
     seq = engine.scheduler.running[0]
-    assert seq.has_pending_token and seq.num_tokens == 11
+    assert seq.has_placeholder and seq.num_tokens == 11
     assert [o.new_token_ids for o in engine.step()] == [[seq.token_ids[10]]]  # decode 1 launched
     assert [o.finish_reason for o in engine.step()] == [None]  # decode 2 launched: token 3 is the last
-    assert seq.is_finishing and seq.has_pending_token
+    assert seq.is_finishing and seq.has_placeholder
     final = engine.step()  # nothing left to launch: only processes
     assert [o.finish_reason for o in final] == [FinishReason.LENGTH] and final[0].num_completion_tokens == 3
     assert_pool_full(engine)
@@ -495,7 +495,7 @@ def test_given_weights_and_step_stats(tiny_model_dirs, oracle):
     results = run(engine, [request("w", prompt, greedy(max_tokens=4))])
     expected, _ = oracle.generate("llama", prompt)
     assert results["w"].token_ids[0] == expected[:4]
-    # prompt + 3 decodes launched; the 4th token was pending and ended it: a last call only processes
+    # prompt + 3 decodes launched; the 4th token was a placeholder and ended it: a last call only processes
     assert [(stats.num_seqs, stats.num_tokens) for stats in log.steps] == [(1, 12), (1, 1), (1, 1), (1, 1), (0, 0)]
     assert all(stats.result_wait_s > 0 for stats in log.steps[1:]) and log.steps[0].result_wait_s == 0
     assert all(stats.step_s >= stats.schedule_s + stats.execute_launch_s + stats.sampler_launch_s > 0

@@ -33,7 +33,7 @@ NUM_PROMPT_CONTEXT_TOKENS = 5
 # A UTF-8 character has at most 4 bytes, so with valid output at most 4 tokens can be waiting
 # for the rest of one character. More than that means the model produced invalid UTF-8: emit it
 # (with its replacement characters) instead of holding text back for the rest of the request.
-MAX_PENDING_TOKENS = 4
+MAX_HELD_BACK_TOKENS = 4
 
 
 class Detokenizer:
@@ -89,11 +89,11 @@ class DetokenizerStream:
         end = len(self.token_ids)
         if not self._decode(self.prefix_offset, end).endswith(REPLACEMENT_CHAR):
             return self._advance_to(end)
-        if end - self.read_offset <= MAX_PENDING_TOKENS:
+        if end - self.read_offset <= MAX_HELD_BACK_TOKENS:
             return ""  # the incomplete character's remaining bytes may still come
         # A chunk of several tokens ending mid-character: the text before the last
-        # MAX_PENDING_TOKENS tokens is complete, unless the model emitted invalid UTF-8 there.
-        return self._advance_to(end - MAX_PENDING_TOKENS)
+        # MAX_HELD_BACK_TOKENS tokens is complete, unless the model emitted invalid UTF-8 there.
+        return self._advance_to(end - MAX_HELD_BACK_TOKENS)
 
     def _decode(self, start: int, end: int) -> str:
         return self.detokenizer.decode_window(self.token_ids[start:end])

@@ -145,7 +145,7 @@ class GenerationPipeline:
     async def _generate_routed(
         self, route: RouteDecision, request: GenerationRequest, prompt: PreparedPrompt, time_remaining: TimeRemaining
     ) -> AsyncIterator[GenerationDelta]:
-        """The request on the route's replica, counted in flight there (its prefill pending until
+        """The request on the route's replica, counted in flight there (its prefill queued until
         its first token)."""
         with route.replica.dispatched(route.prefill_blocks) as dispatch:
             async with aclosing(self._generate_on(route, request, prompt, time_remaining)) as deltas:

@@ -31,7 +31,7 @@ class Replica:
         self.has_been_heard = asyncio.Event()  # its first batch came (or it sends none)
         self.num_in_flight = 0
         # Blocks this gateway's in-flight requests here still have to prefill (predicted uncached).
-        self.pending_prefill_blocks = 0
+        self.queued_prefill_blocks = 0
         self._load = ReplicaLoad()
         self._num_in_flight_at_load = 0
         self._max_in_flight_since_load = 0
@@ -93,11 +93,11 @@ class Replica:
     @contextlib.contextmanager
     def dispatched(self, prefill_blocks: int = 0) -> Iterator[Dispatch]:
         """Count one request in flight here while the block runs, and its `prefill_blocks` as
-        pending prefill until it reports its first token (Dispatch.prefilled) or ends."""
+        queued prefill until it reports its first token (Dispatch.prefilled) or ends."""
         self.num_in_flight += 1
         self._max_in_flight_since_load = max(self._max_in_flight_since_load, self.num_in_flight)
         dispatch = Dispatch(self, prefill_blocks)
-        self.pending_prefill_blocks += prefill_blocks
+        self.queued_prefill_blocks += prefill_blocks
         try:
             yield dispatch
         finally:
@@ -109,7 +109,7 @@ class Replica:
 
 
 class Dispatch:
-    """One request in flight on a replica, as its pending prefill counts it."""
+    """One request in flight on a replica, as its queued prefill counts it."""
 
     __slots__ = ("_replica", "_prefill_blocks")
 
@@ -119,5 +119,5 @@ class Dispatch:
 
     def prefilled(self) -> None:
         """Its first token came (or it ended): its prefill no longer queues on the replica."""
-        self._replica.pending_prefill_blocks -= self._prefill_blocks
+        self._replica.queued_prefill_blocks -= self._prefill_blocks
         self._prefill_blocks = 0

@@ -95,18 +95,18 @@ class ReplicaWatcher:
 
     async def _next_batch(self, batches: AsyncIterator[KvEventBatch]) -> KvEventBatch:
         """The next batch; TimeoutError once the replica has been silent for its TTL."""
-        pending = asyncio.ensure_future(anext(batches))
+        next_batch = asyncio.ensure_future(anext(batches))
         try:
-            while not pending.done():
-                await asyncio.wait({pending}, timeout=self._replica.heartbeat_ttl_s)
-                if not pending.done() and self._replica.silent_for_s >= self._replica.heartbeat_ttl_s:
+            while not next_batch.done():
+                await asyncio.wait({next_batch}, timeout=self._replica.heartbeat_ttl_s)
+                if not next_batch.done() and self._replica.silent_for_s >= self._replica.heartbeat_ttl_s:
                     raise TimeoutError
-            return pending.result()
+            return next_batch.result()
         finally:
-            if not pending.done():
+            if not next_batch.done():
                 # Wait for the cancel to land: the stream cannot be closed while it is being read.
-                pending.cancel()
-                await asyncio.gather(pending, return_exceptions=True)
+                next_batch.cancel()
+                await asyncio.gather(next_batch, return_exceptions=True)
 
     async def _lose(self, reason: str) -> None:
         if self._replica.is_live:

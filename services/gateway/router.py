@@ -90,7 +90,7 @@ class FallbackCause(enum.Enum):
 class RouteDecision:
     replica: Replica
     predicted_cached_tokens: int  # what the index said the replica holds of the prompt
-    prefill_blocks: int  # the prompt's blocks it will compute there (pending prefill until its first token)
+    prefill_blocks: int  # the prompt's blocks it will compute there (queued prefill until its first token)
     reason: RouteReason
     fallback_cause: FallbackCause | None = None  # set when reason is FALLBACK
 
@@ -139,7 +139,7 @@ class Router:
 
         def cost(replica: Replica) -> tuple[float, int, float]:
             new_blocks = num_blocks - cached[id(replica)] // prompt.block_size_tokens
-            weighted_load = queue_weight * replica.pending_prefill_blocks + load_weight * replica.num_requests
+            weighted_load = queue_weight * replica.queued_prefill_blocks + load_weight * replica.num_requests
             return new_blocks + weighted_load, *replica.load_key
 
         best = min(self._rotated(eligible), key=cost)

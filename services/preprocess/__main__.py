@@ -88,13 +88,13 @@ def build_parser() -> argparse.ArgumentParser:
         "a message over it plus 64 KiB (or the context as token ids, if larger) is refused unparsed",
     )
     parser.add_argument(
-        "--workers", type=_positive_int, default=available_cores(), metavar="N",
+        "--tokenizer-threads", type=_positive_int, default=available_cores(), metavar="N",
         help="threads that tokenize off the event loop, one micro-batch each at a time (default: the "
         "cores this process may use, from its cgroup CPU quota or CPU affinity: %(default)s)",
     )
     parser.add_argument(
         "--max-batch-prompts", type=_positive_int, default=DEFAULT_MAX_BATCH_PROMPTS, metavar="N",
-        help="prompts tokenized in one call at most; requests that arrive while every worker is busy "
+        help="prompts tokenized in one call at most; requests that arrive while every tokenizer thread is busy "
         "are tokenized together (default: %(default)s)",
     )
     parser.add_argument(
@@ -121,7 +121,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--max-in-flight-prompt-bytes", type=_positive_int, default=DEFAULT_MAX_IN_FLIGHT_PROMPT_BYTES,
         metavar="BYTES",
-        help="prompt bytes held at once, waiting for a worker or being tokenized; a request that does "
+        help="prompt bytes held at once, waiting for a tokenizer thread or being tokenized; a request that does "
         "not fit is refused with RESOURCE_EXHAUSTED and a retry delay (default: %(default)s)",
     )
     return parser
@@ -136,7 +136,7 @@ def config_from_args(args: argparse.Namespace) -> PreprocessConfig:
         length_buckets=args.length_buckets,
         max_output_tokens=args.max_output_tokens,
         max_context_tokens=args.max_context_tokens,
-        num_workers=args.workers,
+        num_tokenizer_threads=args.tokenizer_threads,
         max_prompt_bytes=args.max_prompt_bytes,
         max_in_flight_prompt_bytes=args.max_in_flight_prompt_bytes,
         max_batch_prompts=args.max_batch_prompts,

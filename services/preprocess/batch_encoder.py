@@ -1,4 +1,4 @@
-"""Tokenize a micro-batch of inputs in as few calls into Rust as it takes (runs on a worker).
+"""Tokenize a micro-batch of inputs in as few calls into Rust as it takes (runs on a tokenizer thread).
 
 Per batch:
   1. each chat is rendered (and held to the byte cap); a chat that the prompt cache found a
@@ -40,7 +40,7 @@ class Encoding:
 class EncodeJob(Generic[R]):
     text_or_chat: TextOrChat
     add_special_tokens: bool  # text only: a rendered chat holds its special tokens as text
-    finish: Callable[[Encoding], R]  # run on the worker once the ids are known
+    finish: Callable[[Encoding], R]  # run on the tokenizer thread once the ids are known
     prefixes: tuple[TokenizedPrefix, ...] = ()  # cached leading runs of the chat, longest first
     make_system_prefix: bool = False  # render and tokenize the system prompt alone too
 

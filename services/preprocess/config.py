@@ -16,7 +16,7 @@ DEFAULT_MAX_BATCH_PROMPTS = 32
 DEFAULT_PROMPT_CACHE_BYTES = 64 * 1024 * 1024
 DEFAULT_REDIS_TIMEOUT_MS = 20
 DEFAULT_REDIS_TTL_S = 3600
-# Prompt bytes preprocess holds at once (waiting for a worker or being tokenized): a bound on its
+# Prompt bytes preprocess holds at once (waiting for a tokenizer thread or being tokenized): a bound on its
 # memory under a flood; a request that does not fit gets RESOURCE_EXHAUSTED with a retry delay.
 DEFAULT_MAX_IN_FLIGHT_PROMPT_BYTES = 256 * 1024 * 1024
 
@@ -50,7 +50,7 @@ class PreprocessConfig:
     # shorter --max-context-tokens.
     max_context_tokens: int | None = None
     # Threads that tokenize off the event loop, each running one micro-batch at a time.
-    num_workers: int = field(default_factory=available_cores)
+    num_tokenizer_threads: int = field(default_factory=available_cores)
     max_batch_prompts: int = DEFAULT_MAX_BATCH_PROMPTS  # jobs in one micro-batch at most
     # None: derived (context x the longest token's bytes x 2): larger prompts are refused untokenized.
     max_prompt_bytes: int | None = None
@@ -62,7 +62,7 @@ class PreprocessConfig:
     redis_ttl_s: int = DEFAULT_REDIS_TTL_S
 
     def __post_init__(self) -> None:
-        for name in ("block_size_tokens", "max_output_tokens", "num_workers", "max_in_flight_prompt_bytes",
+        for name in ("block_size_tokens", "max_output_tokens", "num_tokenizer_threads", "max_in_flight_prompt_bytes",
                      "max_batch_prompts", "redis_timeout_ms", "redis_ttl_s"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")

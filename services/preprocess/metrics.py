@@ -9,14 +9,14 @@ from prometheus_client import Counter, Histogram
 
 from llmserve.buckets import LengthBucket
 
-# From a short prompt on an idle worker (~100 µs) to a long chat behind a full pool.
+# From a short prompt on an idle tokenizer thread (~100 µs) to a long chat behind a full pool.
 DURATION_BUCKETS_S = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
 
 _REQUESTS = Counter("llmserve_preprocess_requests", "Preprocess requests answered, by status code", ["code"])
 _TOKENS = Counter("llmserve_preprocess_tokens", "Prompt tokens of the Preprocess requests answered OK")
 _DURATION = Histogram(
     "llmserve_preprocess_tokenize_duration_seconds",
-    "One Preprocess request answered OK, arrival to answer: checks, the wait for a worker, "
+    "One Preprocess request answered OK, arrival to answer: checks, the wait for a tokenizer thread, "
     "rendering and tokenizing in its micro-batch, block hashes",
     buckets=DURATION_BUCKETS_S,
 )

@@ -1,12 +1,12 @@
-"""Micro-batches of tokenizer jobs on the worker pool: one call into Rust for many requests.
+"""Micro-batches of tokenizer jobs on the tokenizer threads: one call into Rust for many requests.
 
-Jobs queue on the event loop; whenever a worker is free, everything queued (up to
+Jobs queue on the event loop; whenever a tokenizer thread is free, everything queued (up to
 `max_batch_jobs`) leaves as one batch, so nothing ever waits for a batch to fill: alone, a job
-runs at once as a batch of one; under load, the jobs that arrived while every worker was busy
+runs at once as a batch of one; under load, the jobs that arrived while every tokenizer thread was busy
 run together. A batch pays the thread hand-off, the GIL release and the wake-up once instead of
 per request, and `encode_batch` spreads it over the tokenizer's own threads. At most
-`num_workers` batches run at a time. Admission (the byte budget) is the caller's: a job is
-queued only once its bytes are held (`WorkerPool.hold`).
+`num_tokenizer_threads` batches run at a time. Admission (the byte budget) is the caller's: a job is
+queued only once its bytes are held (`TokenizerThreads.hold`).
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Callable, Generic, Sequence, TypeVar
 
-from llmserve.preprocess.worker_pool import WorkerPool
+from llmserve.preprocess.tokenizer_threads import TokenizerThreads
 from llmserve.request_context import context_without_request
 
 J = TypeVar("J")
@@ -34,10 +34,10 @@ class _Queued(Generic[J, R]):
 
 
 class MicroBatcher(Generic[J, R]):
-    """Runs `batch_fn` over queued jobs on `workers`. Use from one event loop."""
+    """Runs `batch_fn` over queued jobs on `threads`. Use from one event loop."""
 
-    def __init__(self, workers: WorkerPool, batch_fn: BatchFn, *, max_batch_jobs: int):
-        self._workers = workers
+    def __init__(self, threads: TokenizerThreads, batch_fn: BatchFn, *, max_batch_jobs: int):
+        self._threads = threads
         self._batch_fn = batch_fn
         self._max_batch_jobs = max_batch_jobs
         self._queue: deque[_Queued[J, R]] = deque()
@@ -52,7 +52,7 @@ class MicroBatcher(Generic[J, R]):
         return await future  # a cancelled caller's job is skipped, or its result dropped
 
     def _dispatch(self) -> None:
-        while self._queue and self._num_running < self._workers.num_workers:
+        while self._queue and self._num_running < self._threads.num_tokenizer_threads:
             batch = self._take_batch()
             if not batch:
                 return
@@ -74,7 +74,7 @@ class MicroBatcher(Generic[J, R]):
         try:
             jobs = [queued.job for queued in batch]
             num_bytes = sum(queued.num_bytes for queued in batch)
-            outcomes = await self._workers.execute(num_bytes, lambda: self._batch_fn(jobs))
+            outcomes = await self._threads.execute(num_bytes, lambda: self._batch_fn(jobs))
         except Exception as exc:  # the batch function itself failed: every job sees it
             outcomes = [exc] * len(batch)
         finally:

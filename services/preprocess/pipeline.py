@@ -2,15 +2,15 @@
 
 For each request:
   1. `Preprocessor.check` on the loop (refused before it waits for anything);
-  2. its bytes are admitted into the WorkerPool's budget (RESOURCE_EXHAUSTED when they do not
+  2. its bytes are admitted into the TokenizerThreads's budget (RESOURCE_EXHAUSTED when they do not
      fit) and held until it is answered;
   3. a chat looks up the tokenized prefixes of its leading turns (PromptCache: in process, then
      Redis for its system prompt, bounded by a timeout);
   4. it joins the next micro-batch (MicroBatcher), which renders, tokenizes and finishes it on a
-     worker (BatchEncoder, Preprocessor.finish);
+     tokenizer thread (BatchEncoder, Preprocessor.finish);
   5. the chat's own tokenization, and its system prompt's if one was made, are stored for the
      turns that follow it (a Redis write does not delay the answer).
-Token-id prompts skip 3-5: they are finished on a worker directly.
+Token-id prompts skip 3-5: they are finished on a tokenizer thread directly.
 """
 
 from __future__ import annotations
@@ -27,24 +27,24 @@ from llmserve.preprocess.micro_batcher import MicroBatcher
 from llmserve.preprocess.preprocessor import TOKEN_IDS_FIELD, Preprocessed, Preprocessor, Tokenized
 from llmserve.preprocess.prompt_cache import PromptCache, cache_namespace
 from llmserve.preprocess.redis_prompt_store import RedisPromptStore
-from llmserve.preprocess.worker_pool import WorkerPool
+from llmserve.preprocess.tokenizer_threads import TokenizerThreads
 
 
 class PreprocessPipeline:
     """Preprocess, Tokenize and Detokenize as the servicer calls them. Use from one event loop."""
 
-    def __init__(self, preprocessor: Preprocessor, workers: WorkerPool, cache: PromptCache | None, max_batch_prompts: int):
+    def __init__(self, preprocessor: Preprocessor, threads: TokenizerThreads, cache: PromptCache | None, max_batch_prompts: int):
         self.preprocessor = preprocessor
-        self.workers = workers
+        self.threads = threads
         self._cache = cache
         self._batcher: MicroBatcher[EncodeJob, Encoded] = MicroBatcher(
-            workers, preprocessor.encoder.encode_batch, max_batch_jobs=max_batch_prompts
+            threads, preprocessor.encoder.encode_batch, max_batch_jobs=max_batch_prompts
         )
         self._writes: set[asyncio.Task] = set()
 
     @classmethod
     def build(cls, preprocessor: Preprocessor, config: PreprocessConfig) -> "PreprocessPipeline":
-        workers = WorkerPool(config.num_workers, config.max_in_flight_prompt_bytes)
+        threads = TokenizerThreads(config.num_tokenizer_threads, config.max_in_flight_prompt_bytes)
         cache = None
         if preprocessor.tail.is_enabled:
             remote = None
@@ -57,7 +57,7 @@ class PreprocessPipeline:
                 preprocessor.tail, max_bytes=config.prompt_cache_bytes, namespace=namespace,
                 vocab_size=preprocessor.info.vocab_size, remote=remote,
             )
-        return cls(preprocessor, workers, cache, config.max_batch_prompts)
+        return cls(preprocessor, threads, cache, config.max_batch_prompts)
 
     @property
     def is_reusing_prefixes(self) -> bool:
@@ -65,12 +65,12 @@ class PreprocessPipeline:
 
     async def preprocess(self, request_input: PromptInput | None, max_tokens: int | None, cache_salt: str) -> Preprocessed:
         num_bytes = self.preprocessor.check(request_input, max_tokens)
-        with self.workers.hold(num_bytes):
+        with self.threads.hold(num_bytes):
             if isinstance(request_input, PromptTokenIds):
                 finish = functools.partial(
                     self.preprocessor.finish, request_input.token_ids, TOKEN_IDS_FIELD, max_tokens, cache_salt
                 )
-                return await self.workers.execute(num_bytes, finish)
+                return await self.threads.execute(num_bytes, finish)
             field = "prompt" if isinstance(request_input, str) else "chat"
 
             def finish_encoding(encoding) -> Preprocessed:
@@ -81,22 +81,22 @@ class PreprocessPipeline:
     async def tokenize(self, request_input: TextOrChat | None, add_special_tokens: bool | None) -> Tokenized:
         num_bytes = self.preprocessor.check_tokenize(request_input)
         add = True if add_special_tokens is None else add_special_tokens
-        with self.workers.hold(num_bytes):
+        with self.threads.hold(num_bytes):
             return await self._encode(request_input, add, num_bytes, self.preprocessor.tokenized)
 
     async def detokenize(self, token_ids: Sequence[int], skip_special_tokens: bool) -> str:
-        return await self.workers.run(
+        return await self.threads.run(
             len(token_ids) * MAX_TOKEN_ID_BYTES,
             self.preprocessor.detokenize, token_ids, skip_special_tokens=skip_special_tokens,
         )
 
     async def close(self) -> None:
-        """After the gRPC server has stopped: finish Redis writes, stop the worker threads."""
+        """After the gRPC server has stopped: finish Redis writes, stop the tokenizer threads."""
         if self._writes:
             await asyncio.wait(self._writes)
         if self._cache is not None:
             await self._cache.close()
-        self.workers.close()
+        self.threads.close()
 
     async def _encode(self, text_or_chat: TextOrChat, add_special_tokens: bool, num_bytes: int, finish):
         if self._cache is None or isinstance(text_or_chat, str):

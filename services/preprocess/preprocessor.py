@@ -12,7 +12,7 @@ A generation request goes through five steps:
   5. its length bucket and the chained hashes of its full blocks (namespaced by the model,
      tokenizer, block size and the request's cache salt) are attached.
 Steps 2-3 are the BatchEncoder's (many requests at once), 4-5 are `finish`; all are synchronous
-and thread-safe, and llmserve.preprocess.pipeline runs them on worker threads, after `check` on
+and thread-safe, and llmserve.preprocess.pipeline runs them on tokenizer threads, after `check` on
 the event loop.
 """
 
@@ -142,7 +142,7 @@ class Preprocessor:
 
     def check(self, request_input: PromptInput | None, max_tokens: int | None) -> int:
         """Step 1 of a generation request: raises InvalidArgument, else returns the prompt's
-        size in bytes (what the request holds while it waits for a worker)."""
+        size in bytes (what the request holds while it waits for a tokenizer thread)."""
         if request_input is None:
             raise InvalidArgument("input", "set one of prompt, chat or prompt_token_ids")
         validation.check_requested_max_tokens(max_tokens, self.limits)

@@ -25,7 +25,7 @@ log = logging.getLogger(__name__)
 
 @dataclass
 class PreprocessServer:
-    """A serving preprocess server and the pipeline (worker threads, prompt cache) behind it."""
+    """A serving preprocess server and the pipeline (tokenizer threads, prompt cache) behind it."""
 
     running: RunningServer
     pipeline: PreprocessPipeline
@@ -35,7 +35,7 @@ class PreprocessServer:
         return self.running.port
 
     async def close(self) -> None:
-        """Stop the worker threads and the Redis client (after the gRPC server has stopped)."""
+        """Stop the tokenizer threads and the Redis client (after the gRPC server has stopped)."""
         await self.pipeline.close()
 
 
@@ -57,7 +57,7 @@ async def start_server(config: PreprocessConfig) -> PreprocessServer:
     write_port_file(config.port_file, running.port)
     log.info(
         "serving %s on port %d: vocab %d, context %d tokens, max output %d tokens, max prompt %d bytes, "
-        "max message %d bytes, block size %d, buckets %s, chat template %s, %d workers holding at most "
+        "max message %d bytes, block size %d, buckets %s, chat template %s, %d tokenizer threads holding at most "
         "%d prompt bytes, micro-batches of up to %d prompts, prefix reuse %s, redis %s",
         info.model_name,
         running.port,
@@ -69,7 +69,7 @@ async def start_server(config: PreprocessConfig) -> PreprocessServer:
         info.block_size_tokens,
         ",".join(str(b.max_prompt_tokens) for b in info.buckets),
         "yes" if info.has_chat_template else "no",
-        config.num_workers,
+        config.num_tokenizer_threads,
         config.max_in_flight_prompt_bytes,
         config.max_batch_prompts,
         f"on ({config.prompt_cache_bytes} bytes in process)" if pipeline.is_reusing_prefixes else "off",

@@ -2,7 +2,7 @@
 
 Protobuf stops here: requests become internal types (`Chat`, `PromptTokenIds`, str). The cheap
 checks run on the event loop, so an oversized or malformed request is refused before it waits
-for anything; tokenizing runs in micro-batches on worker threads (the Rust tokenizer releases
+for anything; tokenizing runs in micro-batches on tokenizer threads (the Rust tokenizer releases
 the GIL there, so the event loop stays free), within the byte budget (llmserve.preprocess.
 pipeline). Errors propagate as `ServiceError`s to the interceptor installed by `create_server`.
 """

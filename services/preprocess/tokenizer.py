@@ -2,7 +2,7 @@
 
 Encoding goes through the *batch* entry point on purpose: in tokenizers 0.23 `Tokenizer.encode`
 holds the GIL for the whole call, while `encode_batch(_fast)` releases it (decoding likewise,
-llmserve.text_decoder). Only the latter let the worker threads tokenize in parallel while the event loop keeps serving (measured with tokenizers 0.23.3: a
+llmserve.text_decoder). Only the latter let the tokenizer threads tokenize in parallel while the event loop keeps serving (measured with tokenizers 0.23.3: a
 Python thread runs at full speed beside `encode_batch` and barely at all beside `encode`).
 
 tokenizer.json's post-processor decides which special tokens (BOS etc.) plain text gets, as in

@@ -1,10 +1,10 @@
-"""One load-generator worker: sends its share of the planned requests to the gateway's
+"""One load-generator client process: sends its share of the planned requests to the gateway's
 streaming RPC on an asyncio loop and records when each message arrived.
 
-A worker process has its own event loop and gRPC channel, so the client side of a benchmark
+A client process has its own event loop and gRPC channel, so the client side of a benchmark
 scales past one core (at tens of thousands of messages per second one Python loop would be the
 bottleneck it claims to measure). Times are `time.monotonic()`, one clock for every process of
-the machine, so the coordinator can put every worker's records on one time line.
+the machine, so the coordinator can put every client's records on one time line.
 """
 
 from __future__ import annotations
@@ -53,8 +53,8 @@ class RequestRecord:
 
 
 @dataclass(frozen=True, slots=True)
-class WorkerPlan:
-    """A worker's share of the run."""
+class ClientPlan:
+    """A client's share of the run."""
 
     address: str
     requests: tuple[PlannedRequest, ...]
@@ -65,8 +65,8 @@ class WorkerPlan:
     model: str = ""
     # Sends one request (the conversation's next turn) on the channel and records it. None: the
     # gateway's GenerateStream (send_one); bench/bench_stack.py sends to an inference replica. A
-    # module-level function: the plan is pickled into a spawned worker, which imports it by name.
-    send: Callable[[grpc.aio.Channel, PlannedRequest, "WorkerPlan", Conversation], Awaitable[RequestRecord]] | None = None
+    # module-level function: the plan is pickled into a spawned client, which imports it by name.
+    send: Callable[[grpc.aio.Channel, PlannedRequest, "ClientPlan", Conversation], Awaitable[RequestRecord]] | None = None
 
 
 def build_request(planned: PlannedRequest, workload: WorkloadConfig, ignore_eos: bool, model: str,
@@ -79,7 +79,7 @@ def build_request(planned: PlannedRequest, workload: WorkloadConfig, ignore_eos:
     return gateway_pb2.GenerateStreamRequest(params=params)
 
 
-async def send_one(channel: grpc.aio.Channel, planned: PlannedRequest, plan: WorkerPlan,
+async def send_one(channel: grpc.aio.Channel, planned: PlannedRequest, plan: ClientPlan,
                    conversation: Conversation) -> RequestRecord:
     stub = gateway_pb2_grpc.GatewayServiceStub(channel)
     record = RequestRecord(planned.index, planned.prefix_group, planned.num_prompt_tokens, planned.max_tokens)
@@ -119,7 +119,7 @@ async def record_stream(record: RequestRecord, stream, usage_of, keep_answer: bo
     return record
 
 
-async def run_plan(plan: WorkerPlan, start_at_s: float, on_done=None) -> list[RequestRecord]:
+async def run_plan(plan: ClientPlan, start_at_s: float, on_done=None) -> list[RequestRecord]:
     """Send every request of the plan (closed loop, or at its send time), at most
     `max_in_flight` at once, a conversation's turns one after the other (a failed turn ends its
     conversation: the later turns are recorded as not sent); `on_done(record)` after each."""

@@ -25,7 +25,7 @@ def add_bench_parser(commands, add_client_options) -> None:
     p = commands.add_parser(
         "bench",
         help="load-test a running gateway: latency percentiles, throughput, errors, plots",
-        description="Send a seeded workload to the gateway's streaming RPC from one or more worker "
+        description="Send a seeded workload to the gateway's streaming RPC from one or more client "
         "processes: a fixed number of requests in flight (--concurrency) or Poisson arrivals "
         "(--request-rate). Prints a table (TTFT, inter-token latency, time per output token and "
         "end-to-end latency at p50/p90/p99; output and total tok/s; errors by gRPC status) and writes "
@@ -40,7 +40,7 @@ def add_bench_parser(commands, add_client_options) -> None:
                       help="most requests in flight; with --request-rate, a cap (default: %(default)s)")
     load.add_argument("--request-rate", type=float, metavar="PER_S",
                       help="Poisson arrivals at this mean rate instead of a closed loop")
-    load.add_argument("--workers", type=_positive_int, default=1, metavar="N",
+    load.add_argument("--client-processes", type=_positive_int, default=1, metavar="N",
                       help="client processes sharing the load, so the client is never the bottleneck (default: %(default)s)")
     shape = p.add_argument_group("requests")
     shape.add_argument("--prompt-tokens", type=LengthDistribution.parse, default=LengthDistribution.parse("256"),
@@ -102,7 +102,7 @@ def run_bench(args: argparse.Namespace) -> int:
     workload = workload_from_args(args)
     planned = plan_requests(workload, PromptBuilder.from_path(_tokenizer_path(args.tokenizer)))
     config = RunConfig(
-        address=args.address, concurrency=args.concurrency, num_workers=args.workers,
+        address=args.address, concurrency=args.concurrency, num_client_processes=args.client_processes,
         timeout_s=args.timeout_s or 600.0, ignore_eos=not args.allow_eos, model=args.model,
         show_progress=not args.no_progress and sys.stderr.isatty(),
     )
@@ -121,7 +121,7 @@ def run_bench(args: argparse.Namespace) -> int:
 def _config_dict(args: argparse.Namespace, workload: WorkloadConfig) -> dict:
     return {
         "address": args.address, "num_requests": workload.num_requests, "concurrency": args.concurrency,
-        "request_rate": workload.request_rate, "workers": args.workers, "prompt_tokens": str(workload.prompt_tokens),
+        "request_rate": workload.request_rate, "client_processes": args.client_processes, "prompt_tokens": str(workload.prompt_tokens),
         "output_tokens": str(workload.output_tokens), "prefix_groups": workload.num_prefix_groups,
         "prefix_tokens": workload.prefix_tokens, "prompt_form": workload.prompt_form.value,
         "seed": workload.seed, "ignore_eos": not args.allow_eos, "turns": workload.num_turns,

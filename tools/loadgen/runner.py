@@ -1,13 +1,13 @@
-"""Runs a planned workload over one or more worker processes, with a live progress bar.
+"""Runs a planned workload over one or more client processes, with a live progress bar.
 
-    coordinator                          worker k (spawned)
+    coordinator                          client k (spawned)
     plan_requests → shares [k::W] ──▶   connect, report ready
     all ready: start_at = now + 0.2 s ─▶ send its share (client.run_plan)
     progress bar ◀── one event per finished request
     records      ◀── its RequestRecords, then exit
 
-Every worker starts on the same `start_at`, so a Poisson schedule split round-robin over the
-workers is still the planned schedule, and a fixed concurrency is split as evenly as it goes.
+Every client starts on the same `start_at`, so a Poisson schedule split round-robin over the
+clients is still the planned schedule, and a fixed concurrency is split as evenly as it goes.
 """
 
 from __future__ import annotations
@@ -21,23 +21,23 @@ from dataclasses import dataclass
 
 from tqdm import tqdm
 
-from llmserve.tools.loadgen.client import RequestRecord, WorkerPlan, run_plan
+from llmserve.tools.loadgen.client import RequestRecord, ClientPlan, run_plan
 from llmserve.tools.loadgen.workload import PlannedRequest, WorkloadConfig
 
-_START_DELAY_S = 0.2  # after every worker is ready: time to hand out the start time
+_START_DELAY_S = 0.2  # after every client is ready: time to hand out the start time
 _POLL_S = 0.1
 
 
 @dataclass(frozen=True, slots=True)
 class RunConfig:
     address: str
-    concurrency: int  # requests in flight at most, over all workers
-    num_workers: int = 1
+    concurrency: int  # requests in flight at most, over all clients
+    num_client_processes: int = 1
     timeout_s: float = 600.0  # per-request gRPC deadline
     ignore_eos: bool = True
     model: str = ""
     show_progress: bool = True
-    send: Callable | None = None  # WorkerPlan.send: None sends to the gateway
+    send: Callable | None = None  # ClientPlan.send: None sends to the gateway
 
 
 @dataclass(frozen=True, slots=True)
@@ -47,50 +47,50 @@ class RunResult:
     end_s: float  # when the last request ended
 
 
-def worker_plans(planned: list[PlannedRequest], workload: WorkloadConfig, config: RunConfig) -> list[WorkerPlan]:
+def client_plans(planned: list[PlannedRequest], workload: WorkloadConfig, config: RunConfig) -> list[ClientPlan]:
     num_conversations = len({p.conversation for p in planned})
-    num_workers = max(1, min(config.num_workers, num_conversations, config.concurrency))
+    num_client_processes = max(1, min(config.num_client_processes, num_conversations, config.concurrency))
     plans = []
-    for k in range(num_workers):
-        # Whole conversations per worker: a conversation's turns go one after the other.
-        share = tuple(p for p in planned if p.conversation % num_workers == k)
-        max_in_flight = config.concurrency // num_workers + (1 if k < config.concurrency % num_workers else 0)
-        plans.append(WorkerPlan(config.address, share, workload, max_in_flight, config.timeout_s,
+    for k in range(num_client_processes):
+        # Whole conversations per client: a conversation's turns go one after the other.
+        share = tuple(p for p in planned if p.conversation % num_client_processes == k)
+        max_in_flight = config.concurrency // num_client_processes + (1 if k < config.concurrency % num_client_processes else 0)
+        plans.append(ClientPlan(config.address, share, workload, max_in_flight, config.timeout_s,
                                 config.ignore_eos, config.model, config.send))
     return plans
 
 
 def run_workload(planned: list[PlannedRequest], workload: WorkloadConfig, config: RunConfig) -> RunResult:
-    plans = worker_plans(planned, workload, config)
+    plans = client_plans(planned, workload, config)
     context = mp.get_context("spawn")  # no fork: grpc's threads do not survive one
     events = context.Queue()
     start_at = context.Value("d", 0.0)
-    workers = [context.Process(target=_worker_main, args=(plan, start_at, events), daemon=True) for plan in plans]
-    for worker in workers:
-        worker.start()
+    clients = [context.Process(target=_client_main, args=(plan, start_at, events), daemon=True) for plan in plans]
+    for client in clients:
+        client.start()
     try:
-        return _collect(workers, events, start_at, len(planned), config.show_progress)
+        return _collect(clients, events, start_at, len(planned), config.show_progress)
     finally:
-        for worker in workers:
-            worker.join(timeout=5)
-            if worker.is_alive():
-                worker.kill()
+        for client in clients:
+            client.join(timeout=5)
+            if client.is_alive():
+                client.kill()
 
 
-def _collect(workers, events, start_at, num_requests: int, show_progress: bool) -> RunResult:
-    num_ready, records, num_finished_workers = 0, [], 0
+def _collect(clients, events, start_at, num_requests: int, show_progress: bool) -> RunResult:
+    num_ready, records, num_finished_clients = 0, [], 0
     bar = tqdm(total=num_requests, unit="req", desc="bench", disable=not show_progress, dynamic_ncols=True)
     errors = 0
     with bar:
-        while num_finished_workers < len(workers):
+        while num_finished_clients < len(clients):
             try:
                 kind, payload = events.get(timeout=_POLL_S)
             except queue.Empty:
-                _check_alive(workers)
+                _check_alive(clients)
                 continue
             if kind == "ready":
                 num_ready += 1
-                if num_ready == len(workers):
+                if num_ready == len(clients):
                     start_at.value = time.monotonic() + _START_DELAY_S
             elif kind == "done":
                 errors += payload != "OK"
@@ -98,21 +98,21 @@ def _collect(workers, events, start_at, num_requests: int, show_progress: bool) 
                 bar.set_postfix(errors=errors, refresh=False)
             elif kind == "records":
                 records.extend(payload)
-                num_finished_workers += 1
+                num_finished_clients += 1
             elif kind == "failed":
-                raise RuntimeError(f"a load-generator worker failed: {payload}")
+                raise RuntimeError(f"a load-generator client process failed: {payload}")
     records.sort(key=lambda record: record.index)
     end_s = max((record.end_s for record in records), default=start_at.value)
     return RunResult(records, start_at.value, end_s)
 
 
-def _check_alive(workers) -> None:
-    dead = [w for w in workers if not w.is_alive() and w.exitcode not in (0, None)]
+def _check_alive(clients) -> None:
+    dead = [w for w in clients if not w.is_alive() and w.exitcode not in (0, None)]
     if dead:
-        raise RuntimeError(f"a load-generator worker exited with code {dead[0].exitcode}")
+        raise RuntimeError(f"a load-generator client process exited with code {dead[0].exitcode}")
 
 
-def _worker_main(plan: WorkerPlan, start_at, events) -> None:
+def _client_main(plan: ClientPlan, start_at, events) -> None:
     try:
         events.put(("ready", None))
         while start_at.value == 0.0:

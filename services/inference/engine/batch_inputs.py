@@ -18,10 +18,10 @@ def build_step_inputs(batch: ScheduledBatch, block_size: int) -> StepInputs:
         table = block_ids[: -(-end // block_size)]
         query_start = len(step.input_ids)
         step.input_ids.extend(seq.token_ids[start:end])
-        if end == seq.num_tokens and seq.has_pending_token:
+        if end == seq.num_tokens and seq.has_placeholder:
             step.input_ids[-1] = 0
-            step.pending_rows.append(len(step.input_ids) - 1)
-            step.pending_source_rows.append(seq.pending_token_row)
+            step.placeholder_rows.append(len(step.input_ids) - 1)
+            step.placeholder_source_rows.append(seq.placeholder_row)
         step.positions.extend(range(start, end))
         step.slot_mapping.extend(block_ids[p // block_size] * block_size + p % block_size for p in range(start, end))
         last_rows[i] = query_start + num_new - 1

@@ -161,7 +161,7 @@ class DecodeGraphs(GraphSet):
 
     def run(self, step: StepInputs, fill_input_ids: Callable[[torch.Tensor], None] | None = None) -> torch.Tensor:
         """float32 logits [num_decodes, vocab] (a view of the graph's output: read it before
-        the next step). `fill_input_ids` completes the staged ids on the device (pending
+        the next step). `fill_input_ids` completes the staged ids on the device (placeholder
         tokens) before the replay."""
         size = graph_size_for(step.num_decodes, self.sizes)
         self._stage(pad_decode_step(step, size))

@@ -147,9 +147,9 @@ class EngineLoop:
 
     def _has_work(self) -> bool:
         try:
-            return self._core.has_unfinished_requests()
+            return self._core.has_requests_in_flight()
         except Exception:  # noqa: BLE001 — a broken core must not end the loop
-            log.exception("has_unfinished_requests failed")
+            log.exception("has_requests_in_flight failed")
             return bool(self._in_flight)
 
     def _apply(self, command: EngineCommand) -> list[EngineOutput]:

@@ -90,7 +90,7 @@ class HFEngineCore:
                 return True
         return False
 
-    def has_unfinished_requests(self) -> bool:
+    def has_requests_in_flight(self) -> bool:
         return self._running is not None or bool(self._waiting)
 
     def step(self) -> list[EngineOutput]:

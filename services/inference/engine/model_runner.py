@@ -98,13 +98,13 @@ class ModelRunner:
         return self.model_config.vocab_size
 
     @torch.inference_mode()
-    def execute(self, batch: ScheduledBatch, pending_tokens: torch.Tensor | None = None) -> torch.Tensor:
+    def execute(self, batch: ScheduledBatch, launched_tokens: torch.Tensor | None = None) -> torch.Tensor:
         """float32 logits [num_sampling_seqs, vocab]: one row per sequence that samples, in batch
-        order. `pending_tokens`: the in-flight step's sampled ids (on the device), where the
-        pending input tokens of this batch are read from. Queues the work; does not wait."""
+        order. `launched_tokens`: the in-flight step's sampled ids (on the device), where the
+        placeholder input tokens of this batch are read from. Queues the work; does not wait."""
         self.kv_cache.copy_blocks(batch.block_copies)
         step = build_step_inputs(batch, self.block_size)
-        fill = self._pending_filler(step, pending_tokens)
+        fill = self._placeholder_filler(step, launched_tokens)
         if self.decode_graphs is not None and self.decode_graphs.can_run(step):
             return self._sampled_rows(self.decode_graphs.run(step, fill), step.logits_indices)
         if self.prefill_graphs is not None and self.prefill_graphs.can_run(step):
@@ -116,17 +116,17 @@ class ModelRunner:
         hidden = self.model(input_ids, self._to_device(step.positions), self.kv_cache.layers, meta)
         return self.model.compute_logits(hidden[self._to_device(step.logits_indices)])
 
-    def _pending_filler(self, step: StepInputs, pending_tokens: torch.Tensor | None):
-        """A function that writes the step's pending input ids into a device ids tensor, or None."""
-        if not step.pending_rows:
+    def _placeholder_filler(self, step: StepInputs, launched_tokens: torch.Tensor | None):
+        """A function that writes the step's placeholder input ids into a device ids tensor, or None."""
+        if not step.placeholder_rows:
             return None
-        assert pending_tokens is not None, "a pending input token without the step that samples it"
-        num_rows = len(step.pending_rows)
-        if step.pending_rows == step.pending_source_rows == list(range(num_rows)):
+        assert launched_tokens is not None, "a placeholder input token without the step that samples it"
+        num_rows = len(step.placeholder_rows)
+        if step.placeholder_rows == step.placeholder_source_rows == list(range(num_rows)):
             # Steady decoding: the same sequences in the same order as the step before.
-            return lambda input_ids: input_ids[:num_rows].copy_(pending_tokens[:num_rows])
-        rows, source_rows = self._to_device(step.pending_rows), self._to_device(step.pending_source_rows)
-        return lambda input_ids: input_ids.index_copy_(0, rows, pending_tokens[source_rows].to(input_ids.dtype))
+            return lambda input_ids: input_ids[:num_rows].copy_(launched_tokens[:num_rows])
+        rows, source_rows = self._to_device(step.placeholder_rows), self._to_device(step.placeholder_source_rows)
+        return lambda input_ids: input_ids.index_copy_(0, rows, launched_tokens[source_rows].to(input_ids.dtype))
 
     @torch.inference_mode()
     def _warm_up_prefill(self, num_tokens: int = 32) -> None:

@@ -117,7 +117,7 @@ class PrefillGraphs(GraphSet):
 
     def run(self, step: StepInputs, fill_input_ids: Callable[[torch.Tensor], None] | None = None) -> torch.Tensor:
         """float32 logits [num_sampling (0 or 1), vocab] (a view of the graph's output: read it
-        before the next step). `fill_input_ids` completes the staged ids on the device (pending
+        before the next step). `fill_input_ids` completes the staged ids on the device (placeholder
         tokens) before the replay."""
         size = graph_size_for(step.num_tokens, self.sizes)
         padded = pad_prefill_step(step, size)

@@ -14,7 +14,7 @@ Per row, in order (the same as the hf backend, so both backends agree):
      so a seeded sequence gets the same tokens whatever else is in the batch.
 
 `launch` queues all of this on the device and starts copying the results (sampled ids, plus
-logprobs for the rows that ask) to pinned host memory without waiting; `PendingSample.result()`
+logprobs for the rows that ask) to pinned host memory without waiting; `LaunchedSample.result()`
 is the step's one host sync. The sampled ids also stay on the device, where the next step reads
 its input ids before the host has seen them (async scheduling).
 """
@@ -48,7 +48,7 @@ class _LogprobRows:
     top_ids: torch.Tensor | None
 
 
-class PendingSample:
+class LaunchedSample:
     """A launched sampling step: token ids on the device now, on the host after result()."""
 
     def __init__(self, token_ids: torch.Tensor, logprob_rows: _LogprobRows | None):
@@ -92,7 +92,7 @@ class Sampler:
         return self.launch(logits, seqs).result()
 
     @torch.inference_mode()
-    def launch(self, logits: torch.Tensor, seqs: list[Sequence]) -> PendingSample:
+    def launch(self, logits: torch.Tensor, seqs: list[Sequence]) -> LaunchedSample:
         """logits [num_seqs, vocab] float32, row i for seqs[i] (whose last token was just
         computed; penalties read the token history, which must be known on the host)."""
         logits = _apply_penalties(logits, seqs)
@@ -104,7 +104,7 @@ class Sampler:
             rows = device_tensor(random_rows, logits.device)
             samplings = [seqs[i].sampling for i in random_rows]
             token_ids[rows] = _draw(logits[rows], samplings, [seqs[i].rng for i in random_rows])
-        return PendingSample(token_ids, _logprob_rows(logits, token_ids, seqs))
+        return LaunchedSample(token_ids, _logprob_rows(logits, token_ids, seqs))
 
     def _mask_stop_tokens(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
         vocab_size = logits.shape[1]

@@ -17,7 +17,7 @@ one for a decode, many for a prompt or a recomputation after preemption, so pref
 are the same operation and mix freely in one batch. Order within a step:
 
   1. running decodes (one token each), oldest first: streams never stall behind prompts
-     (a sequence whose pending token is its last, `is_finishing`, is skipped);
+     (a sequence whose placeholder is its last token, `is_finishing`, is skipped);
   2. running prefills, in chunks that fill the remaining budget;
   3. waiting sequences, in the order of the WaitingQueue (one queue per length bucket, taking
      turns; lowest `priority` first; first come first served within a bucket), each taking its
@@ -42,7 +42,7 @@ from dataclasses import dataclass, field
 
 from llmserve.buckets import BucketConfig
 from llmserve.inference.engine.block_manager import BlockManager
-from llmserve.inference.engine.sequence import PENDING_TOKEN, Sequence, SequenceStatus
+from llmserve.inference.engine.sequence import PLACEHOLDER_TOKEN, Sequence, SequenceStatus
 from llmserve.inference.engine.step_output import LaunchedBatch, NewToken
 from llmserve.inference.engine.stop import finish_at_token, reaches_length_limit, stop_token_ids
 from llmserve.inference.engine.waiting_queue import WaitingQueue, queue_key
@@ -104,13 +104,13 @@ class Scheduler:
         self.running: list[Sequence] = []  # in admission order
         self.num_preemptions_total = 0
         self._rejected: list[Sequence] = []
-        self._pending_block_copies: list[tuple[int, int]] = []
-        self._launch_in_flight: LaunchedBatch | None = None  # recorded, its tokens not yet
+        self._block_copies_to_make: list[tuple[int, int]] = []
+        self._unprocessed_launch: LaunchedBatch | None = None  # recorded, its tokens not yet
 
     # --- requests ----------------------------------------------------------------------------
 
     @property
-    def has_unfinished(self) -> bool:
+    def has_unfinished_sequences(self) -> bool:
         """A sequence is waiting, running or rejected and not yet taken: a request in flight."""
         return bool(self.running or self.waiting or self._rejected)
 
@@ -134,8 +134,8 @@ class Scheduler:
     # --- the step ----------------------------------------------------------------------------
 
     def schedule(self) -> ScheduledBatch:
-        batch = ScheduledBatch(block_copies=self._pending_block_copies)
-        self._pending_block_copies = []
+        batch = ScheduledBatch(block_copies=self._block_copies_to_make)
+        self._block_copies_to_make = []
         budget = self.config.max_batched_tokens
         num_preempted_before = self.num_preemptions_total
         schedulable = [s for s in self.running if not s.is_finishing]
@@ -156,10 +156,10 @@ class Scheduler:
 
     def record_launch(self, launch: LaunchedBatch) -> None:
         """`launch` is queued on the device: its tokens count as computed (the device runs the
-        steps in order), its siblings start, each of its sampling sequences gets a PENDING_TOKEN
+        steps in order), its siblings start, each of its sampling sequences gets a PLACEHOLDER_TOKEN
         placeholder, and its newly full blocks enter the prefix cache. The launch before it
         must have had its tokens recorded (update_from_output) first."""
-        assert self._launch_in_flight is None, "the launch before must have its tokens recorded first"
+        assert self._unprocessed_launch is None, "the launch before must have its tokens recorded first"
         batch = launch.batch
         for seq, num_new_tokens in zip(batch.seqs, batch.num_new_tokens):
             if not seq.is_finished:  # else a token of the step before stopped it
@@ -168,22 +168,22 @@ class Scheduler:
             self._fork(parent, child)
         for row, seq in enumerate(launch.sampling_seqs):
             if not seq.is_finished:
-                seq.token_ids.append(PENDING_TOKEN)
-                seq.pending_token_row = row
+                seq.token_ids.append(PLACEHOLDER_TOKEN)
+                seq.placeholder_row = row
                 seq.is_finishing = reaches_length_limit(
                     seq.num_completion_tokens, seq.num_tokens, seq.sampling, self.config.max_seq_tokens
                 )
         for seq in batch.seqs:  # a finished sequence holds no blocks: nothing to register
             self.block_manager.register_computed_blocks(seq)
-        self._launch_in_flight = launch
+        self._unprocessed_launch = launch
 
     def update_from_output(self, launch: LaunchedBatch, token_ids: list[int]) -> list[NewToken]:
         """The tokens `launch` sampled (row i: launch.sampling_seqs[i]), now on the host: each
         replaces its placeholder, and the stop rules finish sequences (their blocks return to
         the pool at once). A token of a sequence finished before (aborted, or stopped by its
         token the step before) is discarded."""
-        assert launch is self._launch_in_flight, "tokens come for the launch recorded last"
-        self._launch_in_flight = None
+        assert launch is self._unprocessed_launch, "tokens come for the launch recorded last"
+        self._unprocessed_launch = None
         now_ns = time.monotonic_ns()
         new_tokens = []
         for row, (seq, token_id) in enumerate(zip(launch.sampling_seqs, token_ids)):
@@ -199,9 +199,9 @@ class Scheduler:
     # --- update ------------------------------------------------------------------------------
 
     def _record_token(self, seq: Sequence, row: int, token_id: int, now_ns: int) -> NewToken:
-        assert seq.token_ids[-1] == PENDING_TOKEN, "only a sequence's last token is ever pending"
+        assert seq.token_ids[-1] == PLACEHOLDER_TOKEN, "only a sequence's last token is ever a placeholder"
         seq.token_ids[-1] = token_id
-        seq.pending_token_row = -1
+        seq.placeholder_row = -1
         if not seq.first_token_ns:
             seq.first_token_ns = now_ns
         finish_reason, stop_token_id = finish_at_token(
@@ -218,7 +218,7 @@ class Scheduler:
         if len(self.running) < self.config.max_num_seqs and self.block_manager.can_fork(parent):
             copy = self.block_manager.fork(parent, child)
             if copy is not None:
-                self._pending_block_copies.append(copy)
+                self._block_copies_to_make.append(copy)
             child.num_computed_tokens = parent.num_computed_tokens
             child.status = SequenceStatus.RUNNING
             self.running.append(child)
@@ -253,8 +253,8 @@ class Scheduler:
     def _admit_waiting(self, budget: int, batch: ScheduledBatch) -> None:
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             seq = self.waiting.peek()
-            if seq.has_pending_token:
-                break  # preempted (or forked) with a token pending: its hashes need the value
+            if seq.has_placeholder:
+                break  # preempted (or forked) with a placeholder: its hashes need the value
             cached_block_ids = self.block_manager.find_cached_blocks(seq)
             num_cached_tokens = len(cached_block_ids) * self.block_manager.block_size
             num_new_tokens = seq.num_tokens - num_cached_tokens

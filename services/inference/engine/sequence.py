@@ -4,14 +4,14 @@ A request with n sequences starts as one Sequence (index 0); the engine forks th
 once the prompt is computed, sharing the prompt's blocks (see BlockManager.fork).
 
 With async scheduling a sampled token is known on the device before the host sees it: the
-scheduler appends PENDING_TOKEN and notes the token's row in that step's sampled-token tensor
-(pending_token_row), the next step reads its input id from that tensor on the device, and the
+scheduler appends PLACEHOLDER_TOKEN and notes the token's row in that step's sampled-token tensor
+(placeholder_row), the next step reads its input id from that tensor on the device, and the
 placeholder is overwritten once the step's results reach the host. Only the last token can be
-pending, and only for one step.
+a placeholder, and only for one step.
 
 Invariants:
   token_ids = prompt + output; num_computed_tokens <= len(token_ids);
-  every computed token is known (not PENDING_TOKEN) once its step's results are processed;
+  every computed token is known (not PLACEHOLDER_TOKEN) once its step's results are processed;
   block_ids covers at least num_computed_tokens slots (block_size each);
   the first num_registered_blocks blocks are full, computed and known to the prefix cache.
 
@@ -22,7 +22,7 @@ Who writes which field (one writer each; the others only read):
   Sequence.block_hash: block_hashes (extended lazily from token_ids);
   BlockManager: block_ids, num_registered_blocks (the block table and its prefix-cache progress);
   Scheduler: everything else - status, num_computed_tokens, num_cached_tokens, was_admitted,
-    token_ids after construction (placeholders and their values), pending_token_row,
+    token_ids after construction (placeholders and their values), placeholder_row,
     is_finishing, first_scheduled_ns, first_token_ns, finish_reason, error_message.
 """
 
@@ -36,7 +36,7 @@ from llmserve.block_hash import hash_block
 from llmserve.sampling import FinishReason, SamplingParams
 
 
-PENDING_TOKEN = -1  # a sampled token still on its way from the device
+PLACEHOLDER_TOKEN = -1  # a sampled token still on its way from the device
 
 
 class SequenceStatus(enum.Enum):
@@ -68,9 +68,9 @@ class Sequence:
     was_admitted: bool = False
     rng: Any = None  # the sampler's per-sequence random stream (a torch.Generator)
     # Row of the last token in the sampled tokens of the launched, not yet processed step;
-    # -1 when no token is pending.
-    pending_token_row: int = -1
-    # Its pending token ends it (max_tokens or the length limit): not scheduled again.
+    # -1 when it has no placeholder.
+    placeholder_row: int = -1
+    # Its placeholder ends it (max_tokens or the length limit): not scheduled again.
     is_finishing: bool = False
     first_scheduled_ns: int = 0
     first_token_ns: int = 0
@@ -94,8 +94,8 @@ class Sequence:
         return len(self.token_ids) - self.num_computed_tokens
 
     @property
-    def has_pending_token(self) -> bool:
-        return self.pending_token_row >= 0
+    def has_placeholder(self) -> bool:
+        return self.placeholder_row >= 0
 
     @property
     def forks_siblings(self) -> bool:

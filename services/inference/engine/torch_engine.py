@@ -8,18 +8,18 @@ One step reads top to bottom:
             whose last token is computed), n > 1 requests fork their siblings
             (engine/sequence_factory.py) and the Sampler queues the sampling;
   update    one launched step at a time, with its own sampled tokens: the step launched before
-            (its PendingSample waited for) goes to Scheduler.update_from_output, whose stop
+            (its LaunchedSample waited for) goes to Scheduler.update_from_output, whose stop
             rules finish sequences (their blocks return to the pool at once), and an
             EngineOutput goes out per new token (engine/engine_outputs.py); then the step just
             launched is recorded (Scheduler.record_launch: each sampled token appended as a
-            placeholder, sequence.PENDING_TOKEN; full blocks enter the prefix cache).
+            placeholder, sequence.PLACEHOLDER_TOKEN; full blocks enter the prefix cache).
 
 Async scheduling (EngineConfig.async_scheduling, the default): `step()` launches step N and
 then processes step N-1, the one launched step in flight (`_in_flight`), so the host
 schedules, stages and streams while the device computes; step N reads the input ids that
 step N-1 sampled on the device (ModelRunner fills them).
 Costs: a sequence that stops on a stop token has already been scheduled for one more token,
-which is discarded; a sequence whose pending token ends it by length is not scheduled again
+which is discarded; a sequence whose placeholder ends it by length is not scheduled again
 (`Sequence.is_finishing`). Penalties read the token history on the host, so a step that
 samples with them processes the step before it first. Off: launch and process in one call.
 
@@ -41,7 +41,7 @@ from llmserve.inference.engine.block_manager import BlockManager
 from llmserve.inference.engine.config import EngineConfig
 from llmserve.inference.engine.engine_outputs import error_outputs, token_output
 from llmserve.inference.engine.model_runner import ModelRunner
-from llmserve.inference.engine.sampler import PendingSample, Sampler, needs_token_history
+from llmserve.inference.engine.sampler import LaunchedSample, Sampler, needs_token_history
 from llmserve.inference.engine.scheduler import ScheduledBatch, Scheduler, SchedulerConfig
 from llmserve.inference.engine.sequence_factory import SequenceFactory
 from llmserve.inference.engine.step_output import LaunchedBatch
@@ -58,7 +58,7 @@ class _LaunchedStep:
     """A step queued on the device, with the sampling whose tokens the host has not seen yet."""
 
     launch: LaunchedBatch
-    sampled: PendingSample  # row i: launch.sampling_seqs[i]
+    sampled: LaunchedSample  # row i: launch.sampling_seqs[i]
 
 
 class TorchEngineCore:
@@ -102,7 +102,7 @@ class TorchEngineCore:
         )
         self._sequences = SequenceFactory(config, self.runner.device, self.model_info.hash_namespace)
         self.step_stats = step_stats
-        self._in_flight: _LaunchedStep | None = None  # async scheduling: launched, not processed
+        self._launched: _LaunchedStep | None = None  # async scheduling: launched, not processed
         self._num_scheduled_seqs = 0
 
     # --- EngineCore interface ----------------------------------------------------------------
@@ -114,8 +114,8 @@ class TorchEngineCore:
     def abort_request(self, request_id: str) -> bool:
         return bool(self.scheduler.abort(request_id))
 
-    def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished
+    def has_requests_in_flight(self) -> bool:
+        return self.scheduler.has_unfinished_sequences
 
     def step(self) -> list[EngineOutput]:
         """schedule -> execute -> update; with async scheduling the update is of the step the
@@ -128,13 +128,13 @@ class TorchEngineCore:
         if not batch.is_empty:
             launched, outputs_before = self._launch(batch, timer)
             outputs += outputs_before
-        if self._in_flight is not None:
-            outputs += self._process(self._take_in_flight(), timer)
+        if self._launched is not None:
+            outputs += self._process(self._take_launched(), timer)
         if launched is not None:
             self.scheduler.record_launch(launched.launch)
-            self._in_flight = launched
+            self._launched = launched
             if not self.config.async_scheduling:
-                outputs += self._process(self._take_in_flight(), timer)
+                outputs += self._process(self._take_launched(), timer)
         timer.done(len(batch.seqs), batch.num_tokens)
         return outputs
 
@@ -167,17 +167,17 @@ class TorchEngineCore:
         outputs come back with the launch."""
         outputs: list[EngineOutput] = []
         timer.gpu_begin()
-        in_flight_tokens = self._in_flight.sampled.token_ids if self._in_flight is not None else None
-        logits = timer.measure("execute_launch_s", self.runner.execute, batch, in_flight_tokens)
+        launched_tokens = self._launched.sampled.token_ids if self._launched is not None else None
+        logits = timer.measure("execute_launch_s", self.runner.execute, batch, launched_tokens)
         seqs, forks, logits = self._sequences.fork_siblings(batch.sampling_seqs(), logits)
-        if self._in_flight is not None and any(needs_token_history(seq.sampling) for seq in seqs):
-            outputs = self._process(self._take_in_flight(), timer)
+        if self._launched is not None and any(needs_token_history(seq.sampling) for seq in seqs):
+            outputs = self._process(self._take_launched(), timer)
         sampled = timer.measure("sampler_launch_s", self.sampler.launch, logits, seqs)
         timer.gpu_end()
         return _LaunchedStep(LaunchedBatch(batch, seqs, forks), sampled), outputs
 
-    def _take_in_flight(self) -> _LaunchedStep:
-        step, self._in_flight = self._in_flight, None
+    def _take_launched(self) -> _LaunchedStep:
+        step, self._launched = self._launched, None
         return step
 
     def _process(self, step: _LaunchedStep, timer: StepTimer | Untimed) -> list[EngineOutput]:

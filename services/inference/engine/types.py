@@ -1,8 +1,9 @@
-"""Messages between the inference servicer and an engine core. No protobuf here.
+"""What the inference service hands an engine core, and the core's interface. No protobuf here.
 
-Request lifecycle inside a replica:
-  servicer → AsyncEngine.generate(EngineRequest) → EngineThread → EngineCore.add_request
-  EngineCore.step() → [EngineOutput] → per-request asyncio queue → servicer stream
+Request lifecycle inside a replica (docs/request-path.md has the whole path):
+  servicer → OutputStream.start → AsyncEngine.submit(EngineRequest) → core client → EngineLoop
+  → EngineCore.add_request; EngineCore.step() → [EngineOutput] → EngineLoop → core client →
+  AsyncEngine (one CoreUpdate per step) → each request's OutputStream → the RPC's writer;
   cancel/deadline → AsyncEngine.abort → EngineCore.abort_request (frees KV blocks at once)
 """
 
@@ -112,7 +113,7 @@ class StepReport:
 
 class StepFailed(RuntimeError):
     """EngineCore.step() failed for `request_ids` only: the engine thread fails those requests
-    and the others go on. Any other exception from step() fails every unfinished request."""
+    and the others go on. Any other exception from step() fails every request in flight."""
 
     def __init__(self, message: str, request_ids: list[str]):
         super().__init__(message)
@@ -123,7 +124,7 @@ class EngineCore(Protocol):
     """A synchronous engine: everything runs on the engine thread, one step at a time.
 
     The EngineThread calls these methods only from itself, so implementations need no locks. A
-    request is *unfinished* from add_request until each of its sequences has had its final
+    request is *in flight* from add_request until each of its sequences has had its final
     output from step(), or until abort_request. `step()` runs one schedule → execute → update
     iteration and returns the outputs it produced (at most one per running sequence, plus final
     outputs of finished ones).
@@ -134,10 +135,10 @@ class EngineCore(Protocol):
     def add_request(self, request: EngineRequest) -> None: ...
 
     def abort_request(self, request_id: str) -> bool:
-        """Stop the request and free its KV blocks now; True if it was unfinished."""
+        """Stop the request and free its KV blocks now; True if it was in flight."""
         ...
 
-    def has_unfinished_requests(self) -> bool: ...
+    def has_requests_in_flight(self) -> bool: ...
 
     def step(self) -> list[EngineOutput]:
         """May raise StepFailed to fail some requests only (see there)."""

@@ -84,7 +84,7 @@ def _checkpoint_tensors(files: list[Path]) -> Iterator[tuple[str, torch.Tensor]]
 def _load_weights(model: LlamaForCausalLM, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
     params = dict(model.named_parameters())  # tied lm_head.weight appears once, as embed_tokens
     modules = dict(model.named_modules())
-    pending = {name: _expected_shards(modules, name) for name in params}
+    unloaded = {name: _expected_shards(modules, name) for name in params}
     unexpected: list[str] = []
     for key, tensor in named_tensors:
         if key.endswith(_IGNORED_SUFFIXES):
@@ -97,8 +97,8 @@ def _load_weights(model: LlamaForCausalLM, named_tensors: Iterable[tuple[str, to
             continue
         name, shard = target
         _copy(modules, params, name, shard, tensor)
-        pending[name].discard(shard)
-    missing = sorted(f"{name}[{shard}]" if shard else name for name, shards in pending.items() for shard in shards)
+        unloaded[name].discard(shard)
+    missing = sorted(f"{name}[{shard}]" if shard else name for name, shards in unloaded.items() for shard in shards)
     if unexpected or missing:
         raise ValueError(
             f"checkpoint does not match {model.config.architecture}: "

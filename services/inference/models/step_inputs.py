@@ -10,9 +10,9 @@ are the rows whose logits are sampled: the last token of each sequence that samp
 order.
 
 Async scheduling: a sequence's last input token may still be in flight (sampled by the step
-on the device, not yet on the host). Its row gets id 0 and is listed in `pending_rows`, with
+on the device, not yet on the host). Its row gets id 0 and is listed in `placeholder_rows`, with
 the row of the in-flight step's sampled tokens to read it from on the device in
-`pending_source_rows` (ModelRunner fills them before the forward).
+`placeholder_source_rows` (ModelRunner fills them before the forward).
 
 The engine builds them (engine/batch_inputs.py); the models only read them, so this type
 lives below both.
@@ -36,8 +36,8 @@ class StepInputs:
     prefill_block_tables: list[list[int]] = field(default_factory=list)
     prefill_has_cached_prefix: list[bool] = field(default_factory=list)
     logits_indices: list[int] = field(default_factory=list)
-    pending_rows: list[int] = field(default_factory=list)
-    pending_source_rows: list[int] = field(default_factory=list)
+    placeholder_rows: list[int] = field(default_factory=list)
+    placeholder_source_rows: list[int] = field(default_factory=list)
 
     @property
     def num_tokens(self) -> int:

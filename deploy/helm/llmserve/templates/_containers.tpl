@@ -55,8 +55,8 @@
     - --redis-url
     - $(LLMSERVE_PROMPT_CACHE_REDIS_URL)
     {{- end }}
-    {{- with $v.workers }}
-    - --workers
+    {{- with $v.tokenizerThreads }}
+    - --tokenizer-threads
     - {{ . | quote }}
     {{- end }}
     {{- with $v.promptCacheBytes }}

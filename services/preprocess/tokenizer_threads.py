@@ -1,6 +1,6 @@
-"""The worker threads preprocess runs its pipeline on, and the bound on what waits for them.
+"""The tokenizer threads preprocess runs its pipeline on, and the bound on what waits for them.
 
-Tokenizing is CPU work in Rust that releases the GIL, so it runs on `num_workers` threads while
+Tokenizing is CPU work in Rust that releases the GIL, so it runs on `num_tokenizer_threads` threads while
 the event loop keeps serving. What waits for a thread is bounded by bytes, not by count: every
 admitted request holds its prompt until it finishes, and admission counts the prompt's bytes
 against `max_in_flight_bytes`. A request that does not fit is refused at once with
@@ -25,25 +25,25 @@ from llmserve.errors import ResourceExhausted
 
 T = TypeVar("T")
 
-# One worker's tokenizing rate before anything was measured (tokenizers does ~1-5 MB/s a thread).
+# One tokenizer thread's tokenizing rate before anything was measured (tokenizers does ~1-5 MB/s a thread).
 _INITIAL_BYTES_PER_S = 2_000_000.0
 # Weight of the newest measurement in the rate's moving average.
 _RATE_SMOOTHING = 0.2
 
 
-class WorkerPool:
-    """Runs blocking pipeline calls on worker threads, within a byte budget. Use from one event
-    loop: the accounting is done on the loop thread, never on the workers."""
+class TokenizerThreads:
+    """Runs blocking pipeline calls on tokenizer threads, within a byte budget. Use from one event
+    loop: the accounting is done on the loop thread, never on the threads."""
 
-    def __init__(self, num_workers: int, max_in_flight_bytes: int):
-        self._executor = ThreadPoolExecutor(max_workers=num_workers, thread_name_prefix="preprocess")
-        self.num_workers = num_workers
+    def __init__(self, num_tokenizer_threads: int, max_in_flight_bytes: int):
+        self._executor = ThreadPoolExecutor(max_workers=num_tokenizer_threads, thread_name_prefix="preprocess")
+        self.num_tokenizer_threads = num_tokenizer_threads
         self._max_in_flight_bytes = max_in_flight_bytes
         self._in_flight_bytes = 0  # prompts admitted and not finished (waiting or running)
-        self._bytes_per_s = _INITIAL_BYTES_PER_S  # one worker's, moving average
+        self._bytes_per_s = _INITIAL_BYTES_PER_S  # one tokenizer thread's, moving average
 
     async def run(self, num_bytes: int, fn: Callable[..., T], /, *args, **kwargs) -> T:
-        """`fn(*args, **kwargs)` on a worker, holding `num_bytes` of the budget meanwhile;
+        """`fn(*args, **kwargs)` on a tokenizer thread, holding `num_bytes` of the budget meanwhile;
         ResourceExhausted (with a retry delay) when they do not fit."""
         with self.hold(num_bytes):
             return await self.execute(num_bytes, functools.partial(fn, *args, **kwargs))
@@ -58,9 +58,9 @@ class WorkerPool:
             self._in_flight_bytes -= num_bytes
 
     async def execute(self, num_bytes: int, fn: Callable[[], T]) -> T:
-        """`fn()` on a worker (no admission: the caller holds the bytes), timed into the rate
+        """`fn()` on a tokenizer thread (no admission: the caller holds the bytes), timed into the rate
         estimate as work on `num_bytes` of prompts."""
-        elapsed_s: list[float] = []  # set by the worker when fn returns or raises
+        elapsed_s: list[float] = []  # set by the tokenizer thread when fn returns or raises
 
         def timed() -> T:
             start_s = time.perf_counter()
@@ -76,7 +76,7 @@ class WorkerPool:
                 self._measure(num_bytes, elapsed_s[0])
 
     def close(self) -> None:
-        """Stop the worker threads (after the gRPC server has stopped)."""
+        """Stop the tokenizer threads (after the gRPC server has stopped)."""
         self._executor.shutdown(wait=True, cancel_futures=True)
 
     def _admit(self, num_bytes: int) -> None:
@@ -89,7 +89,7 @@ class WorkerPool:
         self._in_flight_bytes += num_bytes
 
     def _drain_time_ms(self) -> int:
-        return max(1, math.ceil(1000 * self._in_flight_bytes / (self._bytes_per_s * self.num_workers)))
+        return max(1, math.ceil(1000 * self._in_flight_bytes / (self._bytes_per_s * self.num_tokenizer_threads)))
 
     def _measure(self, num_bytes: int, elapsed_s: float) -> None:
         rate = num_bytes / max(elapsed_s, 1e-6)
