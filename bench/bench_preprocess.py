@@ -21,7 +21,7 @@ repo's docs, seeded), sent as `Preprocess` requests (text prompts, max_tokens 16
                service's own cost, the least client CPU);
       pool     the gateway's client: services/gateway/preprocess_pool.PreprocessPool over the
                replicas (least in flight, health-aware), typed requests and responses built
-               and parsed as the gateway does. What the gateway gets from N preprocess replicas,
+               and parsed as the gateway does. What the gateway gets from N preprocess servers,
                without an inference hop in the way.
 Prints a table and writes JSON to --results-dir.
 """
@@ -47,7 +47,6 @@ import grpc
 import tokenizers
 
 from proc_cpu import CLOCK_TICKS_PER_S, snapshot
-from llmserve.gateway.preprocess_client import PromptInput
 from llmserve.gateway.preprocess_pool import PreprocessPool
 from llmserve.tools.service_process import ServiceProcess, stop_services
 from llmserve.v1 import preprocess_pb2
@@ -192,7 +191,7 @@ class _PoolSender:
 
     def __init__(self, addresses: list[str], prompts: list[str]):
         self._pool = PreprocessPool(lambda: addresses)
-        self._inputs = [PromptInput(prompt=prompt) for prompt in prompts]
+        self._inputs = list(prompts)
         self._num_replicas = len(addresses)
 
     async def warm_up(self) -> None:

@@ -10,6 +10,7 @@ import math
 
 from llmserve.engine_output import EngineOutput
 from llmserve.errors import InvalidArgument
+from llmserve.prompt_input import Chat, PromptInput, PromptTokenIds
 from llmserve.sampling import ChatMessage, FinishReason, SamplingParams, TokenLogprob, TopLogprob
 from llmserve.v1 import common_pb2, inference_pb2
 
@@ -201,3 +202,29 @@ def output_from_pb(request_id: str, response: inference_pb2.GenerateTokensRespon
         time_to_first_token_ns=response.timings.time_to_first_token_ns,
         total_time_ns=response.timings.total_time_ns,
     )
+
+
+def prompt_input_from_pb(message, text_field: str = "prompt") -> PromptInput | None:
+    """A request's `oneof input` (GenerateParams, PreprocessRequest, TokenizeRequest) as internal
+    types: its text field, a Chat, token ids, or None when none is set."""
+    which = message.WhichOneof("input")
+    if which == text_field:
+        return getattr(message, text_field)
+    if which == "chat":
+        chat = message.chat
+        add_generation_prompt = chat.add_generation_prompt if chat.HasField("add_generation_prompt") else True
+        return Chat(tuple(chat_from_pb(chat.messages)), add_generation_prompt)
+    if which == "prompt_token_ids":
+        return PromptTokenIds(list(message.prompt_token_ids.token_ids))
+    return None
+
+
+def set_prompt_input_pb(message, prompt_input: PromptInput, text_field: str = "prompt") -> None:
+    """Set `message`'s `oneof input` from `prompt_input` (the inverse of prompt_input_from_pb)."""
+    if isinstance(prompt_input, Chat):
+        message.chat.messages.extend(chat_to_pb(list(prompt_input.messages)))
+        message.chat.add_generation_prompt = prompt_input.add_generation_prompt
+    elif isinstance(prompt_input, PromptTokenIds):
+        message.prompt_token_ids.token_ids.extend(prompt_input.token_ids)
+    else:
+        setattr(message, text_field, prompt_input)

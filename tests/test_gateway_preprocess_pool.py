@@ -1,4 +1,4 @@
-"""A gateway in front of several preprocess replicas (issue 10, preprocess at scale), with real
+"""A gateway in front of several preprocess servers (issue 10, preprocess at scale), with real
 processes on the tiny model: requests spread over the replicas, a replica SIGKILLed mid-run costs
 no request (a call it was serving is retried on the other), a restarted one takes calls again, a
 dns:/// target works, and a replica whose model info differs from the first one's is refused.
@@ -20,8 +20,7 @@ import pytest
 
 from llmserve.gateway.config import GatewayConfig
 from llmserve.gateway.discovery import Target
-from llmserve.gateway.preprocess_client import PromptInput
-from llmserve.gateway.preprocess_replicas import PreprocessReplicas
+from llmserve.gateway.preprocess_servers import PreprocessServers
 from llmserve.tools.service_process import ServiceProcess, start_service, stop_service
 from llmserve.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc
 
@@ -143,9 +142,9 @@ async def test_a_replica_whose_model_info_differs_is_refused_and_never_called(ti
         preprocess_targets=(Target.parse(same.address), Target.parse(other.address)),
         inference_targets=(Target.parse("127.0.0.1:1"),), model_path=tiny_model_dir,
     )
-    replicas = PreprocessReplicas(config)
+    replicas = PreprocessServers(config)
     try:
-        with caplog.at_level(logging.INFO, logger="llmserve.gateway.preprocess_replicas"):
+        with caplog.at_level(logging.INFO, logger="llmserve.gateway.preprocess_servers"):
             info = await replicas.start()
             assert info.block_layout.block_size_tokens == 16
             other.send_signal(signal.SIGCONT)
@@ -155,9 +154,9 @@ async def test_a_replica_whose_model_info_differs_is_refused_and_never_called(ti
                 await asyncio.sleep(0.1)
         assert (
             f"preprocess at {other.address} refused: its model info differs from preprocess at {same.address}'s "
-            "(block_size_tokens 32 vs 16); start every preprocess replica with the same --model and engine flags"
+            "(block_size_tokens 32 vs 16); start every preprocess server with the same --model and engine flags"
         ) in caplog.text
-        prompt = PromptInput(prompt="The capital of France is")
+        prompt = "The capital of France is"
         for i in range(6):
             await replicas.pool.preprocess(f"r{i}", prompt, max_tokens=2, cache_salt="", timeout_s=20)
         assert {status.address: status.num_calls for status in replicas.pool.status()} == {same.address: 6}

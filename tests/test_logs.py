@@ -236,7 +236,7 @@ def test_the_gateway_stack_labels_every_hop_and_keeps_text_in_the_text_fields(ti
             if request_id in line["message"]:
                 assert line.get("request_id") == request_id, line
     gateway_lines = {line["message"].split(":")[0]: line for line in logs["gateway"] if "request_id" in line}
-    assert gateway_lines["accepted"]["prompt"]["prompt"] == SECRET
+    assert gateway_lines["accepted"]["prompt"] == SECRET  # the prompt input as preprocess gets it
     assert gateway_lines["completion sent"]["completion"] == response.text
     assert gateway_lines["completion sent"]["completion_token_ids"] == list(response.token_ids)
     # Bound to the RPC, not passed line by line: the pipeline's own line carries it too.

@@ -15,7 +15,7 @@ import tokenizers
 
 from llmserve.preprocess.batch_encoder import EncodeJob
 from llmserve.preprocess.config import PreprocessConfig
-from llmserve.preprocess.inputs import Chat
+from llmserve.prompt_input import Chat
 from llmserve.preprocess.preprocessor import Preprocessor
 from llmserve.preprocess.server import start_server
 from llmserve.sampling import ChatMessage

@@ -1,6 +1,6 @@
 """`python -m llmserve.gateway`: the public API in front of preprocess and inference.
 
-Start-up: wait (bounded) for a preprocess replica and the inference replicas to report SERVING →
+Start-up: wait (bounded) for a preprocess server and the inference replicas to report SERVING →
 check that their block layouts agree (exit 1 naming both values if not) → read the model card →
 bind → SERVING → write the port file.
 SIGTERM/SIGINT: NOT_SERVING → drain in-flight requests → exit 0. With `--workers N` (N > 1) this
@@ -41,7 +41,7 @@ def build_parser() -> argparse.ArgumentParser:
         required=True,
         action="append",
         metavar="HOST:PORT|dns:///NAME:PORT",
-        help="preprocess replicas (repeatable, as --inference): each request goes to the one with the fewest "
+        help="preprocess servers (repeatable, as --inference): each request goes to the one with the fewest "
         "calls in flight that reports SERVING, and one refused UNAVAILABLE is sent once more to another",
     )
     parser.add_argument(

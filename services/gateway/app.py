@@ -1,7 +1,7 @@
 """Assembling a running gateway from its config: clients, tokenizer, router, servicer, server.
 
 `start_gateway` is what __main__ runs and what in-process tests call. Start-up order: wait
-(bounded) for a preprocess replica (preprocess_replicas: the others join as they serve), open
+(bounded) for a preprocess server (preprocess_servers: the others join as they serve), open
 the prefix index (in memory, or Redis), bring up the inference replicas discovery finds
 (replica_set: each must serve, with preprocess's block layout, or BlockLayoutMismatch refuses
 to start), keep the first replica's model card, bind with a receive-message limit sized from
@@ -19,7 +19,7 @@ from llmserve.gateway.config import GatewayConfig
 from llmserve.gateway.detokenizer import Detokenizer
 from llmserve.gateway.generation import GenerationPipeline
 from llmserve.gateway.inference_client import ModelCard
-from llmserve.gateway.preprocess_replicas import PreprocessReplicas
+from llmserve.gateway.preprocess_servers import PreprocessServers
 from llmserve.gateway.replica_set import ReplicaSet
 from llmserve.gateway.router import Router
 from llmserve.gateway.routing_index import RoutingIndex
@@ -34,7 +34,7 @@ log = logging.getLogger(__name__)
 @dataclass
 class RunningGateway:
     server: RunningServer
-    preprocess: PreprocessReplicas
+    preprocess: PreprocessServers
     replicas: ReplicaSet
     index: RoutingIndex
     model: ModelCard
@@ -55,15 +55,15 @@ async def start_gateway(config: GatewayConfig, worker_id: int = 0) -> RunningGat
     `worker_id` names this process among the gateway's workers (gateway.worker_group); each worker
     binds `config.port` itself (grpc sets SO_REUSEPORT, so they share it).
     """
-    preprocess = PreprocessReplicas(config)
+    preprocess = PreprocessServers(config)
     index: RoutingIndex | None = None
     replicas: ReplicaSet | None = None
     try:
         # Loading the tokenizer overlaps with waiting for the hops.
         detokenizer_task = asyncio.create_task(asyncio.to_thread(Detokenizer.from_model_dir, config.model_path))
-        preprocess_info = await preprocess.start()
+        preprocess_card = await preprocess.start()
         index = RoutingIndex.open(config)
-        replicas = ReplicaSet(config, preprocess_info.block_layout, index.events)
+        replicas = ReplicaSet(config, preprocess_card.block_layout, index.events)
         model = await replicas.start()
         detokenizer = await detokenizer_task
     except BaseException:
@@ -81,7 +81,7 @@ async def start_gateway(config: GatewayConfig, worker_id: int = 0) -> RunningGat
         lambda s: gateway_pb2_grpc.add_GatewayServiceServicer_to_server(servicer, s),
         (SERVICE_NAME,),
         # A client's request is preprocess's, plus sampling: the same bound, from the same cap.
-        max_receive_bytes=prompt_request_bytes(preprocess_info.max_prompt_bytes, preprocess_info.max_context_tokens),
+        max_receive_bytes=prompt_request_bytes(preprocess_card.max_prompt_bytes, preprocess_card.max_context_tokens),
     )
     await server.set_serving(True)
     log.info(

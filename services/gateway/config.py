@@ -19,7 +19,7 @@ DEFAULT_DOWNSTREAM_READY_TIMEOUT_S = 600.0
 
 @dataclass(frozen=True, slots=True)
 class GatewayConfig:
-    preprocess_targets: tuple[Target, ...]  # preprocess replicas: host:port or dns:///name:port (discovery)
+    preprocess_targets: tuple[Target, ...]  # preprocess servers: host:port or dns:///name:port (discovery)
     inference_targets: tuple[Target, ...]  # inference replicas: host:port or dns:///name:port (discovery)
     model_path: Path  # checkpoint dir whose tokenizer.json detokenizes the output
     model_name: str | None = None  # None: the name the inference replica reports

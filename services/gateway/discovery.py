@@ -6,7 +6,7 @@ A target is either
     a Kubernetes headless Service resolves to one address per ready pod). It is resolved again
     every `interval_s`, so pods that come and go join and leave.
 A DNS failure keeps the addresses the name had last (a resolver hiccup must not empty the
-fleet). Nothing here knows what service it finds: preprocess replicas can be found the same way.
+fleet). Nothing here knows what service it finds: preprocess servers can be found the same way.
 """
 
 from __future__ import annotations

@@ -33,7 +33,8 @@ from llmserve.errors import ServiceError
 from llmserve.gateway.detokenizer import Detokenizer, DetokenizerStream
 from llmserve.gateway.hop_errors import DownstreamError
 from llmserve.gateway.metrics import record_finished, record_first_tokens, record_next_tokens, record_reroute
-from llmserve.gateway.preprocess_client import PreparedPrompt, PromptInput
+from llmserve.gateway.preprocess_client import PreparedPrompt
+from llmserve.prompt_input import PromptInput
 from llmserve.gateway.preprocess_pool import PreprocessPool
 from llmserve.gateway.replica import Replica
 from llmserve.gateway.router import RouteDecision, Router

@@ -15,31 +15,21 @@ from llmserve.gateway.block_layout import BlockLayout
 from llmserve.gateway.health import wait_until_serving
 from llmserve.gateway.hop_errors import error_from_rpc
 from llmserve.gateway.request_id import request_metadata
-from llmserve.pb import chat_to_pb
-from llmserve.sampling import ChatMessage
+from llmserve.pb import set_prompt_input_pb
+from llmserve.prompt_input import PromptInput
 from llmserve.server import CHANNEL_OPTIONS
 from llmserve.v1 import preprocess_pb2, preprocess_pb2_grpc
 
 # Preprocess fields that the gateway's clients know under another name: a field violation from
 # preprocess is re-labelled so that the error names the field the client actually set.
 _PREPROCESS_FIELDS_AS_CLIENT_FIELDS = {"max_tokens": "sampling.max_tokens"}
-# gRPC's reconnect backoff grows to 120 s; a preprocess replica restarted at its address (or a
-# pool's replica back from a crash) is then found within a second instead.
+# gRPC's reconnect backoff grows to 120 s; a preprocess server restarted at its address (or a
+# pool's server back from a crash) is then found within a second instead.
 _CHANNEL_OPTIONS = (*CHANNEL_OPTIONS, ("grpc.max_reconnect_backoff_ms", 1000))
 
 
 @dataclass(frozen=True, slots=True)
-class PromptInput:
-    """What to generate from: raw prompt text, chat turns or token ids (exactly one is set)."""
-
-    prompt: str | None = None
-    chat: tuple[ChatMessage, ...] | None = None
-    add_generation_prompt: bool | None = None  # None: the service default (true)
-    token_ids: list[int] | None = None  # used as they are: no template, no special tokens
-
-
-@dataclass(frozen=True, slots=True)
-class PreprocessInfo:
+class PreprocessCard:
     """What the gateway needs to know of preprocess at start-up."""
 
     block_layout: BlockLayout
@@ -64,14 +54,7 @@ def _request_to_pb(
     request_id: str, prompt_input: PromptInput, max_tokens: int | None, cache_salt: str
 ) -> preprocess_pb2.PreprocessRequest:
     request = preprocess_pb2.PreprocessRequest(request_id=request_id, cache_salt=cache_salt)
-    if prompt_input.chat is not None:
-        request.chat.messages.extend(chat_to_pb(list(prompt_input.chat)))
-        if prompt_input.add_generation_prompt is not None:
-            request.chat.add_generation_prompt = prompt_input.add_generation_prompt
-    elif prompt_input.token_ids is not None:
-        request.prompt_token_ids.token_ids.extend(prompt_input.token_ids)
-    else:
-        request.prompt = prompt_input.prompt or ""
+    set_prompt_input_pb(request, prompt_input)
     if max_tokens is not None:
         request.max_tokens = max_tokens
     return request
@@ -86,12 +69,12 @@ class PreprocessClient:
     async def wait_until_serving(self, timeout_s: float) -> None:
         await wait_until_serving(self._channel, f"preprocess at {self.address}", timeout_s)
 
-    async def get_info(self, timeout_s: float | None = 10.0) -> PreprocessInfo:
+    async def get_info(self, timeout_s: float | None = 10.0) -> PreprocessCard:
         try:
             response = await self._stub.GetPreprocessInfo(preprocess_pb2.GetPreprocessInfoRequest(), timeout=timeout_s)
         except grpc.aio.AioRpcError as error:
             raise error_from_rpc("preprocess", error) from None
-        return PreprocessInfo(
+        return PreprocessCard(
             block_layout=BlockLayout(
                 response.model.block_size_tokens, response.model.block_hash_version,
                 response.model.model_fingerprint, response.model.tokenizer_fingerprint,

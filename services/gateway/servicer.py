@@ -21,9 +21,9 @@ from llmserve.errors import InvalidArgument, NotFound
 from llmserve.gateway.generation import GenerationDelta, GenerationPipeline, GenerationRequest, GenerationResult
 from llmserve.gateway.inference_client import ModelCard
 from llmserve.gateway.metrics import tracked_request
-from llmserve.gateway.preprocess_client import PromptInput
 from llmserve.gateway.request_id import REQUEST_ID_METADATA_KEY, new_request_id
-from llmserve.pb import chat_from_pb, finish_reason_to_pb, logprobs_to_pb, sampling_from_pb
+from llmserve.pb import finish_reason_to_pb, logprobs_to_pb, prompt_input_from_pb, sampling_from_pb
+from llmserve.prompt_input import PromptInput
 from llmserve.request_context import bind_request_id
 from llmserve.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc
 
@@ -129,19 +129,12 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
 
 
 def _prompt_input_from_pb(request: gateway_pb2.GenerateParams) -> PromptInput:
-    which = request.WhichOneof("input")
-    if which == "prompt":
-        return PromptInput(prompt=request.prompt)
-    if which == "chat":
-        chat = request.chat
-        return PromptInput(
-            chat=tuple(chat_from_pb(chat.messages)),
-            add_generation_prompt=chat.add_generation_prompt if chat.HasField("add_generation_prompt") else None,
-        )
-    if which == "prompt_token_ids":
-        # Checked by preprocess, against the vocabulary of the tokenizer it and the detokenizer share.
-        return PromptInput(token_ids=list(request.prompt_token_ids.token_ids))
-    raise InvalidArgument("input", "set one of prompt, chat or prompt_token_ids")
+    # Token ids are checked by preprocess, against the vocabulary of the tokenizer it and the
+    # detokenizer share.
+    prompt_input = prompt_input_from_pb(request)
+    if prompt_input is None:
+        raise InvalidArgument("input", "set one of prompt, chat or prompt_token_ids")
+    return prompt_input
 
 
 async def _logging_completion(deltas: AsyncIterator[GenerationDelta]) -> AsyncIterator[GenerationDelta]:

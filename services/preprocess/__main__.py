@@ -105,7 +105,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument(
         "--redis-url", metavar="URL",
-        help="share tokenized system prompts with other replicas through this Redis, e.g. "
+        help="share tokenized system prompts with other preprocess servers through this Redis, e.g. "
         "redis://host:6379/0 (default: none, in process only); a Redis that is down or slow only "
         "means tokenizing locally",
     )

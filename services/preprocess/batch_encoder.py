@@ -21,7 +21,7 @@ from typing import Callable, Generic, Sequence, TypeVar
 from llmserve.errors import InvalidArgument
 from llmserve.preprocess import validation
 from llmserve.preprocess.chat_template import ChatTemplate
-from llmserve.preprocess.inputs import Chat, TextOrChat
+from llmserve.prompt_input import Chat, TextOrChat
 from llmserve.preprocess.tail_tokenizer import TailTokenizer, TokenizedPrefix
 from llmserve.preprocess.tokenizer import ModelTokenizer
 from llmserve.preprocess.validation import Limits

@@ -22,7 +22,7 @@ from typing import Sequence
 from llmserve.message_limits import MAX_TOKEN_ID_BYTES
 from llmserve.preprocess.batch_encoder import Encoded, EncodeJob
 from llmserve.preprocess.config import PreprocessConfig
-from llmserve.preprocess.inputs import PromptInput, PromptTokenIds, TextOrChat
+from llmserve.prompt_input import PromptInput, PromptTokenIds, TextOrChat
 from llmserve.preprocess.micro_batcher import MicroBatcher
 from llmserve.preprocess.preprocessor import TOKEN_IDS_FIELD, Preprocessed, Preprocessor, Tokenized
 from llmserve.preprocess.prompt_cache import PromptCache, cache_namespace

@@ -33,7 +33,7 @@ from llmserve.preprocess import validation
 from llmserve.preprocess.batch_encoder import BatchEncoder, Encoding
 from llmserve.preprocess.chat_template import ChatTemplate
 from llmserve.preprocess.config import PreprocessConfig
-from llmserve.preprocess.inputs import PromptInput, PromptTokenIds, TextOrChat
+from llmserve.prompt_input import PromptInput, PromptTokenIds, TextOrChat
 from llmserve.preprocess.tail_tokenizer import TailTokenizer
 from llmserve.preprocess.tokenizer import ModelTokenizer
 from llmserve.preprocess.validation import Limits

@@ -5,8 +5,8 @@ rendered from: the digest of its messages (roles and contents, chained turn by t
 leading run of a chat has its own key computed in one pass) and `add_generation_prompt`. A
 request looks up each of its leading runs, longest first: the previous turn of a conversation
 (stored when that turn was preprocessed) and the system prompt alone (stored the first time a
-conversation with it was seen, here or - through Redis - on any replica). The LRU holds both,
-bounded by `max_bytes`; only system prompts go to Redis, which is what replicas share.
+conversation with it was seen, here or - through Redis - on any preprocess server). The LRU holds both,
+bounded by `max_bytes`; only system prompts go to Redis, which is what the servers share.
 
 The Redis key also names the model, the tokenizer version and the chat template's version:
 another tokenizer or template renders or splits the same messages differently, so its entries

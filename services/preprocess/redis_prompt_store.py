@@ -1,4 +1,4 @@
-"""Tokenized system prompts shared by every preprocess replica through Redis (optional).
+"""Tokenized system prompts shared by every preprocess server through Redis (optional).
 
 Redis is a cache and never a dependency: every call is bounded by `timeout_ms` (connect
 included, no retries), and any failure - down, slow, refusing, a value that does not parse -

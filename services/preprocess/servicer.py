@@ -16,9 +16,8 @@ import grpc
 
 from llmserve.buckets import LengthBucket
 from llmserve.errors import ServiceError
-from llmserve.pb import chat_from_pb
+from llmserve.pb import prompt_input_from_pb
 from llmserve.preprocess import metrics
-from llmserve.preprocess.inputs import Chat, PromptInput, PromptTokenIds
 from llmserve.preprocess.pipeline import PreprocessPipeline
 from llmserve.request_context import bind_request_id
 from llmserve.v1 import common_pb2, preprocess_pb2, preprocess_pb2_grpc
@@ -26,23 +25,6 @@ from llmserve.v1 import common_pb2, preprocess_pb2, preprocess_pb2_grpc
 log = logging.getLogger(__name__)
 
 SERVICE_NAME = preprocess_pb2.DESCRIPTOR.services_by_name["PreprocessService"].full_name
-
-
-def _chat_from_pb(pb: common_pb2.ChatInput) -> Chat:
-    add_generation_prompt = pb.add_generation_prompt if pb.HasField("add_generation_prompt") else True
-    return Chat(tuple(chat_from_pb(pb.messages)), add_generation_prompt)
-
-
-def _input_from_pb(request, text_field: str) -> PromptInput | None:
-    """The request's `oneof input` as internal types: its text field, a Chat, token ids or None."""
-    which = request.WhichOneof("input")
-    if which == text_field:
-        return getattr(request, text_field)
-    if which == "chat":
-        return _chat_from_pb(request.chat)
-    if which == "prompt_token_ids":
-        return PromptTokenIds(list(request.prompt_token_ids.token_ids))
-    return None
 
 
 def _bucket_to_pb(bucket: LengthBucket) -> common_pb2.LengthBucket:
@@ -61,7 +43,7 @@ class PreprocessServicer(preprocess_pb2_grpc.PreprocessServiceServicer):
         if request.request_id:
             bind_request_id(request.request_id)
         max_tokens = request.max_tokens if request.HasField("max_tokens") else None
-        prompt_input = _input_from_pb(request, "prompt")
+        prompt_input = prompt_input_from_pb(request, "prompt")
         try:
             result = await self._pipeline.preprocess(prompt_input, max_tokens, request.cache_salt)
         except ServiceError as exc:
@@ -94,7 +76,7 @@ class PreprocessServicer(preprocess_pb2_grpc.PreprocessServiceServicer):
         self, request: preprocess_pb2.TokenizeRequest, context: grpc.aio.ServicerContext
     ) -> preprocess_pb2.TokenizeResponse:
         add_special_tokens = request.add_special_tokens if request.HasField("add_special_tokens") else None
-        text_or_chat = _input_from_pb(request, "text")
+        text_or_chat = prompt_input_from_pb(request, "text")
         try:
             result = await self._pipeline.tokenize(text_or_chat, add_special_tokens)
         except ServiceError as exc:

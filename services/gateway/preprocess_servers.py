@@ -1,18 +1,18 @@
-"""PreprocessReplicas: the preprocess replicas discovery finds, admitted into the gateway's pool.
+"""PreprocessServers: the preprocess servers discovery finds, admitted into the gateway's pool.
 
 `--preprocess` targets are found as inference's are (gateway.discovery: `host:port`, or
 `dns:///name:port` resolved again every --resolve-interval-s). An address is admitted, and
-the pool (preprocess_pool) starts calling it, once it reports SERVING and its PreprocessInfo
-(block layout, context, prompt byte cap) equals that of the first replica admitted: replicas
+the pool (preprocess_pool) starts calling it, once it reports SERVING and its PreprocessCard
+(block layout, context, prompt byte cap) equals that of the first server admitted: servers
 that tokenize or hash differently would make prefix-cache hits depend on which one a request
 met, and the gateway sized its receive limit by the first one's cap. One that differs is
 refused with a log line naming both values and is never called. An address DNS stops listing
 leaves the pool (its client closes once its calls end); one it lists again is checked again.
 
-Start-up (`start`) resolves the targets and returns the first admitted replica's info as soon
+Start-up (`start`) resolves the targets and returns the first admitted server's info as soon
 as one is (the others join when they serve); Unavailable if none serves within
 --downstream-ready-timeout-s. Then the pool's health checks run every
-HEALTH_CHECK_INTERVAL_S: a replica that stops serving is skipped before a request meets it,
+HEALTH_CHECK_INTERVAL_S: a server that stops serving is skipped before a request meets it,
 and one that serves again gets calls again.
 """
 
@@ -25,7 +25,7 @@ import logging
 from llmserve.errors import ServiceError, Unavailable
 from llmserve.gateway.config import GatewayConfig
 from llmserve.gateway.discovery import AddressWatcher
-from llmserve.gateway.preprocess_client import PreprocessClient, PreprocessInfo
+from llmserve.gateway.preprocess_client import PreprocessClient, PreprocessCard
 from llmserve.gateway.preprocess_pool import PreprocessPool
 
 log = logging.getLogger(__name__)
@@ -33,7 +33,7 @@ log = logging.getLogger(__name__)
 HEALTH_CHECK_INTERVAL_S = 1.0
 
 
-class PreprocessReplicas:
+class PreprocessServers:
     """Owns the pool (`pool`: what requests are sent through) and the tasks that feed it."""
 
     def __init__(self, config: GatewayConfig):
@@ -43,13 +43,13 @@ class PreprocessReplicas:
         self._admitted: tuple[str, ...] = ()  # what the pool calls; replaced, never mutated
         self._refused: set[str] = set()
         self._joining: set[str] = set()
-        self._reference: tuple[str, PreprocessInfo] | None = None  # the first admitted
+        self._reference: tuple[str, PreprocessCard] | None = None  # the first admitted
         self._has_admitted = asyncio.Event()
         self._tasks: set[asyncio.Task] = set()
         self.pool = PreprocessPool(lambda: self._admitted)
 
-    async def start(self) -> PreprocessInfo:
-        """Resolve, wait for a first replica to be admitted; its info."""
+    async def start(self) -> PreprocessCard:
+        """Resolve, wait for a first server to be admitted; its info."""
         self._listed = await self._watcher.resolve_some(self._config.downstream_ready_timeout_s)
         targets = ", ".join(map(str, self._config.preprocess_targets))
         if not self._listed:
@@ -58,7 +58,7 @@ class PreprocessReplicas:
         admitted = self._spawn(self._has_admitted.wait())
         await asyncio.wait([admitted, self._spawn(asyncio.wait(joins))], return_when=asyncio.FIRST_COMPLETED)
         if self._reference is None:
-            raise Unavailable(f"preprocess: no replica of {targets} could be admitted (see the log lines above)")
+            raise Unavailable(f"preprocess: no server of {targets} could be admitted (see the log lines above)")
         if not self._watcher.is_static:
             self._spawn(self._follow_discovery())
         self._spawn(self.pool.run_health_checks(HEALTH_CHECK_INTERVAL_S))
@@ -100,7 +100,7 @@ class PreprocessReplicas:
         if info != reference:
             log.error(
                 "preprocess at %s refused: its model info differs from preprocess at %s's (%s); start every "
-                "preprocess replica with the same --model and engine flags", address, reference_address,
+                "preprocess server with the same --model and engine flags", address, reference_address,
                 ", ".join(_differences(info, reference)),
             )
             self._refused.add(address)
@@ -109,7 +109,7 @@ class PreprocessReplicas:
         self._admitted = (*self._admitted, address)
         self._has_admitted.set()
 
-    async def _info_of(self, address: str) -> PreprocessInfo:
+    async def _info_of(self, address: str) -> PreprocessCard:
         client = PreprocessClient(address)
         try:
             await client.wait_until_serving(self._config.downstream_ready_timeout_s)
@@ -124,13 +124,13 @@ class PreprocessReplicas:
         return task
 
 
-def _differences(info: PreprocessInfo, reference: PreprocessInfo) -> list[str]:
+def _differences(info: PreprocessCard, reference: PreprocessCard) -> list[str]:
     """'name value vs reference value' for each field of the info (the layout's too) that differs."""
     fields, reference_fields = _flat_fields(info), _flat_fields(reference)
     return [f"{name} {value!r} vs {reference_fields[name]!r}"
             for name, value in fields.items() if value != reference_fields[name]]
 
 
-def _flat_fields(info: PreprocessInfo) -> dict[str, object]:
+def _flat_fields(info: PreprocessCard) -> dict[str, object]:
     fields = dataclasses.asdict(info)
     return {**fields.pop("block_layout"), **fields}

@@ -1,4 +1,6 @@
-"""What a preprocess request asks to tokenize, as internal types (the servicer converts to them)."""
+"""What to generate from, as internal types: raw text, chat turns or token ids. The gateway
+builds one from a client's GenerateParams and sends it on; preprocess tokenizes it
+(llmserve.pb converts both ways, for both)."""
 
 from __future__ import annotations
 
