@@ -31,6 +31,10 @@ _FINISH_FROM_PB = {v: k for k, v in _FINISH_TO_PB.items()}
 
 
 def finish_reason_to_pb(reason: FinishReason | None) -> int:
+    if reason is FinishReason.DEADLINE:
+        # A deadline ends the RPC with DEADLINE_EXCEEDED (inference.wire.split_at_deadline):
+        # reaching here means a caller skipped that split, which a client must never see as OK.
+        raise ValueError("FinishReason.DEADLINE is sent as the DEADLINE_EXCEEDED status, not as a finish reason")
     return _FINISH_TO_PB[reason]
 
 

@@ -73,9 +73,15 @@ def test_invalid_sampling_names_field_and_limit(pb, field, fragment):
 
 
 def test_finish_reason_mapping_is_total_and_reversible():
-    for reason in (None, *FinishReason):
+    wire_reasons = [reason for reason in FinishReason if reason is not FinishReason.DEADLINE]
+    for reason in (None, *wire_reasons):
         assert finish_reason_from_pb(finish_reason_to_pb(reason)) is reason
     assert finish_reason_to_pb(None) == common_pb2.FINISH_REASON_UNSPECIFIED
+
+
+def test_a_deadline_is_never_a_wire_finish_reason():
+    with pytest.raises(ValueError, match="DEADLINE_EXCEEDED"):
+        finish_reason_to_pb(FinishReason.DEADLINE)
 
 
 def test_chat_and_logprobs_round_trip():
