@@ -25,7 +25,9 @@ class BlockLayout:
     @classmethod
     def of_model_info(cls, model: common_pb2.ModelInfo) -> "BlockLayout":
         """The layout a service reports in its ModelInfo (preprocess and inference alike)."""
-        return cls(model.block_size_tokens, model.block_hash_version, model.model_fingerprint, model.tokenizer_fingerprint)
+        return cls(
+            model.block_size_tokens, model.block_hash_version, model.model_fingerprint, model.tokenizer_fingerprint
+        )
 
 
 class BlockLayoutMismatch(ValueError):

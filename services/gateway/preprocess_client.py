@@ -2,7 +2,7 @@
 
 Protobuf stops here: callers pass and receive the dataclasses below. Every call takes the time
 left on the client's deadline (`timeout_s`, None = no deadline) so a deadline set at the gateway
-bounds the whole chain; a gRPC error becomes a ServiceError (`hop_errors.error_from_rpc`).
+bounds the whole chain; a gRPC error becomes a ServiceError (`hop_errors.call_hop`).
 """
 
 from __future__ import annotations
