@@ -7,7 +7,9 @@ to the rest of the code. Validation errors name the field and the limit.
 from __future__ import annotations
 
 import math
+from typing import Protocol, Sequence
 
+from llmserve.block_hash import HashNamespace
 from llmserve.engine_output import EngineOutput
 from llmserve.errors import InvalidArgument
 from llmserve.prompt_input import Chat, PromptInput, PromptTokenIds
@@ -125,6 +127,39 @@ def sampling_to_pb(params: SamplingParams) -> common_pb2.SamplingParams:
     if params.logprobs is not None:
         pb.logprobs = params.logprobs
     return pb
+
+
+class ServedModel(Protocol):
+    """What both services know of the model they serve: inference's ModelInfo, preprocess's
+    PreprocessInfo."""
+
+    @property
+    def model_name(self) -> str: ...
+    @property
+    def max_context_tokens(self) -> int: ...
+    @property
+    def eos_token_ids(self) -> Sequence[int]: ...
+    @property
+    def block_size_tokens(self) -> int: ...
+    @property
+    def hash_namespace(self) -> HashNamespace: ...
+
+
+def model_info_to_pb(model: ServedModel, block_hash_version: int, **service_fields) -> common_pb2.ModelInfo:
+    """The ModelInfo both services report (GetModelInfo, GetPreprocessInfo): the model, its
+    context, and the block layout its prefix hashes are cut and namespaced by, which the gateway
+    checks agree across the two; `service_fields` are the ModelInfo fields only one service sets."""
+    namespace = model.hash_namespace
+    return common_pb2.ModelInfo(
+        model_name=model.model_name,
+        max_context_tokens=model.max_context_tokens,
+        eos_token_ids=list(model.eos_token_ids),
+        block_size_tokens=model.block_size_tokens,
+        block_hash_version=block_hash_version,
+        model_fingerprint=namespace.model_fingerprint,
+        tokenizer_fingerprint=namespace.tokenizer_fingerprint,
+        **service_fields,
+    )
 
 
 def chat_from_pb(messages) -> list[ChatMessage]:

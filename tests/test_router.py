@@ -206,3 +206,18 @@ async def test_start_up_waits_for_a_name_that_lists_nothing_yet():
     started = time.monotonic()
     assert await watcher.resolve_some(0.3) == frozenset()
     assert time.monotonic() - started >= 0.3
+
+
+@pytest.mark.parametrize(
+    "field, value, message",
+    [
+        ("load_weight", -1.0, "routing load weight must be >= 0, got -1.0"),
+        ("queue_weight", -0.5, "routing queue weight must be >= 0, got -0.5"),
+        ("load_ratio", 0.5, "routing load ratio must be >= 1, got 0.5"),
+        ("load_slack", -1, "routing load slack must be >= 0, got -1"),
+    ],
+)
+def test_routing_config_refuses_a_value_below_its_bound_naming_it(field, value, message):
+    with pytest.raises(ValueError) as error:
+        RoutingConfig(**{field: value})
+    assert str(error.value) == message

@@ -11,6 +11,7 @@ import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from llmserve.config_checks import check_at_least
 from llmserve.inference.engine.config import MODEL_GROUP
 from llmserve.inference.engine_flags import (
     EngineOptions,
@@ -57,8 +58,7 @@ class ServeConfig:
     engine: EngineOptions = field(default_factory=default_engine_options)
 
     def __post_init__(self) -> None:
-        if self.num_replicas < 1:
-            raise ValueError(f"--replicas must be >= 1, got {self.num_replicas}")
+        check_at_least("--replicas", self.num_replicas, 1)
         if self.metrics_port is not None and not 1 <= self.metrics_port <= 65535 - 1 - self.num_replicas:
             raise ValueError(f"--metrics-port must leave room for every service's port, got {self.metrics_port}")
 

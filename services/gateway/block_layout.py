@@ -12,6 +12,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Mapping
 
+from llmserve.v1 import common_pb2
+
 
 @dataclass(frozen=True, slots=True)
 class BlockLayout:
@@ -19,6 +21,13 @@ class BlockLayout:
     block_hash_version: int
     model_fingerprint: int  # of the checkpoint's config.json
     tokenizer_fingerprint: int  # of its tokenizer.json
+
+    @classmethod
+    def of_model_info(cls, model: common_pb2.ModelInfo) -> "BlockLayout":
+        """The layout a service reports in its ModelInfo (preprocess and inference alike)."""
+        return cls(
+            model.block_size_tokens, model.block_hash_version, model.model_fingerprint, model.tokenizer_fingerprint
+        )
 
 
 class BlockLayoutMismatch(ValueError):

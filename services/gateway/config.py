@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
+from llmserve.config_checks import check_at_least
 from llmserve.gateway.replica_stream import DEFAULT_MAX_UNSENT_TOKENS
 from llmserve.gateway.discovery import DEFAULT_RESOLVE_INTERVAL_S, Target
 from llmserve.gateway.router import RoutingConfig
@@ -50,12 +51,9 @@ class GatewayConfig:
             raise ValueError("at least one preprocess address is required")
         if not self.inference_targets:
             raise ValueError("at least one inference address is required")
-        if self.grace_period_s < 0:
-            raise ValueError(f"grace_period_s must be >= 0, got {self.grace_period_s}")
-        if self.num_workers < 1:
-            raise ValueError(f"num_workers must be >= 1, got {self.num_workers}")
-        if self.max_unsent_tokens < 0:
-            raise ValueError(f"max_unsent_tokens must be >= 0 (0: no bound), got {self.max_unsent_tokens}")
+        check_at_least("grace_period_s", self.grace_period_s, 0)
+        check_at_least("num_workers", self.num_workers, 1)
+        check_at_least("max_unsent_tokens", self.max_unsent_tokens, 0, " (0: no bound)")
 
     @property
     def address(self) -> str:

@@ -79,6 +79,14 @@ def error_from_rpc(
     return _client_error(service, error.code(), error.details() or "", _rich_status(error), client_fields or {})
 
 
+async def call_hop(service: str, rpc, request, client_fields: Mapping[str, str] | None = None, **call_options):
+    """`await rpc(request, **call_options)`: a unary call to a hop, its error as error_from_rpc maps it."""
+    try:
+        return await rpc(request, **call_options)
+    except grpc.aio.AioRpcError as error:
+        raise error_from_rpc(service, error, client_fields) from None
+
+
 def error_from_status(service: str, status: status_pb2.Status) -> ServiceError:
     """Map a status a hop sent as data (a refused request on a Multiplex stream), as above."""
     code = _STATUS_CODES.get(status.code, grpc.StatusCode.UNKNOWN)

@@ -17,7 +17,7 @@ import grpc
 from llmserve.errors import ServiceError
 from llmserve.gateway.block_layout import BlockLayout
 from llmserve.gateway.health import wait_until_serving
-from llmserve.gateway.hop_errors import error_from_rpc
+from llmserve.gateway.hop_errors import call_hop, error_from_rpc
 from llmserve.gateway.preprocess_client import PreparedPrompt
 from llmserve.gateway.replica_stream import DEFAULT_MAX_UNSENT_TOKENS, MultiplexedTokens, ReplicaStream
 from llmserve.kv_events import KvEventBatch, batch_from_pb
@@ -59,10 +59,9 @@ class InferenceClient:
         await wait_until_serving(self._channel, f"inference at {self.address}", timeout_s)
 
     async def get_model_card(self, timeout_s: float | None = 10.0) -> ModelCard:
-        try:
-            response = await self._stub.GetModelInfo(inference_pb2.GetModelInfoRequest(), timeout=timeout_s)
-        except grpc.aio.AioRpcError as error:
-            raise error_from_rpc("inference", error) from None
+        response = await call_hop(
+            "inference", self._stub.GetModelInfo, inference_pb2.GetModelInfoRequest(), timeout=timeout_s
+        )
         info = response.model
         return ModelCard(
             model_name=info.model_name,
@@ -70,9 +69,7 @@ class InferenceClient:
             max_context_tokens=info.max_context_tokens,
             eos_token_ids=tuple(info.eos_token_ids),
             backend=info.backend,
-            block_layout=BlockLayout(
-                info.block_size_tokens, info.block_hash_version, info.model_fingerprint, info.tokenizer_fingerprint
-            ),
+            block_layout=BlockLayout.of_model_info(info),
         )
 
     def generate(

@@ -2,7 +2,7 @@
 
 Protobuf stops here: callers pass and receive the dataclasses below. Every call takes the time
 left on the client's deadline (`timeout_s`, None = no deadline) so a deadline set at the gateway
-bounds the whole chain; a gRPC error becomes a ServiceError (`hop_errors.error_from_rpc`).
+bounds the whole chain; a gRPC error becomes a ServiceError (`hop_errors.call_hop`).
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import grpc
 
 from llmserve.gateway.block_layout import BlockLayout
 from llmserve.gateway.health import wait_until_serving
-from llmserve.gateway.hop_errors import error_from_rpc
+from llmserve.gateway.hop_errors import call_hop
 from llmserve.gateway.request_id import request_metadata
 from llmserve.pb import set_prompt_input_pb
 from llmserve.prompt_input import PromptInput
@@ -70,15 +70,11 @@ class PreprocessClient:
         await wait_until_serving(self._channel, f"preprocess at {self.address}", timeout_s)
 
     async def get_info(self, timeout_s: float | None = 10.0) -> PreprocessCard:
-        try:
-            response = await self._stub.GetPreprocessInfo(preprocess_pb2.GetPreprocessInfoRequest(), timeout=timeout_s)
-        except grpc.aio.AioRpcError as error:
-            raise error_from_rpc("preprocess", error) from None
+        response = await call_hop(
+            "preprocess", self._stub.GetPreprocessInfo, preprocess_pb2.GetPreprocessInfoRequest(), timeout=timeout_s
+        )
         return PreprocessCard(
-            block_layout=BlockLayout(
-                response.model.block_size_tokens, response.model.block_hash_version,
-                response.model.model_fingerprint, response.model.tokenizer_fingerprint,
-            ),
+            block_layout=BlockLayout.of_model_info(response.model),
             max_context_tokens=response.model.max_context_tokens,
             max_prompt_bytes=response.max_prompt_bytes,
         )
@@ -95,10 +91,10 @@ class PreprocessClient:
         """Template, tokenize, validate and hash for `cache_salt` ("" = none); preprocess
         resolves `max_tokens` (None: unset)."""
         request = _request_to_pb(request_id, prompt_input, max_tokens, cache_salt)
-        try:
-            response = await self._stub.Preprocess(request, timeout=timeout_s, metadata=request_metadata(request_id))
-        except grpc.aio.AioRpcError as error:
-            raise error_from_rpc("preprocess", error, _PREPROCESS_FIELDS_AS_CLIENT_FIELDS) from None
+        response = await call_hop(
+            "preprocess", self._stub.Preprocess, request, _PREPROCESS_FIELDS_AS_CLIENT_FIELDS,
+            timeout=timeout_s, metadata=request_metadata(request_id),
+        )
         return PreparedPrompt(
             token_ids=list(response.token_ids),
             block_hashes=list(response.block_hashes),

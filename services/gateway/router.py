@@ -32,6 +32,7 @@ import itertools
 from dataclasses import dataclass
 from typing import Callable, Collection, Sequence
 
+from llmserve.config_checks import check_at_least
 from llmserve.errors import Unavailable
 from llmserve.gateway.metrics import record_route
 from llmserve.gateway.preprocess_client import PreparedPrompt
@@ -64,14 +65,10 @@ class RoutingConfig:
     load_weight: float = DEFAULT_LOAD_WEIGHT
 
     def __post_init__(self) -> None:
-        if self.load_weight < 0:
-            raise ValueError(f"routing load weight must be >= 0, got {self.load_weight}")
-        if self.queue_weight < 0:
-            raise ValueError(f"routing queue weight must be >= 0, got {self.queue_weight}")
-        if self.load_ratio < 1:
-            raise ValueError(f"routing load ratio must be >= 1, got {self.load_ratio}")
-        if self.load_slack < 0:
-            raise ValueError(f"routing load slack must be >= 0, got {self.load_slack}")
+        check_at_least("routing load weight", self.load_weight, 0)
+        check_at_least("routing queue weight", self.queue_weight, 0)
+        check_at_least("routing load ratio", self.load_ratio, 1)
+        check_at_least("routing load slack", self.load_slack, 0)
 
 
 class RouteReason(enum.Enum):

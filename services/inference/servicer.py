@@ -35,9 +35,9 @@ from llmserve.inference.multiplex import MultiplexedStream
 from llmserve.inference.output_stream import OutputStream
 from llmserve.inference.wire import deadline_ns, request_from_pb, split_at_deadline
 from llmserve.kv_events import batch_to_pb
-from llmserve.pb import output_to_pb
+from llmserve.pb import model_info_to_pb, output_to_pb
 from llmserve.request_context import bind_request_id
-from llmserve.v1 import common_pb2, inference_pb2, inference_pb2_grpc
+from llmserve.v1 import inference_pb2, inference_pb2_grpc
 
 SERVICE_NAME = inference_pb2.DESCRIPTOR.services_by_name["InferenceService"].full_name
 
@@ -90,19 +90,9 @@ class InferenceServicer(inference_pb2_grpc.InferenceServiceServicer):
         self, request: inference_pb2.GetModelInfoRequest, context: grpc.aio.ServicerContext
     ) -> inference_pb2.GetModelInfoResponse:
         info = self._engine.model_info
-        model = common_pb2.ModelInfo(
-            model_name=info.model_name,
-            architecture=info.architecture,
-            max_context_tokens=info.max_context_tokens,
-            vocab_size=info.vocab_size,
-            eos_token_ids=list(info.eos_token_ids),
-            block_size_tokens=info.block_size_tokens,
-            dtype=info.dtype,
-            backend=info.backend,
-            device=info.device,
-            block_hash_version=HASH_VERSION,
-            model_fingerprint=info.hash_namespace.model_fingerprint,
-            tokenizer_fingerprint=info.hash_namespace.tokenizer_fingerprint,
+        model = model_info_to_pb(
+            info, HASH_VERSION, architecture=info.architecture, vocab_size=info.vocab_size, dtype=info.dtype,
+            backend=info.backend, device=info.device,
         )
         return inference_pb2.GetModelInfoResponse(model=model, replica_id=self._kv_events.replica_id)
 

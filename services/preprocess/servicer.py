@@ -16,7 +16,7 @@ import grpc
 
 from llmserve.buckets import LengthBucket
 from llmserve.errors import ServiceError
-from llmserve.pb import prompt_input_from_pb
+from llmserve.pb import model_info_to_pb, prompt_input_from_pb
 from llmserve.preprocess import metrics
 from llmserve.preprocess.pipeline import PreprocessPipeline
 from llmserve.request_context import bind_request_id
@@ -102,16 +102,7 @@ class PreprocessServicer(preprocess_pb2_grpc.PreprocessServiceServicer):
         self, request: preprocess_pb2.GetPreprocessInfoRequest, context: grpc.aio.ServicerContext
     ) -> preprocess_pb2.GetPreprocessInfoResponse:
         info = self._preprocessor.info
-        model = common_pb2.ModelInfo(
-            model_name=info.model_name,
-            tokenizer_vocab_size=info.vocab_size,
-            max_context_tokens=info.max_context_tokens,
-            eos_token_ids=info.eos_token_ids,
-            block_size_tokens=info.block_size_tokens,
-            block_hash_version=info.block_hash_version,
-            model_fingerprint=info.hash_namespace.model_fingerprint,
-            tokenizer_fingerprint=info.hash_namespace.tokenizer_fingerprint,
-        )
+        model = model_info_to_pb(info, info.block_hash_version, tokenizer_vocab_size=info.vocab_size)
         return preprocess_pb2.GetPreprocessInfoResponse(
             model=model,
             max_output_tokens=info.max_output_tokens,

@@ -1,0 +1,13 @@
+"""The lower bound of a config field, checked where a frozen config is built (`__post_init__`).
+
+One wording for every such check: "<field> must be >= <bound>, got <value>", the field named as
+its users know it (a config field or a flag).
+"""
+
+from __future__ import annotations
+
+
+def check_at_least(field: str, value: float, bound: float, note: str = "") -> None:
+    """Raise ValueError unless `value` >= `bound`; `note` follows the bound (e.g. " (0: no bound)")."""
+    if value < bound:
+        raise ValueError(f"{field} must be >= {bound}{note}, got {value}")
