@@ -40,16 +40,13 @@ from llmserve.sampling import SamplingParams
 REPO_ROOT = Path(__file__).resolve().parent.parent
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--shape", default="qwen2.5-1.5b", choices=(*bench_stack.SHAPES, "tiny"))
-    parser.add_argument("--tokenizer", type=Path, default=None, help="tokenizer dir (default: the Qwen one)")
-    parser.add_argument("--device", default="cuda")
+    bench_stack.add_model_arguments(parser)
     parser.add_argument("--prompt-tokens", type=int, default=4096)
     parser.add_argument("--cached-fraction", type=float, default=0.9)
     parser.add_argument("--repeats", type=int, default=5, help="timed requests per kind (after one warm-up)")
     parser.add_argument("--engine-max-batched-tokens", type=int, default=None,
                         help="per-step token budget (default: the engine's)")
     parser.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs (the eager warm path)")
-    parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out-dir", type=Path, default=REPO_ROOT / "bench" / "results")
     parser.add_argument("--smoke", action="store_true", help="CPU, tiny model, short prompts")
     args = parser.parse_args(argv)
@@ -138,9 +135,7 @@ def measure_uncached_engine(args, model_dir: Path, vocab_size: int) -> dict:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     with tempfile.TemporaryDirectory(prefix="prefix-ttft-") as tmp:
-        model_dir = bench_stack.build_model(argparse.Namespace(shape=args.shape, tokenizer=args.tokenizer,
-                                                               device=args.device, seed=args.seed),
-                                            Path(tmp) / "model")
+        model_dir = bench_stack.build_model(args, Path(tmp) / "model")
         vocab_size = json.loads((model_dir / "config.json").read_text())["vocab_size"]
         result = measure_cached_engine(args, model_dir, vocab_size)
         bench_stack.free_device_memory()

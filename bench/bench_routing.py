@@ -56,9 +56,7 @@ LOAD_SAMPLE_INTERVAL_S = 0.02
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--shape", default="qwen2.5-1.5b", choices=(*bench_stack.SHAPES, "tiny"))
-    parser.add_argument("--tokenizer", type=Path, default=None)
-    parser.add_argument("--device", default="cuda")
+    bench_stack.add_model_arguments(parser)
     parser.add_argument("--policies", default="kv,round-robin")
     parser.add_argument("--replicas", type=int, default=4)
     parser.add_argument("--num-kv-blocks", type=int, default=1536, help="KV blocks per replica (16 tokens each): below the system prompts plus what is in flight")
@@ -72,7 +70,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--client-processes", type=int, default=4)
     parser.add_argument("--gateway-arg", action="append", default=[], help="extra gateway flag (repeatable)")
     parser.add_argument("--inference-arg", action="append", default=[], help="extra inference flag (repeatable)")
-    parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--startup-timeout-s", type=float, default=600.0)
     parser.add_argument("--out-dir", type=Path, default=REPO_ROOT / "bench" / "results")
     parser.add_argument("--smoke", action="store_true", help="CPU, tiny model, a few conversations")
@@ -202,8 +199,7 @@ def main(argv: list[str] | None = None) -> int:
     stamp = time.strftime("%Y%m%d-%H%M%S")
     log_dir = args.out_dir / f"routing-{stamp}-logs"
     with tempfile.TemporaryDirectory(prefix="bench-routing-") as tmp:
-        model_dir = bench_stack.build_model(argparse.Namespace(shape=args.shape, tokenizer=args.tokenizer,
-                                                               device=args.device, seed=args.seed), Path(tmp) / "model")
+        model_dir = bench_stack.build_model(args, Path(tmp) / "model")
         builder = PromptBuilder.from_path(model_dir)
         planned = plan_requests(workload(args), builder)
         prefix_lengths = {r.prefix_group: len(builder.token_ids(r.prefix_text)) for r in planned if r.turn == 0}

@@ -169,8 +169,17 @@ def qwen_tokenizer_dir() -> Path:
                      "set LLMSERVE_SHARED_ASSETS or pass --tokenizer")
 
 
+def add_model_arguments(parser: argparse.ArgumentParser) -> None:
+    """The flags build_model reads, for a bench that builds its model as this one does."""
+    parser.add_argument("--shape", default="qwen2.5-1.5b", choices=(*SHAPES, "tiny"))
+    parser.add_argument("--tokenizer", type=Path, default=None, help="tokenizer dir (default: the Qwen one)")
+    parser.add_argument("--device", default="cuda")
+    parser.add_argument("--seed", type=int, default=0)
+
+
 def build_model(args, out_dir: Path) -> Path:
-    """A checkpoint of --shape with random weights (see the module docstring)."""
+    """A checkpoint of --shape with random weights (see the module docstring), from args.shape,
+    args.tokenizer, args.device and args.seed."""
     if args.shape == "tiny":
         from llmserve.tools.tiny_model import build_tiny_model
 

@@ -328,25 +328,18 @@ def expected_aborts(error: grpc.RpcError) -> int:
     return 0 if is_refused_at_admission(error.details()) else 1
 
 
-def test_client_deadline_is_exceeded_and_inference_aborts(gateway, inference):
+@pytest.mark.parametrize(
+    ("call", "return_token_ids"),
+    [
+        pytest.param(lambda gateway, request: list(start_stream(gateway, request, timeout=2.0)), True, id="stream"),
+        pytest.param(lambda gateway, request: generate(gateway, request, timeout=2.0), False, id="unary"),
+    ],
+)
+def test_client_deadline_is_exceeded_and_inference_aborts(gateway, inference, call, return_token_ids):
     before = inference.GetLoad(inference_pb2.GetLoadRequest())
-    request = prompt_params("Hello", max_tokens=LONG_MAX_TOKENS, ignore_eos=True, return_token_ids=True)
+    request = prompt_params("Hello", max_tokens=LONG_MAX_TOKENS, ignore_eos=True, return_token_ids=return_token_ids)
     with pytest.raises(grpc.RpcError) as info:
-        for _ in start_stream(gateway, request, timeout=2.0):
-            pass
-    assert info.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
-    num_aborts = expected_aborts(info.value)
-    wait_for_load(
-        inference,
-        lambda load: load.num_running == 0 and load.num_aborted_total == before.num_aborted_total + num_aborts,
-    )
-
-
-def test_unary_deadline(gateway, inference):
-    before = inference.GetLoad(inference_pb2.GetLoadRequest())
-    request = prompt_params("Hello", max_tokens=LONG_MAX_TOKENS, ignore_eos=True)
-    with pytest.raises(grpc.RpcError) as info:
-        generate(gateway, request, timeout=2.0)
+        call(gateway, request)
     assert info.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
     num_aborts = expected_aborts(info.value)
     wait_for_load(

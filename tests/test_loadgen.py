@@ -151,6 +151,13 @@ def _bench(address, tiny_model_dir, out_dir, *args) -> subprocess.CompletedProce
     return subprocess.run(command, capture_output=True, text=True, timeout=300)
 
 
+def _bench_report(address, tiny_model_dir, out_dir, *args) -> dict:
+    """Run `llmserve bench` (it must exit 0) and read the report it wrote."""
+    completed = _bench(address, tiny_model_dir, out_dir, *args)
+    assert completed.returncode == 0, completed.stderr[-3000:]
+    return json.loads((out_dir / "run.json").read_text())
+
+
 def test_bench_measures_a_real_stack(gateway_address, tiny_model_dir, tmp_path):
     completed = _bench(gateway_address, tiny_model_dir, tmp_path, "--num-requests", "12", "--concurrency", "4",
                        "--client-processes", "2", "--prompt-tokens", "uniform:20:40", "--output-tokens", "6",
@@ -189,22 +196,18 @@ def test_itl_counts_every_token_after_the_first_message(gateway_address, tiny_mo
 
 
 def test_bench_sends_poisson_chat_load(gateway_address, tiny_model_dir, tmp_path):
-    completed = _bench(gateway_address, tiny_model_dir, tmp_path, "--num-requests", "6", "--request-rate", "20",
-                       "--chat", "--prefix-groups", "1", "--prefix-tokens", "16", "--prompt-tokens", "40",
-                       "--output-tokens", "3", "--no-plots")
-    assert completed.returncode == 0, completed.stderr[-3000:]
-    report = json.loads((tmp_path / "run.json").read_text())
+    report = _bench_report(gateway_address, tiny_model_dir, tmp_path, "--num-requests", "6", "--request-rate", "20",
+                           "--chat", "--prefix-groups", "1", "--prefix-tokens", "16", "--prompt-tokens", "40",
+                           "--output-tokens", "3", "--no-plots")
     assert report["config"]["request_rate"] == 20 and report["config"]["prompt_form"] == "chat"
     assert report["summary"]["num_completion_tokens"] == 6 * 3
     assert not list(tmp_path.glob("*.png"))
 
 
 def test_bench_sends_token_ids_of_exactly_the_planned_lengths(gateway_address, tiny_model_dir, tmp_path):
-    completed = _bench(gateway_address, tiny_model_dir, tmp_path, "--num-requests", "6", "--concurrency", "3",
-                       "--token-ids", "--prompt-tokens", "uniform:50:70", "--output-tokens", "3", "--seed", "5",
-                       "--prefix-groups", "2", "--prefix-tokens", "40", "--no-plots")
-    assert completed.returncode == 0, completed.stderr[-3000:]
-    report = json.loads((tmp_path / "run.json").read_text())
+    report = _bench_report(gateway_address, tiny_model_dir, tmp_path, "--num-requests", "6", "--concurrency", "3",
+                           "--token-ids", "--prompt-tokens", "uniform:50:70", "--output-tokens", "3", "--seed", "5",
+                           "--prefix-groups", "2", "--prefix-tokens", "40", "--no-plots")
     assert report["config"]["prompt_form"] == "token_ids"
     workload = WorkloadConfig(num_requests=6, prompt_tokens=LengthDistribution.parse("uniform:50:70"),
                               output_tokens=LengthDistribution.parse("3"), seed=5, num_prefix_groups=2,
@@ -216,11 +219,9 @@ def test_bench_sends_token_ids_of_exactly_the_planned_lengths(gateway_address, t
 
 
 def test_bench_replays_conversations_over_their_own_answers(gateway_address, tiny_model_dir, tmp_path):
-    completed = _bench(gateway_address, tiny_model_dir, tmp_path, "--num-requests", "12", "--turns", "3",
-                       "--concurrency", "2", "--client-processes", "2", "--token-ids", "--prompt-tokens", "uniform:20:40",
-                       "--output-tokens", "5", "--seed", "3", "--no-plots")
-    assert completed.returncode == 0, completed.stderr[-3000:]
-    report = json.loads((tmp_path / "run.json").read_text())
+    report = _bench_report(gateway_address, tiny_model_dir, tmp_path, "--num-requests", "12", "--turns", "3",
+                           "--concurrency", "2", "--client-processes", "2", "--token-ids",
+                           "--prompt-tokens", "uniform:20:40", "--output-tokens", "5", "--seed", "3", "--no-plots")
     assert report["config"]["turns"] == 3
     workload = WorkloadConfig(num_requests=12, prompt_tokens=LengthDistribution.parse("uniform:20:40"),
                               output_tokens=LengthDistribution.parse("5"), seed=3, prompt_form=PromptForm.TOKEN_IDS,

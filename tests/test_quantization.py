@@ -66,32 +66,37 @@ def random_linear(in_features: int, out_features: int, bias: bool, seed: int) ->
 # --- pack / unpack ------------------------------------------------------------------------------
 
 
+def assert_per_row_codes(weight, codes, scales, code_dtype: torch.dtype, code_max: float) -> None:
+    """`weight` (from random_weight: its middle row zero) quantized per output row: codes of
+    `code_dtype` in its shape, one float32 scale a row, and each other row spanning the full
+    range (its largest code is +-code_max)."""
+    num_rows = weight.shape[0]
+    assert codes.dtype == code_dtype and codes.shape == weight.shape
+    assert scales.dtype == torch.float32 and scales.shape == (num_rows,)
+    nonzero = torch.arange(num_rows) != num_rows // 2
+    assert (codes[nonzero].float().abs().amax(dim=1) == code_max).all()
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_int8_round_trip_is_within_half_a_step(dtype):
     weight = random_weight(48, 80, seed=1, dtype=dtype)
     codes, scales = quantize_weight_int8(weight)
-    assert codes.dtype == torch.int8 and codes.shape == (48, 80)
-    assert scales.dtype == torch.float32 and scales.shape == (48,)
+    assert_per_row_codes(weight, codes, scales, torch.int8, 127)
     assert codes.abs().max() <= 127  # symmetric: -128 is never used
     error = (weight.float() - dequantize(codes, scales)).abs()
     assert (error <= scales[:, None] / 2 + FLOAT32_SLACK * weight.float().abs()).all()
-    nonzero = torch.arange(48) != 24
-    assert (codes[nonzero].abs().amax(dim=1) == 127).all()  # each row spans the full range
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_fp8_round_trip_is_within_e4m3_precision(dtype):
     weight = random_weight(48, 80, seed=2, dtype=dtype)
     codes, scales = quantize_weight_fp8(weight)
-    assert codes.dtype == torch.float8_e4m3fn and codes.shape == (48, 80)
-    assert scales.dtype == torch.float32 and scales.shape == (48,)
+    assert_per_row_codes(weight, codes, scales, torch.float8_e4m3fn, FP8_E4M3_MAX)
     restored = dequantize(codes, scales)
     assert torch.isfinite(restored).all()
     error = (weight.float() - restored).abs()
     bound = E4M3_RELATIVE_STEP * weight.float().abs() + E4M3_SUBNORMAL_HALF_STEP * scales[:, None]
     assert (error <= bound + FLOAT32_SLACK * weight.float().abs()).all()
-    nonzero = torch.arange(48) != 24
-    assert (codes[nonzero].float().abs().amax(dim=1) == FP8_E4M3_MAX).all()
 
 
 @pytest.mark.parametrize("quantize", [quantize_weight_int8, quantize_weight_fp8])

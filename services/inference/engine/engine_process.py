@@ -32,7 +32,6 @@ import ctypes
 import logging
 import multiprocessing
 import pickle
-import queue
 import signal
 import sys
 import threading
@@ -41,11 +40,10 @@ from dataclasses import dataclass
 from multiprocessing.connection import Connection
 
 from llmserve.inference.engine.config import EngineConfig
-from llmserve.inference.engine.engine_loop import (
-    AbortRequest, AddRequest, CoreUpdate, Deliver, Emit, EngineCommand, EngineLoop, Stop,
-)
+from llmserve.inference.engine.engine_loop import CoreUpdate, Deliver, Emit, EngineCommand, EngineLoop, Stop
 from llmserve.engine_output import EngineOutput
-from llmserve.inference.engine.types import CacheEvent, EngineLoad, EngineRequest, ModelInfo, StepReport
+from llmserve.inference.engine.queued_client import QueuedCoreClient
+from llmserve.inference.engine.types import CacheEvent, EngineLoad, ModelInfo, StepReport
 from llmserve.observability import ObservabilityConfig
 from llmserve.server import configure_logging
 
@@ -68,7 +66,7 @@ class _StartFailed:
     error: BaseException
 
 
-class EngineProcess:
+class EngineProcess(QueuedCoreClient):
     """Construction spawns the process and waits until its core is built (raises what the
     build raised). Then the face of EngineThread: start/stop/add_request/abort_request/load,
     called from the event loop."""
@@ -92,12 +90,8 @@ class EngineProcess:
         command_reader.close()
         output_writer.close()
         ready = self._wait_until_ready()
-        self.model_info: ModelInfo = ready.model_info
-        self._load_snapshot: EngineLoad = ready.load
-        self._commands: queue.SimpleQueue[EngineCommand | None] = queue.SimpleQueue()
+        super().__init__(ready.model_info, ready.load)
         self._sender: threading.Thread | None = None
-        self._event_loop: asyncio.AbstractEventLoop | None = None
-        self._deliver: Deliver | None = None
         self._is_running = False
 
     def _wait_until_ready(self) -> _Ready:
@@ -128,22 +122,12 @@ class EngineProcess:
         """Cancel every request in flight, then end the process and wait for it (off the event
         loop, which must keep running to receive the CANCELLED outputs)."""
         self._commands.put(Stop())
-        self._commands.put(None)
         await asyncio.to_thread(self._join)
         self._is_running = False
 
     def _join(self) -> None:
         self._sender.join()
         self._process.join()
-
-    def add_request(self, request: EngineRequest) -> None:
-        self._commands.put(AddRequest(request))
-
-    def abort_request(self, request_id: str) -> None:
-        self._commands.put(AbortRequest(request_id))
-
-    def load(self) -> EngineLoad:
-        return self._load_snapshot
 
     def _on_readable(self) -> None:
         update = CoreUpdate([], [], [])
@@ -169,11 +153,15 @@ class EngineProcess:
     # --- the sender thread --------------------------------------------------------------------
 
     def _send_commands(self) -> None:
-        while (command := self._commands.get()) is not None:
+        """Pipe every command up to Stop, the last one the loop reads."""
+        while True:
+            command = self._commands.get()
             try:
                 self._command_writer.send(command)
             except (BrokenPipeError, OSError):
                 log.warning("engine-core process is gone; dropping commands")
+                return
+            if isinstance(command, Stop):
                 return
 
 

@@ -12,27 +12,22 @@ import logging
 import queue
 import threading
 
-from llmserve.inference.engine.engine_loop import (
-    AbortRequest, AddRequest, CoreUpdate, Deliver, EngineCommand, EngineLoop, Stop,
-)
+from llmserve.inference.engine.engine_loop import CoreUpdate, Deliver, EngineCommand, EngineLoop, Stop
 from llmserve.engine_output import EngineOutput
-from llmserve.inference.engine.types import CacheEvent, EngineCore, EngineLoad, EngineRequest, ModelInfo, StepReport
+from llmserve.inference.engine.queued_client import QueuedCoreClient
+from llmserve.inference.engine.types import CacheEvent, EngineCore, EngineLoad, StepReport
 
 log = logging.getLogger(__name__)
 
 
-class EngineThread:
+class EngineThread(QueuedCoreClient):
     """add_request, abort_request, start and stop are called from the event loop; the core is
     only called from the thread."""
 
     def __init__(self, core: EngineCore):
-        self.model_info: ModelInfo = core.model_info
+        super().__init__(core.model_info, core.load())
         self._loop_body = EngineLoop(core)
-        self._commands: queue.SimpleQueue[EngineCommand] = queue.SimpleQueue()
-        self._load_snapshot: EngineLoad = core.load()  # replaced after every iteration
         self._thread: threading.Thread | None = None
-        self._event_loop: asyncio.AbstractEventLoop | None = None
-        self._deliver: Deliver | None = None
 
     def start(self, loop: asyncio.AbstractEventLoop, deliver: Deliver) -> None:
         """Start the thread; it hands every step's outputs, cache changes and StepReport to
@@ -54,16 +49,6 @@ class EngineThread:
         self._commands.put(Stop())
         await asyncio.to_thread(self._thread.join)
         self._thread = None
-
-    def add_request(self, request: EngineRequest) -> None:
-        self._commands.put(AddRequest(request))
-
-    def abort_request(self, request_id: str) -> None:
-        self._commands.put(AbortRequest(request_id))
-
-    def load(self) -> EngineLoad:
-        """The snapshot taken after the latest iteration that changed it."""
-        return self._load_snapshot
 
     def _take_commands(self, block: bool) -> list[EngineCommand]:
         commands = [self._commands.get()] if block else []

@@ -7,7 +7,8 @@
   rope_kv        rotary embedding of q and k, fused with writing k and v into their cache slots;
   rms_norm       RMSNorm, optionally fused with the residual add before it;
   activation     SwiGLU: silu(gate) * up in one pass;
-  paged_kv       the K/V tile gather through the block table both attention kernels share;
+  paged_kv       what both attention kernels share: the K/V tile gather through the block
+                 table, its scores, the online-softmax state and step;
   w8a16_matmul   GEMM with int8 weights widened in registers (weight-only quantization);
   fp8_quant      per-token float8 quantization of activations (fp8 W8A8).
 

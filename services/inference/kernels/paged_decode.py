@@ -26,8 +26,8 @@ import triton
 import triton.language as tl
 
 from llmserve.inference.kernels.common import dot_is_ieee, next_power_of_2
-from llmserve.inference.kernels.paged_kv import load_kv_tile, tile_dot
-from llmserve.inference.kernels.split_kv import MAX_SPLITS, merge_splits, split_scratch, splits_to_fill
+from llmserve.inference.kernels.paged_kv import LOG2E, online_softmax_init, online_softmax_step, tile_scores
+from llmserve.inference.kernels.split_kv import MAX_SPLITS, merge_splits, split_scratch, splits_to_fill, store_partial
 
 # Launch configuration: tokens per K/V tile, warps, software-pipeline depth (bench/bench_gpu.py
 # sweeps these on the GPU before its kernels and throughput scenarios: decode_config_sweep).
@@ -74,24 +74,14 @@ def _paged_decode_kernel(
         mask=head_mask[:, None] & dim_mask[None, :],
         other=0.0,
     )
-    qk_scale = scale * 1.4426950408889634  # exp2 domain
-    m_i = tl.full([GROUP_PAD], float("-inf"), tl.float32)
-    l_i = tl.zeros([GROUP_PAD], tl.float32)
-    acc = tl.zeros([GROUP_PAD, HEAD_DIM_PAD], tl.float32)
+    qk_scale = scale * LOG2E
+    m_i, l_i, acc = online_softmax_init(GROUP_PAD, HEAD_DIM_PAD)
     for start in range(lo, hi, BLOCK_N):
         keys = start + tl.arange(0, BLOCK_N)
         key_mask = keys < hi
-        k, v = load_kv_tile(k_cache_ptr, v_cache_ptr, block_tables_ptr + seq * bt_stride, keys, key_mask, kv_head,
-                            d, dim_mask, NUM_KV_HEADS, BLOCK_SIZE, HEAD_DIM)
-        k, v = k.to(q.dtype), v.to(q.dtype)
-        s = tile_dot(q, tl.trans(k), IEEE)
-        s = tl.where(key_mask[None, :], s * qk_scale, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        p = tl.exp2(s - m_new[:, None])
-        alpha = tl.exp2(m_i - m_new)
-        l_i = l_i * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None] + tile_dot(p.to(v.dtype), v, IEEE)
-        m_i = m_new
+        s, v = tile_scores(q, k_cache_ptr, v_cache_ptr, block_tables_ptr + seq * bt_stride, keys, key_mask,
+                           key_mask[None, :], kv_head, d, dim_mask, qk_scale, NUM_KV_HEADS, BLOCK_SIZE, HEAD_DIM, IEEE)
+        m_i, l_i, acc = online_softmax_step(s, v, m_i, l_i, acc, IEEE)
 
     if NUM_SPLITS == 1:
         out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
@@ -102,9 +92,7 @@ def _paged_decode_kernel(
         )
     else:
         row = (seq * NUM_KV_HEADS * GROUP + heads) * NUM_SPLITS + split  # [GROUP_PAD]
-        tl.store(part_acc_ptr + row[:, None] * HEAD_DIM_PAD + d[None, :], acc, mask=head_mask[:, None])
-        tl.store(part_stats_ptr + row * 2, m_i, mask=head_mask)
-        tl.store(part_stats_ptr + row * 2 + 1, l_i, mask=head_mask)
+        store_partial(part_acc_ptr, part_stats_ptr, row, head_mask, d, acc, m_i, l_i, HEAD_DIM_PAD)
 
 
 def paged_decode_attention(

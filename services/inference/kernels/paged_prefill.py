@@ -27,8 +27,8 @@ import triton
 import triton.language as tl
 
 from llmserve.inference.kernels.common import dot_is_ieee, next_power_of_2
-from llmserve.inference.kernels.paged_kv import load_kv_tile, tile_dot
-from llmserve.inference.kernels.split_kv import merge_splits, split_scratch, splits_to_fill
+from llmserve.inference.kernels.paged_kv import LOG2E, online_softmax_init, online_softmax_step, tile_scores
+from llmserve.inference.kernels.split_kv import merge_splits, split_scratch, splits_to_fill, store_partial
 
 # Launch configuration (bench/bench_gpu.py --scenario kernels sweeps these on the GPU).
 DEFAULT_CONFIG = {"block_m": 64, "block_n": 64, "num_warps": 4, "num_stages": 2}
@@ -89,28 +89,17 @@ def _paged_prefill_kernel(
         lo = lo + split * per_split
         hi = tl.minimum(lo + per_split, hi)
 
-    qk_scale = scale * 1.4426950408889634
-    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
-    l_i = tl.zeros([BLOCK_M], tl.float32)
-    acc = tl.zeros([BLOCK_M, HEAD_DIM_PAD], tl.float32)
+    qk_scale = scale * LOG2E
+    m_i, l_i, acc = online_softmax_init(BLOCK_M, HEAD_DIM_PAD)
     for start in range(lo, hi, BLOCK_N):
         keys = start + tl.arange(0, BLOCK_N)
         key_mask = keys < hi
-        k, v = load_kv_tile(k_cache_ptr, v_cache_ptr, block_tables_ptr + chunk * bt_stride, keys, key_mask, kv_head,
-                            d, dim_mask, NUM_KV_HEADS, BLOCK_SIZE, HEAD_DIM)
-        k, v = k.to(q.dtype), v.to(q.dtype)
-        s = tile_dot(q, tl.trans(k), IEEE)
         visible = key_mask[None, :] & (keys[None, :] <= positions[:, None])
         if HAS_WINDOW:
             visible = visible & (keys[None, :] > positions[:, None] - sliding_window)
-        s = tl.where(visible, s * qk_scale, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row that sees nothing yet
-        p = tl.exp2(s - m_safe[:, None])
-        alpha = tl.exp2(m_i - m_safe)
-        l_i = l_i * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None] + tile_dot(p.to(v.dtype), v, IEEE)
-        m_i = m_new
+        s, v = tile_scores(q, k_cache_ptr, v_cache_ptr, block_tables_ptr + chunk * bt_stride, keys, key_mask,
+                           visible, kv_head, d, dim_mask, qk_scale, NUM_KV_HEADS, BLOCK_SIZE, HEAD_DIM, IEEE)
+        m_i, l_i, acc = online_softmax_step(s, v, m_i, l_i, acc, IEEE)
 
     if NUM_SPLITS == 1:
         out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
@@ -121,9 +110,7 @@ def _paged_prefill_kernel(
         )
     else:
         partial = ((query_start - first_row + rows).to(tl.int64) * (NUM_KV_HEADS * GROUP) + head) * NUM_SPLITS + split
-        tl.store(part_acc_ptr + partial[:, None] * HEAD_DIM_PAD + d[None, :], acc, mask=row_mask[:, None])
-        tl.store(part_stats_ptr + partial * 2, m_i, mask=row_mask)
-        tl.store(part_stats_ptr + partial * 2 + 1, l_i, mask=row_mask)
+        store_partial(part_acc_ptr, part_stats_ptr, partial, row_mask, d, acc, m_i, l_i, HEAD_DIM_PAD)
 
 
 def paged_prefill_attention(

@@ -38,6 +38,14 @@ def split_scratch(num_rows: int, num_heads: int, num_splits: int, head_dim: int,
 
 
 @triton.jit
+def store_partial(part_acc_ptr, part_stats_ptr, row, row_mask, d, acc, m_i, l_i, HEAD_DIM_PAD: tl.constexpr):
+    """A split's (acc, m_i, l_i) for its query rows into their scratch rows `row` (int, [rows])."""
+    tl.store(part_acc_ptr + row[:, None] * HEAD_DIM_PAD + d[None, :], acc, mask=row_mask[:, None])
+    tl.store(part_stats_ptr + row * 2, m_i, mask=row_mask)
+    tl.store(part_stats_ptr + row * 2 + 1, l_i, mask=row_mask)
+
+
+@triton.jit
 def _merge_splits_kernel(
     part_acc_ptr, part_stats_ptr, out_ptr, out_stride_t, out_stride_h,
     NUM_HEADS: tl.constexpr, NUM_SPLITS: tl.constexpr, SPLITS_PAD: tl.constexpr,
