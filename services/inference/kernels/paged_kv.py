@@ -19,7 +19,9 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-LOG2E = 1.4426950408889634  # scores times this are in the exp2 domain
+# Scores times this are in the exp2 domain. A constexpr: compiled kernels may read no other
+# global (the interpreter on CPU reads any, so only a GPU run catches a plain float here).
+LOG2E = tl.constexpr(1.4426950408889634)
 
 
 @triton.jit
