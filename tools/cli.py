@@ -85,28 +85,35 @@ def _add_sampling_options(p: argparse.ArgumentParser) -> None:
 
 
 def _add_chat(commands) -> None:
-    p = commands.add_parser(
-        "chat", help="send one chat message and stream the answer",
+    p = _add_prompt_command(
+        commands, "chat", ("message", "the user message"), client.run_chat,
+        help="send one chat message and stream the answer",
         description="Send MESSAGE as a user turn (rendered with the model's chat template) and stream "
         "the reply to stdout; a usage line goes to stderr.",
     )
-    p.add_argument("message", help="the user message")
     p.add_argument("--system", default=None, help="system prompt")
-    _add_client_options(p)
-    _add_sampling_options(p)
-    p.set_defaults(handler=client.run_chat)
 
 
 def _add_generate(commands) -> None:
-    p = commands.add_parser(
-        "generate", help="complete a raw prompt and stream the text",
+    _add_prompt_command(
+        commands, "generate", ("prompt", "the prompt text"), client.run_generate,
+        help="complete a raw prompt and stream the text",
         description="Complete PROMPT as is (no chat template) and stream the text to stdout; a usage "
         "line goes to stderr.",
     )
-    p.add_argument("prompt", help="the prompt text")
+
+
+def _add_prompt_command(
+    commands, name: str, prompt: tuple[str, str], handler, *, help: str, description: str
+) -> argparse.ArgumentParser:
+    """A command that sends one prompt to a gateway and streams what comes back (chat,
+    generate): the prompt's positional argument (name, help), the client and sampling options."""
+    p = commands.add_parser(name, help=help, description=description)
+    p.add_argument(prompt[0], help=prompt[1])
     _add_client_options(p)
     _add_sampling_options(p)
-    p.set_defaults(handler=client.run_generate)
+    p.set_defaults(handler=handler)
+    return p
 
 
 def _add_models(commands) -> None:

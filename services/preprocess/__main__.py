@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import logging
 import sys
 from pathlib import Path
@@ -60,7 +61,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--model-name", metavar="NAME", help="name reported by GetPreprocessInfo (default: the checkpoint's own name)")
     add_server_arguments(parser, default_port=PREPROCESS_PORT)
     parser.add_argument(
-        "--block-size", type=_positive_int, default=DEFAULT_BLOCK_SIZE, metavar="TOKENS",
+        "--block-size", dest="block_size_tokens", type=_positive_int, default=DEFAULT_BLOCK_SIZE, metavar="TOKENS",
         help="tokens per block for prefix block hashes; must equal the inference engine's block size "
         "(default: %(default)s)",
     )
@@ -88,7 +89,7 @@ def build_parser() -> argparse.ArgumentParser:
         "a message over it plus 64 KiB (or the context as token ids, if larger) is refused unparsed",
     )
     parser.add_argument(
-        "--tokenizer-threads", type=_positive_int, default=available_cores(), metavar="N",
+        "--tokenizer-threads", dest="num_tokenizer_threads", type=_positive_int, default=available_cores(), metavar="N",
         help="threads that tokenize off the event loop, one micro-batch each at a time (default: the "
         "cores this process may use, from its cgroup CPU quota or CPU affinity: %(default)s)",
     )
@@ -128,23 +129,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def config_from_args(args: argparse.Namespace) -> PreprocessConfig:
-    return PreprocessConfig(
-        model_path=Path(args.model),
-        model_name=args.model_name,
-        **server_options(args),
-        block_size_tokens=args.block_size,
-        length_buckets=args.length_buckets,
-        max_output_tokens=args.max_output_tokens,
-        max_context_tokens=args.max_context_tokens,
-        num_tokenizer_threads=args.tokenizer_threads,
-        max_prompt_bytes=args.max_prompt_bytes,
-        max_in_flight_prompt_bytes=args.max_in_flight_prompt_bytes,
-        max_batch_prompts=args.max_batch_prompts,
-        prompt_cache_bytes=args.prompt_cache_bytes,
-        redis_url=args.redis_url,
-        redis_timeout_ms=args.redis_timeout_ms,
-        redis_ttl_s=args.redis_ttl_s,
-    )
+    """Each PreprocessConfig field from the flag that parses into its name (a flag whose name
+    differs says dest=), then the model and the flags every service shares."""
+    by_field_name = {f.name: getattr(args, f.name) for f in dataclasses.fields(PreprocessConfig) if hasattr(args, f.name)}
+    return PreprocessConfig(**{**by_field_name, **server_options(args)}, model_path=Path(args.model))
 
 
 async def _serve(config: PreprocessConfig) -> int:
