@@ -8,7 +8,7 @@ buffers as a graph replay); on CUDA (`gpu` marker) the graphs are captured and r
 
 from __future__ import annotations
 
-from tests.triton_cpu import HAS_CUDA, HAS_TRITON  # noqa: I001  (before any kernel import)
+from tests.triton_cpu import HAS_CUDA, HAS_TRITON, KERNEL_DEVICE  # noqa: I001  (before any kernel import)
 
 import functools
 import json
@@ -194,7 +194,7 @@ def test_every_attention_backend_choice_has_an_implementation(name, tiny_model_d
 @pytest.mark.parametrize("arch", ["llama", "qwen3"])
 def test_triton_backend_matches_portable_backend(arch, tiny_model_dirs):
     expected = run_scenario(scenario_engine(tiny_model_dirs[arch], "cpu", attention_backend="portable"))
-    engine = scenario_engine(tiny_model_dirs[arch], "cuda" if HAS_CUDA else "cpu", attention_backend="triton")
+    engine = scenario_engine(tiny_model_dirs[arch], KERNEL_DEVICE, attention_backend="triton")
     results = run_scenario(engine)
     assert_same_generations(results, expected, tolerance=1e-4)
     assert engine.runner.prefill_graphs.sizes == (16, 24)
@@ -214,7 +214,7 @@ def test_prefill_graph_steps_match_the_portable_backend(tiny_model_dirs):
                 [request("tail", prompt[:16] + make_prompt(19, seed=6), greedy(3))]]
     portable = make_engine(model_dir, attention_backend="portable")
     expected = {k: v for batch in requests for k, v in run(portable, batch).items()}
-    engine = make_engine(model_dir, device="cuda" if HAS_CUDA else "cpu", attention_backend="triton")
+    engine = make_engine(model_dir, device=KERNEL_DEVICE, attention_backend="triton")
     graphs = engine.runner.prefill_graphs
     results = {}
     for batch in requests:
@@ -226,7 +226,7 @@ def test_prefill_graph_steps_match_the_portable_backend(tiny_model_dirs):
 
 @needs_triton
 def test_enforce_eager_builds_no_graphs(tiny_model_dirs):
-    runner = make_engine(tiny_model_dirs["llama"], attention_backend="triton", enforce_eager=True).runner
+    runner = make_engine(tiny_model_dirs["llama"], device=KERNEL_DEVICE, attention_backend="triton", enforce_eager=True).runner
     assert runner.decode_graphs is None and runner.prefill_graphs is None
 
 
@@ -240,7 +240,7 @@ def test_float8_kv_cache_generates_close_to_the_full_precision_cache(tiny_model_
     """e4m3 K/V (3 mantissa bits): logprobs move by a few hundredths on the tiny model; the pool
     takes one byte per element."""
     model_dir = tiny_model_dirs["llama"]
-    device = "cuda" if HAS_CUDA else "cpu"
+    device = KERNEL_DEVICE
     full = make_engine(model_dir, device=device, attention_backend="triton")
     fp8 = make_engine(model_dir, device=device, attention_backend="triton", kv_cache_dtype="fp8")
     assert fp8.runner.kv_cache.num_bytes * full.runner.kv_cache.data.element_size() == full.runner.kv_cache.num_bytes
