@@ -1,7 +1,9 @@
 """The lower bound of a config field, checked where a frozen config is built (`__post_init__`).
 
-One wording for every such check: "<field> must be >= <bound>, got <value>", the field named as
-its users know it (a config field or a flag).
+One wording for such checks: "<field> must be >= <bound>, got <value>", the field named as its
+users know it (a config field or a flag). The gateway's, routing's, the launcher's and loadgen's
+workload use it; preprocess's config keeps its own wording ("must be positive"), which its
+users and tests already read.
 """
 
 from __future__ import annotations

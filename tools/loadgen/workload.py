@@ -24,6 +24,8 @@ from pathlib import Path
 
 from tokenizers import Tokenizer
 
+from llmserve.config_checks import check_at_least
+
 _WHOLE_WORD = re.compile(r"^(Ġ|▁)[a-z]{3,}$")  # byte-level BPE / sentencepiece word starts
 _MIN_WORD_TOKENS = 100  # fewer whole-word tokens than this: fall back to any token
 
@@ -80,8 +82,7 @@ class WorkloadConfig:
     num_turns: int = 1  # turns per conversation; 1: independent requests
 
     def __post_init__(self) -> None:
-        if self.num_turns < 1:
-            raise ValueError(f"num_turns must be >= 1, got {self.num_turns}")
+        check_at_least("num_turns", self.num_turns, 1)
 
 
 @dataclass(frozen=True, slots=True)
