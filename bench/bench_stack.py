@@ -30,7 +30,8 @@ machine.
 
 Per (path, streams): output tok/s and its ratio to `core` at the same streams, TTFT p50/p99,
 ITL p50 and its ratio to `core` (llmserve.tools.loadgen.stats definitions, measured where the
-client sees tokens), and the CPU% of each process over the measured window (bench process:
+client sees tokens), tokens per message (above 1: the stack merged steps, because a reader or
+a hop fell behind), and the CPU% of each process over the measured window (bench process:
 the client, and for core/async the engine too; gateway; preprocess; inference), with its
 busiest threads; gateway output tok/s per gateway CPU core (tok/s / (gateway CPU% / 100)).
 

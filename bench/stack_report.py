@@ -38,6 +38,8 @@ def measurement(summary: dict, usage: dict[str, dict]) -> dict:
         "itl_p99_ms": significant(summary["itl_ms"]["p99"]),
         "prompt_tokens_per_request": significant(summary["num_prompt_tokens"] / num_ok),
         "completion_tokens_per_request": significant(summary["num_completion_tokens"] / num_ok),
+        # > 1: the stack merged steps into fewer messages (a reader behind, or a server behind)
+        "tokens_per_message": significant(summary["num_completion_tokens"] / max(1, summary["num_messages"])),
         "cpu_pct": {role: significant(u["cpu_pct"], 3) for role, u in usage.items()},
         "threads": {role: [{**t, "cpu_pct": significant(t["cpu_pct"], 3)} for t in u["threads"]]
                     for role, u in usage.items()},
@@ -126,12 +128,12 @@ def _cell(value) -> str:
 
 def format_table(rows: list[dict]) -> str:
     header = ["path", "streams", "out tok/s", "vs core", "TTFT p50 ms", "TTFT p99 ms", "ITL p50 ms", "ITL vs core",
-              *(f"CPU% {role}" for role in ROLES), "gateway tok/s per core"]
+              "tokens per message", *(f"CPU% {role}" for role in ROLES), "gateway tok/s per core"]
     lines = ["| " + " | ".join(header) + " |", "|" + " --- |" * len(header)]
     for row in rows:
         cells = [row["label"], row["streams"], row["output_tokens_per_s"], row["output_ratio_vs_core"],
                  row["ttft_p50_ms"], row["ttft_p99_ms"], row["itl_p50_ms"], row["itl_ratio_vs_core"],
-                 *(row["cpu_pct"].get(role) for role in ROLES), row["gateway_tokens_per_s_per_core"]]
+                 row["tokens_per_message"], *(row["cpu_pct"].get(role) for role in ROLES), row["gateway_tokens_per_s_per_core"]]
         lines.append("| " + " | ".join(_cell(c) for c in cells) + " |")
     return "\n".join(lines)
 

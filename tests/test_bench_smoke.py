@@ -81,6 +81,8 @@ def test_bench_stack_measures_every_path_on_cpu(tmp_path):
         for key in ("output_tokens_per_s", "ttft_p50_ms", "ttft_p99_ms", "itl_p50_ms", "output_ratio_vs_core",
                     "itl_ratio_vs_core"):
             assert row[key] > 0, (path, streams, key)
+        # every message carries at least one token, and no more than the request had
+        assert 1 <= row["tokens_per_message"] <= output_tokens, (path, streams)
         assert set(row["cpu_pct"]) == processes[path]
         # CPU is read in clock ticks (10 ms): a process that works a few ms in a short cell may
         # not reach one on a fast machine, so only the process that steps the engine the whole

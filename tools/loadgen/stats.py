@@ -8,7 +8,8 @@ Definitions (every latency in milliseconds; successful requests only):
   TPOT   time per output token after the first: (E2E - TTFT) / (completion tokens - 1), per request.
   E2E    request sent → last message.
 Throughput is over the whole run (first send → last end): output tok/s counts completion
-tokens, total tok/s adds prompt tokens, request rate counts successful requests.
+tokens, total tok/s adds prompt tokens, request rate counts successful requests; messages counts
+the stream messages the successful requests received (how much the server coalesced).
 """
 
 from __future__ import annotations
@@ -85,6 +86,7 @@ def summarize(records: list[RequestRecord], start_s: float, end_s: float) -> dic
         "num_prompt_tokens": num_prompt,
         "num_completion_tokens": num_completion,
         "num_cached_tokens": sum(r.num_cached_tokens for r in ok),
+        "num_messages": sum(len(r.message_times_s) for r in ok),
         **{name: distribution(values) for name, values in latency_samples_ms(records).items()},
         "first_errors": [f"{r.status}: {r.error}" for r in records if not r.is_ok][:5],
     }
