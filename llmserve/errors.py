@@ -8,6 +8,10 @@ Besides the human message, every status carries a `google.rpc.Status` in the tra
 (the gRPC ecosystem's rich error model, read with `grpc_status.rpc_status.from_call`): a
 `BadRequest` field violation for INVALID_ARGUMENT and a `RetryInfo` where a retry makes sense.
 Callers (our gateway included) read the field and the retry delay from there, never from prose.
+
+Whatever an error says, what is sent is bounded (`rich_status_for`, `abort_with`): a message
+may quote a client's value (quoted short at the source: llmserve.client_text), and this is the
+last guard if one does not.
 """
 
 from __future__ import annotations
@@ -20,9 +24,19 @@ from google.protobuf import any_pb2, duration_pb2
 from google.rpc import error_details_pb2, status_pb2
 from grpc_status import rpc_status
 
+from llmserve.client_text import shortened
 from llmserve.undecodable import Oversized, Undecodable, guard_deserializer
 
 log = logging.getLogger(__name__)
+
+# The message travels twice in the trailing metadata: percent-encoded in grpc-message (up to 3
+# bytes a byte) and inside the google.rpc.Status in grpc-status-details-bin (base64: 4 per 3).
+# grpc drops trailers over its 16 KiB metadata limit and the client then gets RESOURCE_EXHAUSTED
+# "Stream removed" instead of the status (a 9,000-character model name quoted twice did). With
+# these caps the two headers stay under ~9 KiB whatever an error says.
+MAX_STATUS_MESSAGE_BYTES = 1024
+MAX_STATUS_FIELD_BYTES = 256  # a BadRequest violation's field: a name with an index
+MAX_RICH_STATUS_BYTES = 4096  # details past it are left out (none of ours come near it)
 
 
 class ServiceError(Exception):
@@ -88,9 +102,12 @@ def _packed(message) -> any_pb2.Any:
 
 def rich_status_for(error: ServiceError) -> status_pb2.Status:
     """The google.rpc.Status of `error`: code, message and its structured details."""
-    status = status_pb2.Status(code=error.code.value[0], message=error.message)
+    status = status_pb2.Status(code=error.code.value[0], message=shortened(error.message, MAX_STATUS_MESSAGE_BYTES))
     if isinstance(error, InvalidArgument):
-        violation = error_details_pb2.BadRequest.FieldViolation(field=error.field, description=error.problem)
+        violation = error_details_pb2.BadRequest.FieldViolation(
+            field=shortened(error.field, MAX_STATUS_FIELD_BYTES),
+            description=shortened(error.problem, MAX_STATUS_MESSAGE_BYTES),
+        )
         status.details.append(_packed(error_details_pb2.BadRequest(field_violations=[violation])))
     if error.retry_after_ms is not None:
         delay = duration_pb2.Duration()
@@ -101,15 +118,30 @@ def rich_status_for(error: ServiceError) -> status_pb2.Status:
 
 async def abort_with(context: grpc.aio.ServicerContext, error: ServiceError) -> None:
     """Abort the RPC with the error's status and details; never returns (grpc raises)."""
-    status = rpc_status.to_status(rich_status_for(error))
+    status = rpc_status.to_status(_within_metadata_limit(rich_status_for(error)))
     await context.abort(status.code, status.details, trailing_metadata=status.trailing_metadata)
+
+
+def _within_metadata_limit(status: status_pb2.Status) -> status_pb2.Status:
+    """`status` with the details, in order, that fit MAX_RICH_STATUS_BYTES (the message is
+    already capped)."""
+    if status.ByteSize() <= MAX_RICH_STATUS_BYTES:
+        return status
+    bounded = status_pb2.Status(code=status.code, message=status.message)
+    for detail in status.details:
+        if bounded.ByteSize() + detail.ByteSize() + 8 > MAX_RICH_STATUS_BYTES:  # + the field's tag and length
+            log.warning("status details over %d bytes left out: %s", MAX_RICH_STATUS_BYTES, detail.type_url)
+            continue
+        bounded.details.append(detail)
+    return bounded
 
 
 async def _map_exception(exc: BaseException, context: grpc.aio.ServicerContext, method: str) -> None:
     if isinstance(exc, ServiceError):
         await abort_with(context, exc)
     log.exception("unhandled error in %s", method, exc_info=exc)
-    await context.abort(grpc.StatusCode.INTERNAL, f"internal error in {method}: {type(exc).__name__}: {exc}")
+    # The exception may hold any value it met, a client's too: capped as any status.
+    await abort_with(context, ServiceError(f"internal error in {method}: {type(exc).__name__}: {exc}"))
 
 
 def check_decoded(request) -> None:

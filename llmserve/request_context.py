@@ -8,6 +8,11 @@ with asyncio.to_thread inherit it too; threads of an executor (loop.run_in_execu
 Two things break that default and are handled here: one task serving many requests (a Multiplex
 stream: `serving_request` around each request's part), and a task started by one request but
 shared by many (a Multiplex connection, a micro-batch: `context_without_request`).
+
+A request id a client sends (to preprocess or inference directly) labels every line of its
+request and may be named in its errors, so it is at most MAX_REQUEST_ID_BYTES
+(`check_request_id`, at each service's door) and a label never longer, even one bound before
+that check ran.
 """
 
 from __future__ import annotations
@@ -16,6 +21,13 @@ import contextlib
 import contextvars
 import logging
 from typing import Iterator
+
+from llmserve.client_text import num_bytes
+from llmserve.errors import InvalidArgument
+
+# Ids are the gateway's uuid4 hex (32 characters) or a caller's own: room for a prefix and a
+# uuid, and a bound on what every log line of the request carries.
+MAX_REQUEST_ID_BYTES = 128
 
 _request_id: contextvars.ContextVar[str | None] = contextvars.ContextVar("request_id", default=None)
 
@@ -27,7 +39,7 @@ def bind_request_id(request_id: str) -> None:
     finalises an abandoned generator in a new one), where resetting would raise; the binding ends
     with the RPC's task anyway.
     """
-    _request_id.set(request_id)
+    _request_id.set(_label(request_id))
 
 
 @contextlib.contextmanager
@@ -36,11 +48,26 @@ def serving_request(request_id: str) -> Iterator[None]:
 
     The block must not be left open across a `yield` of an async generator (see bind_request_id).
     """
-    token = _request_id.set(request_id)
+    token = _request_id.set(_label(request_id))
     try:
         yield
     finally:
         _request_id.reset(token)
+
+
+def check_request_id(request_id: str) -> None:
+    """A client's request id is refused over MAX_REQUEST_ID_BYTES (not named: it is too long)."""
+    if num_bytes(request_id) > MAX_REQUEST_ID_BYTES:
+        raise InvalidArgument(
+            "request_id", f"{num_bytes(request_id)} bytes exceeds the limit of {MAX_REQUEST_ID_BYTES} bytes"
+        )
+
+
+def _label(request_id: str) -> str:
+    """The id as lines carry it: an id too long to be served is labelled by its first bytes."""
+    if len(request_id) <= MAX_REQUEST_ID_BYTES // 4 or num_bytes(request_id) <= MAX_REQUEST_ID_BYTES:
+        return request_id
+    return request_id.encode("utf-8", "surrogatepass")[:MAX_REQUEST_ID_BYTES].decode("utf-8", "ignore")
 
 
 def context_without_request() -> contextvars.Context:

@@ -22,6 +22,7 @@ from grpc_reflection.v1alpha import reflection
 
 from llmserve.errors import ErrorMappingInterceptor
 from llmserve.log_format import log_formatter
+from llmserve.log_rate_limit import LogRateLimit
 from llmserve.observability import ObservabilityConfig
 from llmserve.request_context import RequestIdFilter
 
@@ -145,10 +146,12 @@ def exit_with_parent() -> None:
 
 
 def configure_logging(service: str, level: str, observability: ObservabilityConfig) -> None:
-    """Log `service`'s lines to stderr in `observability.log_format` (llmserve.log_format), each
-    line logged while serving a request labelled with its id (llmserve.request_context)."""
+    """Log `service`'s lines to stderr in `observability.log_format` (llmserve.log_format, which
+    caps each line), each line logged while serving a request labelled with its id
+    (llmserve.request_context), and each kind of line rate-limited (llmserve.log_rate_limit)."""
     handler = logging.StreamHandler()
     handler.setFormatter(log_formatter(observability.log_format, service, log_prompts=observability.log_prompts))
+    handler.addFilter(LogRateLimit())
     handler.addFilter(RequestIdFilter())
     logging.basicConfig(level=level.upper(), handlers=[handler])
     logging.captureWarnings(True)  # a library's warning becomes a line of this format, not raw stderr

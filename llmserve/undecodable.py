@@ -18,12 +18,12 @@ refused in 15-55 ms here, 113-125 ms by grpc). grpc's limit stays as a backstop 
 from __future__ import annotations
 
 import logging
-import threading
-import time
 from dataclasses import dataclass
 from typing import Any, Callable
 
 from google.protobuf.message import DecodeError
+
+from llmserve.log_rate_limit import RateLimit
 
 log = logging.getLogger(__name__)
 
@@ -57,20 +57,13 @@ class Oversized:
 
 class _RateLimitedLog:
     def __init__(self, interval_s: float, what: str):
-        self._interval_s = interval_s
+        self._limit = RateLimit(1, interval_s)
         self._what = what
-        self._lock = threading.Lock()
-        self._last_s: dict[str, float] = {}
-        self._suppressed: dict[str, int] = {}
 
     def warn(self, method: str, reason: str) -> None:
-        now = time.monotonic()
-        with self._lock:
-            if now - self._last_s.get(method, -self._interval_s) < self._interval_s:
-                self._suppressed[method] = self._suppressed.get(method, 0) + 1
-                return
-            self._last_s[method] = now
-            suppressed = self._suppressed.pop(method, 0)
+        suppressed = self._limit.admit(method)
+        if suppressed is None:
+            return
         more = f" (and {suppressed} more since the last such line)" if suppressed else ""
         log.warning("rejected %s to %s: %s%s", self._what, method, reason, more)
 
