@@ -86,6 +86,8 @@ def sampling_from_pb(pb: common_pb2.SamplingParams) -> SamplingParams:
         raise InvalidArgument(
             "sampling.stop_token_ids", f"at most {MAX_STOP_TOKEN_IDS}, got {len(pb.stop_token_ids)}"
         )
+    min_tokens = pb.min_tokens if pb.HasField("min_tokens") else 0
+    check_min_tokens(min_tokens, max_tokens)
     return SamplingParams(
         max_tokens=max_tokens,
         temperature=temperature,
@@ -96,13 +98,23 @@ def sampling_from_pb(pb: common_pb2.SamplingParams) -> SamplingParams:
         stop=tuple(pb.stop),
         stop_token_ids=tuple(pb.stop_token_ids),
         ignore_eos=pb.ignore_eos,
-        min_tokens=pb.min_tokens if pb.HasField("min_tokens") else 0,
+        min_tokens=min_tokens,
         repetition_penalty=repetition_penalty,
         presence_penalty=presence_penalty,
         frequency_penalty=frequency_penalty,
         logprobs=pb.logprobs if pb.HasField("logprobs") else None,
         n=n,
     )
+
+
+def check_min_tokens(min_tokens: int, max_tokens: int | None) -> None:
+    """min_tokens can be met only within max_tokens (it would be cut to it in silence). When
+    max_tokens is not set, preprocess resolves it and inference checks against what it
+    resolved to (the gateway checks it against the context first)."""
+    if max_tokens is not None and min_tokens > max_tokens:
+        raise InvalidArgument(
+            "sampling.min_tokens", f"{min_tokens} exceeds max_tokens {max_tokens}; must be at most max_tokens"
+        )
 
 
 def sampling_to_pb(params: SamplingParams) -> common_pb2.SamplingParams:

@@ -17,6 +17,7 @@ from typing import AsyncIterator
 
 import grpc
 
+from llmserve.client_text import quoted
 from llmserve.errors import InvalidArgument, NotFound
 from llmserve.gateway.generation import GenerationDelta, GenerationPipeline, GenerationRequest, GenerationResult
 from llmserve.gateway.inference_client import ModelCard
@@ -113,18 +114,33 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
         self, request: gateway_pb2.GenerateParams, request_id: str, arrival_ns: int
     ) -> GenerationRequest:
         if request.model and request.model != self._model_name:
-            raise NotFound(f"model: unknown model {request.model!r}; this gateway serves {self._model_name!r}")
+            raise NotFound(f"model: unknown model {quoted(request.model)}; this gateway serves {self._model_name!r}")
         sampling = sampling_from_pb(request.sampling)
         if sampling.n != 1:
             raise InvalidArgument(
                 "sampling.n", f"the gateway returns one sequence per request: must be 1, got {sampling.n}"
             )
+        if sampling.max_tokens is None:
+            _check_min_tokens_fit(sampling.min_tokens, self._model.max_context_tokens)
         return GenerationRequest(
             request_id=request_id,
             prompt_input=_prompt_input_from_pb(request),
             sampling=sampling,
             arrival_ns=arrival_ns,
             cache_salt=request.cache_salt,
+        )
+
+
+def _check_min_tokens_fit(min_tokens: int, max_context_tokens: int) -> None:
+    """With max_tokens unset, preprocess resolves it to what fits the context after the prompt
+    (inference then checks min_tokens against that): no request can make more than the context
+    less its one-token prompt, so a larger min_tokens is refused before any hop."""
+    max_output_tokens = max_context_tokens - 1
+    if min_tokens > max_output_tokens:
+        raise InvalidArgument(
+            "sampling.min_tokens",
+            f"{min_tokens} exceeds the {max_output_tokens} tokens any request can generate in the model "
+            f"context of {max_context_tokens} tokens",
         )
 
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 from llmserve import pb
 from llmserve.block_hash import HASH_VERSION
 from llmserve.errors import DeadlineExceeded, InvalidArgument
+from llmserve.request_context import check_request_id
 from llmserve.engine_output import EngineOutput
 from llmserve.sampling import FinishReason
 from llmserve.inference.engine.types import EngineRequest, ModelInfo
@@ -37,10 +38,12 @@ def request_from_pb(
     """
     if not pb_request.request_id:
         raise InvalidArgument("request_id", "must not be empty")
+    check_request_id(pb_request.request_id)
     prompt_token_ids = list(pb_request.prompt_token_ids)
     _check_prompt(prompt_token_ids, info)
-    sampling = pb.sampling_from_pb(pb_request.sampling)
+    sampling = pb.sampling_from_pb(pb_request.sampling)  # min_tokens ≤ max_tokens among its checks
     _check_max_tokens(sampling.max_tokens, len(prompt_token_ids), info)
+    _check_logprobs(sampling.logprobs, info)
     for i, token_id in enumerate(sampling.stop_token_ids):
         if token_id >= info.vocab_size:
             raise InvalidArgument(
@@ -92,6 +95,13 @@ def _check_max_tokens(max_tokens: int | None, num_prompt_tokens: int, info: Mode
             f"{max_tokens} tokens do not fit: the prompt has {num_prompt_tokens} tokens "
             f"and the context is {info.max_context_tokens}, so at most {num_room_tokens}",
         )
+
+
+def _check_logprobs(logprobs: int | None, info: ModelInfo) -> None:
+    """More alternatives than the vocabulary has cannot be ranked (a small model's vocabulary
+    may be below pb.MAX_LOGPROBS)."""
+    if logprobs is not None and logprobs > info.vocab_size:
+        raise InvalidArgument("sampling.logprobs", f"{logprobs} exceeds the vocab size {info.vocab_size}")
 
 
 def _check_block_hashes(

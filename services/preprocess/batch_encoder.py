@@ -18,6 +18,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable, Generic, Sequence, TypeVar
 
+from llmserve.client_text import num_bytes
 from llmserve.errors import InvalidArgument
 from llmserve.preprocess import validation
 from llmserve.preprocess.chat_template import ChatTemplate
@@ -101,7 +102,7 @@ class BatchEncoder:
     def render(self, chat: Chat) -> str:
         """The chat as the model sees it, held to the byte cap (a template may add text per turn)."""
         rendered = self._chat_template.render(chat.messages, add_generation_prompt=chat.add_generation_prompt)
-        validation.check_prompt_bytes("chat", validation.utf8_bytes(rendered), self._limits)
+        validation.check_prompt_bytes("chat", num_bytes(rendered), self._limits)
         return rendered
 
     def _plan(self, job: EncodeJob) -> _Plan:

@@ -20,8 +20,12 @@ import jinja2.nodes
 import jinja2.utils
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
+from llmserve.client_text import shortened
 from llmserve.errors import InvalidArgument
 from llmserve.sampling import ChatMessage
+
+# How much of a template's refusal an error carries: a template may quote a turn it was given.
+MAX_TEMPLATE_REASON_BYTES = 512
 
 
 def _raise_exception(message: str):
@@ -118,4 +122,5 @@ class ChatTemplate:
                 **self._special_tokens,
             )
         except jinja2.TemplateError as exc:
-            raise InvalidArgument("chat", f"the model's chat template rejected the conversation: {exc}") from exc
+            reason = shortened(str(exc), MAX_TEMPLATE_REASON_BYTES)
+            raise InvalidArgument("chat", f"the model's chat template rejected the conversation: {reason}") from exc

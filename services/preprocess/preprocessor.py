@@ -26,6 +26,7 @@ import jinja2
 
 from llmserve.block_hash import HASH_VERSION, HashNamespace
 from llmserve.buckets import BucketConfig, LengthBucket
+from llmserve.client_text import num_bytes
 from llmserve.errors import InvalidArgument
 from llmserve.message_limits import MAX_TOKEN_ID_BYTES
 from llmserve.model_files import ModelFiles
@@ -181,13 +182,13 @@ class Preprocessor:
 
     def _check_text_or_chat(self, request_input: TextOrChat, *, text_field: str) -> int:
         if isinstance(request_input, str):
-            num_bytes = validation.utf8_bytes(request_input)
-            validation.check_prompt_bytes(text_field, num_bytes, self.limits)
-            return num_bytes
+            num_prompt_bytes = num_bytes(request_input)
+            validation.check_prompt_bytes(text_field, num_prompt_bytes, self.limits)
+            return num_prompt_bytes
         validation.check_chat(request_input.messages, has_chat_template=self.chat_template is not None)
-        num_bytes = validation.chat_bytes(request_input.messages)
-        validation.check_prompt_bytes("chat.messages", num_bytes, self.limits)
-        return num_bytes
+        num_prompt_bytes = validation.chat_bytes(request_input.messages)
+        validation.check_prompt_bytes("chat.messages", num_prompt_bytes, self.limits)
+        return num_prompt_bytes
 
     def _check_token_ids(self, token_ids: list[int], max_tokens: int | None) -> int:
         if not token_ids:

@@ -19,7 +19,7 @@ from llmserve.errors import ServiceError
 from llmserve.pb import model_info_to_pb, prompt_input_from_pb
 from llmserve.preprocess import metrics
 from llmserve.preprocess.pipeline import PreprocessPipeline
-from llmserve.request_context import bind_request_id
+from llmserve.request_context import bind_request_id, check_request_id
 from llmserve.v1 import common_pb2, preprocess_pb2, preprocess_pb2_grpc
 
 log = logging.getLogger(__name__)
@@ -45,9 +45,12 @@ class PreprocessServicer(preprocess_pb2_grpc.PreprocessServiceServicer):
         max_tokens = request.max_tokens if request.HasField("max_tokens") else None
         prompt_input = prompt_input_from_pb(request, "prompt")
         try:
+            check_request_id(request.request_id)
             result = await self._pipeline.preprocess(prompt_input, max_tokens, request.cache_salt)
         except ServiceError as exc:
             metrics.record_failed(exc.code)
+            # The reason an operator needs, as the client got it: any client value in it is
+            # quoted short (llmserve.client_text), and the line's kind is rate-limited.
             log.info("rejected: %s", exc.message)
             raise
         except Exception:

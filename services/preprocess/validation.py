@@ -9,6 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Sequence
 
+from llmserve.client_text import num_bytes, quoted
 from llmserve.errors import InvalidArgument
 from llmserve.sampling import ChatMessage
 
@@ -59,14 +60,9 @@ def default_max_prompt_bytes(max_context_tokens: int, max_token_bytes: int) -> i
 TURN_FRAMING_BYTES = 8
 
 
-def utf8_bytes(text: str) -> int:
-    """`len(text.encode("utf-8"))`, without the copy for ASCII text (isascii is O(1))."""
-    return len(text) if text.isascii() else len(text.encode("utf-8"))
-
-
 def chat_bytes(messages: Sequence[ChatMessage]) -> int:
     """A chat's size against the prompt byte cap: roles, contents and turn framing."""
-    return sum(utf8_bytes(m.role) + utf8_bytes(m.content) + TURN_FRAMING_BYTES for m in messages)
+    return sum(num_bytes(m.role) + num_bytes(m.content) + TURN_FRAMING_BYTES for m in messages)
 
 
 def check_prompt_bytes(field: str, num_bytes: int, limits: Limits) -> None:
@@ -101,7 +97,7 @@ def check_chat(messages: Sequence[ChatMessage], *, has_chat_template: bool) -> N
         if not message.role:
             raise InvalidArgument(f"chat.messages[{i}].role", f"must not be empty; {_EXPECTED_ROLES}")
         if message.role not in ALLOWED_ROLES:
-            raise InvalidArgument(f"chat.messages[{i}].role", f"unknown role {message.role!r}; {_EXPECTED_ROLES}")
+            raise InvalidArgument(f"chat.messages[{i}].role", f"unknown role {quoted(message.role)}; {_EXPECTED_ROLES}")
 
 
 def resolve_max_tokens(field: str, num_prompt_tokens: int, requested: int | None, limits: Limits) -> int:
