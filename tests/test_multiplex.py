@@ -5,12 +5,16 @@ from __future__ import annotations
 
 import asyncio
 import time
+from types import SimpleNamespace
 
 import grpc
 import pytest
 from google.rpc import status_pb2
 
+from llmserve.errors import InvalidArgument
+from llmserve.inference.multiplex import MultiplexedStream
 from llmserve.server import CHANNEL_OPTIONS
+from llmserve.undecodable import Undecodable
 from llmserve.v1 import common_pb2, inference_pb2, inference_pb2_grpc
 from tests.procs import running_service
 from tests.rich_status import field_violation
@@ -157,3 +161,24 @@ async def test_a_bad_command_ends_the_stream_at_once_and_frees_its_requests(infe
     # the stream did not wait for its request to run to max_tokens
     assert not any(output.output.finish_reason for output in received)
     await wait_for_free_blocks(stub)
+
+
+async def test_a_bad_command_read_while_a_response_is_written_still_ends_the_stream():
+    """Found by fuzzing: the reader met the bad command while the writer was holding the previous
+    response, nothing else was open, and the stream ended OK with the command dropped."""
+    stream = MultiplexedStream(SimpleNamespace(model_info=None))  # refusals never reach the engine
+    commands: asyncio.Queue = asyncio.Queue()
+
+    async def sent():
+        while (command := await commands.get()) is not None:
+            yield command
+
+    reader = asyncio.create_task(stream.read_commands(sent()))
+    responses = stream.responses()
+    commands.put_nowait(inference_pb2.MultiplexRequest(generate=inference_pb2.GenerateTokensRequest()))
+    [refusal] = (await asyncio.wait_for(anext(responses), HANG_GUARD_S)).outputs
+    assert refusal.error_status
+    commands.put_nowait(Undecodable("/llmserve.v1.InferenceService/Multiplex", "Wire format was corrupt"))
+    await asyncio.wait_for(reader, HANG_GUARD_S)
+    with pytest.raises(InvalidArgument):
+        await anext(responses)

@@ -68,6 +68,8 @@ class MultiplexedStream:
                 raise self._bad_command
             if self._outputs.has_news:
                 yield _response(*self._outputs.take())
+        if self._bad_command is not None:  # read while the last response was being written
+            raise self._bad_command
 
     def close(self) -> None:
         """The stream ended: abort what is still running (its outputs are no longer wanted)."""
