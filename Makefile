@@ -11,7 +11,7 @@ export LLMSERVE_CACHE_DIR ?= $(HOME)/.cache/llmserve
 # The torch of `make setup` (its CPU build) and of the inference images (CUDA or CPU build).
 TORCH_VERSION := 2.13.0
 
-.PHONY: setup protos node-client redis-server proto-baseline serve test test-fast bench images lint-images clean help
+.PHONY: setup protos node-client redis-server proto-baseline serve test test-fast fuzz bench images lint-images clean help
 
 help:  ## List the targets
 	@grep -E '^[a-z-]+:.*##' $(MAKEFILE_LIST) | sed 's/:.*##/\t/'
@@ -65,6 +65,14 @@ test: setup  ## Run the whole test suite (starts real servers on loopback)
 
 test-fast: setup  ## Tests that do not need the real default model
 	$(PY) -m pytest -q -m "not slow" $(PYTEST_ARGS)
+
+# tests/test_fuzz.py at full size: new random cases each run, FUZZ_EXAMPLES per public method (`make
+# test` runs 150 each, the same every run). No per-test timeout: a method's 10,000 cases take minutes,
+# and each call has its own hang guard.
+FUZZ_EXAMPLES ?= 10000
+fuzz: setup  ## Fuzz every public method of the three services with FUZZ_EXAMPLES (10,000) cases each
+	LLMSERVE_FUZZ_EXAMPLES=$(FUZZ_EXAMPLES) LLMSERVE_FUZZ_RANDOM=1 $(PY) -m pytest -q -rP --timeout 0 \
+	  tests/test_fuzz.py $(PYTEST_ARGS)
 
 # The images (deploy/docker/Dockerfile, one target per service), tagged with pyproject's version.
 # BAKE_DEFAULT_MODEL=1 puts the default model's wheel into them, for clusters without PyPI.
