@@ -101,6 +101,13 @@ SHAPES = {
         rope_theta=500000.0, max_position_embeddings=8192, rms_norm_eps=1e-5, bos_token_id=151643,
         eos_token_id=151643,
     ),
+    # The default model's body (HuggingFaceTB/SmolLM2-135M-Instruct's config.json), for runs where
+    # its 538 MB of weights cannot travel; pass its tokenizer (shared/assets/tokenizers/smollm2).
+    "smollm2-135m": dict(
+        architecture="LlamaForCausalLM", hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
+        num_attention_heads=9, num_key_value_heads=3, head_dim=64, vocab_size=49152, tie_word_embeddings=True,
+        rope_theta=100000.0, max_position_embeddings=8192, rms_norm_eps=1e-5, bos_token_id=1, eos_token_id=2,
+    ),
 }
 SMOKE = dict(shape="tiny", device="cpu", streams="1,4", prompt_tokens=24, output_tokens=16, warmup_output_tokens=2,
              client_processes=1)

@@ -38,16 +38,20 @@ MAX_STATUS_MESSAGE_BYTES = 1024
 MAX_STATUS_FIELD_BYTES = 256  # a BadRequest violation's field: a name with an index
 MAX_RICH_STATUS_BYTES = 4096  # details past it are left out (none of ours come near it)
 
+# google.rpc.ErrorInfo's fields: (reason, domain, metadata), e.g. a deadline refusal's estimate.
+ErrorInfo = tuple[str, str, dict[str, str]]
+
 
 class ServiceError(Exception):
     """An error with a gRPC status code and a message meant for the caller."""
 
     code: grpc.StatusCode = grpc.StatusCode.INTERNAL
 
-    def __init__(self, message: str, *, retry_after_ms: int | None = None):
+    def __init__(self, message: str, *, retry_after_ms: int | None = None, error_info: ErrorInfo | None = None):
         super().__init__(message)
         self.message = message
         self.retry_after_ms = retry_after_ms  # sent as RetryInfo when set
+        self.error_info = error_info  # sent as ErrorInfo when set
 
 
 class InvalidArgument(ServiceError):
@@ -113,6 +117,9 @@ def rich_status_for(error: ServiceError) -> status_pb2.Status:
         delay = duration_pb2.Duration()
         delay.FromMilliseconds(error.retry_after_ms)
         status.details.append(_packed(error_details_pb2.RetryInfo(retry_delay=delay)))
+    if error.error_info is not None:
+        reason, domain, metadata = error.error_info
+        status.details.append(_packed(error_details_pb2.ErrorInfo(reason=reason, domain=domain, metadata=metadata)))
     return status
 
 

@@ -19,11 +19,17 @@ from llmserve.inference.admission import (
     MAX_RETRY_AFTER_MS,
     MIN_RETRY_AFTER_MS,
     AdmissionConfig,
+    SPREAD_HIGH,
+    SPREAD_LOW,
+    AdmissionConfig,
     AdmissionController,
     Admitted,
+    Spread,
+    jittered,
 )
 from llmserve.engine_output import EngineOutput
-from llmserve.inference.engine.types import EngineRequest
+from llmserve.inference.engine.types import EngineRequest, StepReport
+from llmserve.inference.finish_estimate import DEADLINE_ESTIMATE_REASON
 from llmserve.inference.kv_demand import kv_blocks_needed, prompt_block_hashes
 from llmserve.sampling import FinishReason, SamplingParams
 
@@ -73,11 +79,17 @@ class Owner:
         return getattr(self.admission, name)
 
 
-def controller(clock: Clock, *, kv_blocks_total: int = 0, step_grows_with_batch: bool = True, **budgets) -> Owner:
+def controller(clock: Clock, *, kv_blocks_total: int = 0, spread: Spread = lambda ms: ms, **budgets) -> Owner:
+    """Hints unspread unless `spread` says otherwise: each test computes them exactly."""
     return Owner(AdmissionController(
         AdmissionConfig(**budgets), kv_blocks_total=kv_blocks_total, hash_namespace=NAMESPACE,
-        max_context_tokens=CONTEXT, step_grows_with_batch=step_grows_with_batch, clock=clock,
+        max_context_tokens=CONTEXT, clock=clock, spread=spread,
     ))  # fmt: skip
+
+
+def steps(admission, *batches: tuple[float, int, int]) -> None:
+    """StepReports (duration_s, sequences, tokens) as the core sends them."""
+    admission.observe_steps([StepReport(*batch) for batch in batches])
 
 
 def request(
@@ -224,32 +236,137 @@ def test_a_cold_replica_admits_any_deadline_still_ahead():
         admission.admit(request("b", 10, deadline_ns=clock.now_ns))
 
 
-def test_a_deadline_the_measured_pace_cannot_meet_is_refused_at_once():
+def cpu_like_steps(admission) -> None:
+    """A CPU's steps: 80 ms + 10 ms per sequence + 0.1 ms per token, at batches 1 to 4, decode
+    steps and steps with prompt chunks of 500 and 1000 tokens (they grow with both)."""
+    steps(admission, *[
+        (0.08 + 0.01 * batch + 0.0001 * tokens, batch, tokens)
+        for batch in (1, 2, 3, 4) for tokens in (batch, batch + 500, batch + 1000)
+    ] * 3)  # fmt: skip
+
+
+def test_a_deadline_the_measured_steps_cannot_meet_is_refused_at_once():
     clock = Clock()
     admission = controller(clock)
     admission.admit(request("a", 100, 100))
-    clock.advance(0.1)
-    admission.observe([token("a")])  # prefill: 1000 tokens/s; step: 0.1 s
-    assert admission.pace.step_s == pytest.approx(0.1)
-    admission.admit(request("b", 400))  # 400 prompt tokens waiting
-    # 500 tokens ahead (its own included) at 1000/s = 0.5 s, then 50 tokens at 0.1 s per step of
-    # the batch of 1 it was measured at, x 3 for the batch of 3 it would join: 15 s
-    assert admission.finish_estimate(request("c", 100, 50)).total_s == pytest.approx(15.5)
+    cpu_like_steps(admission)
+    admission.admit(request("b", 400))  # 500 prompt tokens waiting
+    # In the batch of 3 it joins: one full step computes the 600 prompt tokens (its own last),
+    # 80 + 30 + 60.3 ms, and samples its first token; 49 decode steps of 80 + 30 + 0.3 ms follow
+    estimate = admission.finish_estimate(request("c", 100, 50))
+    assert estimate.batch == 3 and estimate.prefill_steps == 1
+    assert estimate.prefill_wait_s == pytest.approx(0.1703, rel=1e-3)
+    assert estimate.total_s == pytest.approx(0.1703 + 49 * 0.1103, rel=1e-3)
     with pytest.raises(DeadlineExceeded) as refused:
-        admission.admit(request("c", 100, 50, deadline_ns=clock.now_ns + 15 * S))
-    assert "estimated 15.5 s" in refused.value.message and "1000 tokens/s" in refused.value.message
-    admission.admit(request("c", 100, 50, deadline_ns=clock.now_ns + 16 * S))
+        admission.admit(request("c", 100, 50, deadline_ns=clock.now_ns + 5 * S))
+    assert "estimated 5.6 s" in refused.value.message and "1 steps" in refused.value.message
+    admission.admit(request("c", 100, 50, deadline_ns=clock.now_ns + 6 * S))
 
 
-def test_where_the_step_does_not_grow_with_the_batch_the_measured_step_is_the_estimate():
+def test_while_prompts_wait_every_step_is_a_full_one_for_the_decodes_too():
     clock = Clock()
-    admission = controller(clock, step_grows_with_batch=False)  # an accelerator
-    admission.admit(request("a", 100, 100))
+    admission = controller(clock, max_batched_tokens=1000)
+    cpu_like_steps(admission)
+    admission.admit(request("a", 100))
+    admission.admit(request("b", 9000))
+    # 9101 prompt tokens, 997 a step (the budget less 3 decodes): 10 full steps of 1000 tokens
+    # (80 + 30 + 100 ms); its prompt ends in the 10th, its 5 other tokens in the 10th's wake
+    estimate = admission.finish_estimate(request("c", 1, 6))
+    assert estimate.schedule.num_full_steps == 10 and estimate.prefill_steps == 10
+    assert estimate.total_s == pytest.approx(10 * 0.21 + 5 * 0.1103, rel=1e-3)
+    # A short prompt behind no queue: its decode steps are decode steps from the start
+    assert admission.finish_estimate(request("c", 1, 6)).schedule.decode_step_s == pytest.approx(0.1103, rel=1e-3)
+
+
+def test_a_request_that_would_make_an_earlier_one_miss_its_deadline_waits():
+    clock = Clock()
+    admission = controller(clock, max_batched_tokens=1000)
+    cpu_like_steps(admission)
+    # a alone: a full step of 101 tokens (100.1 ms), 9 decode steps of 90.1 ms: 0.911 s of its 2 s
+    admission.admit(request("a", 100, 10, deadline_ns=clock.now_ns + 2 * S))
+    # b's 4000 prompt tokens make a's 10 steps the first 10 of 5 full ones (200 ms) and 5 decode
+    # ones (100.2 ms): 1.501 s, still in time
+    admission.admit(request("b", 4000))
+    # c's 8000 more would make all 10 full ones (210 ms): 2.1 s, past a's deadline
+    with pytest.raises(ResourceExhausted) as refused:
+        admission.admit(request("c", 8000))
+    assert "would make 1 admitted requests miss their deadlines" in refused.value.message
+    assert abs(refused.value.retry_after_ms - 1501) <= 1  # when a will have finished
+    # a request already estimated to miss its deadline is not protected: the engine ends it
+    clock.advance(1.9)
+    admission.admit(request("c", 8000))
+
+
+def test_the_batch_a_request_joins_is_at_most_max_num_seqs_and_the_excess_waits_for_finishes():
+    clock = Clock()
+    admission = controller(clock, max_num_seqs=4)
+    cpu_like_steps(admission)
+    admission.admit(request("p", 1000, 100))
     clock.advance(0.1)
-    admission.observe([token("a")])
-    admission.admit(request("b", 400))
-    # the same 0.5 s wait as on a CPU, then 50 tokens at the measured 0.1 s per step: 5 s
-    assert admission.finish_estimate(request("c", 100, 50)).total_s == pytest.approx(5.5)
+    admission.observe([token("p")])
+    for name in "abcdef":
+        admission.admit(request(name, 1, 100))
+    clock.advance(1.0)
+    admission.observe([finished("a"), finished("b")])  # 2 sequences finished in 1.1 s busy
+    # 5 in flight + its own = 6, two beyond the batch of 4: 1.1 s for two to finish, while one
+    # full step computes the 5 prompt tokens waiting, then 9 decode steps of the batch of 4
+    estimate = admission.finish_estimate(request("g", 1, 10))
+    assert estimate.batch == 4 and estimate.sequences_beyond_batch == 2
+    assert estimate.prefill_wait_s == pytest.approx(0.1209, rel=1e-3)
+    assert estimate.slot_wait_s == pytest.approx(1.1) and estimate.start_s == estimate.slot_wait_s
+    assert estimate.total_s == pytest.approx(1.1 + 9 * 0.1204, rel=1e-3)
+
+
+def test_a_step_that_does_not_grow_with_the_batch_is_the_estimate_for_any_batch():
+    clock = Clock()
+    admission = controller(clock)
+    steps(admission, *[(0.004, batch, batch) for batch in (1, 8, 64, 256)] * 5)  # a GPU's decode
+    for name in "abcdefgh":
+        admission.admit(request(name, 1, 100))
+    assert admission.finish_estimate(request("i", 1, 50)).total_s == pytest.approx(50 * 0.004, rel=1e-3)
+
+
+def test_a_deadline_refusal_carries_its_estimate_and_a_hint_when_waiting_helps():
+    clock = Clock()
+    admission = controller(clock)
+    cpu_like_steps(admission)
+    admission.admit(request("a", 100, 100))
+    admission.admit(request("b", 2900))
+    with pytest.raises(DeadlineExceeded) as refused:
+        admission.admit(request("c", 100, 10, deadline_ns=clock.now_ns + 3 * S // 2))
+    # 3100 prompt tokens in 2 full steps of 2048 tokens (314.8 ms), then 9 decode steps of the
+    # batch of 3 (110.3 ms): 1.6223 s against 1.5 s left: a request with the same budget fits
+    # once the queue has drained for the 122 ms excess
+    reason, _, fields = refused.value.error_info
+    assert reason == DEADLINE_ESTIMATE_REASON
+    assert fields["estimated_ms"] == "1622" and fields["time_left_ms"] == "1500" and fields["batch"] == "3"
+    assert fields["full_step_ms"] == "315" and fields["decode_step_ms"] == "110"
+    assert abs(refused.value.retry_after_ms - 122) <= 1
+    # 0.95 s left: its own prefill and decode alone (100.1 + 9 x 90.1 ms = 0.911 s) fit, still
+    # worth a retry
+    with pytest.raises(DeadlineExceeded) as refused:
+        admission.admit(request("c", 100, 10, deadline_ns=clock.now_ns + 95 * S // 100))
+    assert abs(refused.value.retry_after_ms - 672) <= 1
+    # 0.5 s left: not even an idle replica finishes in time: no hint
+    with pytest.raises(DeadlineExceeded) as refused:
+        admission.admit(request("c", 100, 10, deadline_ns=clock.now_ns + S // 2))
+    assert refused.value.retry_after_ms is None
+
+
+def test_retry_hints_are_spread_so_refused_clients_do_not_return_together():
+    clock = Clock()
+    admission = controller(clock, max_waiting_requests=1, spread=jittered(random.Random(7)))
+    admission.admit(request("a", 60))
+    clock.advance(0.5)
+    admission.observe([token("a")])  # 120 prompt tokens/s
+    admission.admit(request("b", 120))  # the queue turns over in 1 s
+    hints = []
+    for attempt in range(50):
+        with pytest.raises(ResourceExhausted) as refused:
+            admission.admit(request(f"c{attempt}", 10))
+        hints.append(refused.value.retry_after_ms)
+    assert all(SPREAD_LOW * 1000 <= hint <= SPREAD_HIGH * 1000 for hint in hints)
+    assert len(set(hints)) > 40  # not one instant for all
 
 
 @pytest.mark.parametrize(("step_s", "expected_ms"), [(0.001, MIN_RETRY_AFTER_MS), (100.0, MAX_RETRY_AFTER_MS)])
@@ -382,10 +499,10 @@ def test_the_deadline_estimate_waits_only_for_prompt_tokens_not_held_by_another(
     admission = controller(clock, kv_blocks_total=1000)
     admission.admit(request("a", 100, 100))
     clock.advance(0.1)
-    admission.observe([token("a")])  # prefill: 1000 tokens/s
+    admission.observe([token("a")])
     admission.admit(sharer("b"))
-    # 520 tokens of b waiting; c's 512 shared ones are b's: 528 tokens ahead, 0.528 s
-    assert admission.finish_estimate(sharer("c")).wait_s == pytest.approx(0.528)
+    # 520 tokens of b waiting; c's 512 shared ones are b's: 528 tokens ahead
+    assert admission.finish_estimate(sharer("c")).prompt_tokens_ahead == 528
 
 
 def test_the_hashes_are_the_engines_own():

@@ -108,3 +108,24 @@ def test_a_prompt_the_pool_cannot_hold_counts_as_finished_not_aborted(tiny_model
     assert finals(iteration.outputs) == {("big-aborted", 0): FinishReason.CANCELLED}
     rest, iteration = run_until_idle(loop)
     assert rest == [] and (iteration.load.num_finished_total, iteration.load.num_aborted_total) == (2, 1)
+
+
+def test_run_reports_each_step_with_its_period_since_the_previous_and_none_after_a_wait(loop):
+    """The period (admission's step-time fit is on it) spans the loop's work between steps; a
+    step after the loop waited for commands has none, so idle time is never counted as a step."""
+    waits = [[AddRequest(make_request("a", max_tokens=4))], [Stop()]]  # what each wait for commands gets
+    steps = []
+
+    def take_commands(block: bool) -> list:
+        return waits.pop(0) if block else []
+
+    def emit(outputs, load, kv_events, step) -> bool:
+        if step is not None:
+            steps.append(step)
+        return True
+
+    loop.run(take_commands, emit)
+    assert steps and steps[0].period_s is None  # after the wait for the first command
+    for step in steps[1:]:
+        assert step.period_s is not None and step.period_s >= step.duration_s
+        assert step.wall_s == step.period_s

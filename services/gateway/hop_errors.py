@@ -2,7 +2,8 @@
 
 The hop's `google.rpc.Status` details (llmserve.errors) are read, not its message text: a
 BadRequest field violation becomes an InvalidArgument naming the client's field (a hop may know
-the field under another name), a RetryInfo keeps its delay; the message is rebuilt from them.
+the field under another name), a RetryInfo keeps its delay and an ErrorInfo passes through; the
+message is rebuilt from them.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ import grpc
 from google.rpc import error_details_pb2, status_pb2
 from grpc_status import rpc_status
 
-from llmserve.errors import UNAVAILABLE_RETRY_AFTER_MS, InvalidArgument, ServiceError, Unavailable
+from llmserve.errors import UNAVAILABLE_RETRY_AFTER_MS, ErrorInfo, InvalidArgument, ServiceError, Unavailable
 
 # Status codes that describe the request itself (bad input, full server, unknown model...): the
 # client gets them as the hop sent them, message included.
@@ -37,8 +38,11 @@ _PASS_THROUGH_CODES = frozenset(
 class DownstreamError(ServiceError):
     """An error status from preprocess or inference, forwarded with its code."""
 
-    def __init__(self, code: grpc.StatusCode, message: str, *, retry_after_ms: int | None = None):
-        super().__init__(message, retry_after_ms=retry_after_ms)
+    def __init__(
+        self, code: grpc.StatusCode, message: str, *, retry_after_ms: int | None = None,
+        error_info: ErrorInfo | None = None,
+    ):  # fmt: skip
+        super().__init__(message, retry_after_ms=retry_after_ms, error_info=error_info)
         self.code = code
 
 
@@ -61,6 +65,11 @@ def _detail(status: status_pb2.Status, message_type):
 def _retry_after_ms(status: status_pb2.Status) -> int | None:
     retry_info = _detail(status, error_details_pb2.RetryInfo)
     return retry_info.retry_delay.ToMilliseconds() if retry_info is not None else None
+
+
+def _error_info(status: status_pb2.Status) -> ErrorInfo | None:
+    info = _detail(status, error_details_pb2.ErrorInfo)
+    return (info.reason, info.domain, dict(info.metadata)) if info is not None else None
 
 
 def _invalid_argument(status: status_pb2.Status, client_fields: Mapping[str, str]) -> InvalidArgument | None:
@@ -109,5 +118,5 @@ def _client_error(
         retry_after_ms = retry_after_ms if retry_after_ms is not None else UNAVAILABLE_RETRY_AFTER_MS
         return Unavailable(f"{service} unavailable: {details}", retry_after_ms=retry_after_ms)
     if code in _PASS_THROUGH_CODES:
-        return DownstreamError(code, details, retry_after_ms=retry_after_ms)
+        return DownstreamError(code, details, retry_after_ms=retry_after_ms, error_info=_error_info(status))
     return ServiceError(f"{service} failed: {code.name}: {details}")

@@ -25,26 +25,35 @@ Over a budget: ResourceExhausted naming it, with a retry hint (clamped):
     engine's first step).
 A request that alone exceeds a whole budget can never be admitted: InvalidArgument.
 
-Deadline (EngineRequest.deadline_ns): the estimated time to finish is
-  wait    (waiting prompt tokens + its own, both to be prefilled) / prefill rate: the queue
-          ahead starts first;
-  decode  max_tokens x the step time, scaled up in proportion when the batch it joins (every
-          sequence in flight, its own included) is larger than the one the step time was
-          measured at: a compute-bound step (CPU; a GPU at large batch) slows with every
-          sequence, so admitting by the step time of a smaller batch would let everyone in and
-          make the admitted miss their deadlines. Only where the step grows with the batch
-          (`step_grows_with_batch`: the CPU): a GPU's decode step streams the weights and
-          barely grows (H200, 1.5B: 1.74 ms at 1 sequence, 3.8 ms at 256), and scaling there
-          by sequences that produced tokens (few, in prefill-heavy steps) estimated 598 ms for
-          a 17 ms step and refused 247 of 384 feasible requests (8B, 256 streams);
-and a request whose estimate exceeds the time it has left is refused with DeadlineExceeded at
-once, instead of being queued to die. What is not measured yet counts as zero: a cold replica
-admits.
+Deadline (EngineRequest.deadline_ns), in the engine's own steps (finish_estimate.py): while
+prompt tokens wait every step is a full one (the decodes, then prompt chunks up to
+--max-batched-tokens), then steps are decode steps; both timed by the step-time fit of this
+replica's own steps (step_time_model.py: a fixed part plus a part per sequence and per token, so
+a CPU's step that grows with the batch and a GPU's that barely does are both measured, not
+assumed), for the batch it joins (the sequences in flight with its own, at most --max-num-seqs).
+A request is refused at once, instead of being queued to die:
+  - DeadlineExceeded when its own estimate exceeds the time it has left: its prompt ends in the
+    step that computes the last waiting token (it queues last), its tokens follow one per step,
+    and, when the sequences in flight with its own exceed --max-num-seqs, it cannot start before
+    that excess has finished at the measured rate sequences finish. The refusal carries the
+    estimate as an ErrorInfo detail and, where a request sent later with the same time budget
+    would fit (its own prefill and decode alone fit the budget), a RetryInfo: when the work
+    ahead will have drained by the excess;
+  - ResourceExhausted when it would make a request admitted before it miss a deadline that
+    request's estimate met without it (its prompt lengthens the full steps their remaining
+    tokens fall in): a burst's first comers keep the promise their admission made. The hint:
+    when the nearest of them will have finished.
+What is not measured yet counts as zero: a cold replica admits.
+
+Retry hints are spread: each is drawn between 0.5x and 1.5x of its estimate (`spread`), so the
+clients a burst refused do not all return at the same instant to be refused together again.
 
 Measurements, learnt from the outputs AsyncEngine routes (`observe`, O(1) per output):
-  step time, prefill rate  drain_meter.StepPace (the prefill rate: prompt tokens prefilled for
-                           requests that produced their first token, per second of the steps
-                           that started any);
+  step time               step_time_model.StepTimeModel, from the StepReports (`observe_steps`);
+  prefill rate             drain_meter.StepPace (the waiting budgets' hints): prompt tokens
+                           prefilled for requests that produced their first token, per second
+                           of the steps that started any;
+  sequence finishes        sequences finished per second of time in which a request was in flight;
   KV drain                 blocks of demand released by finished requests (a shared prompt
                            block with its last holder), per second of time in which a request
                            was in flight.
@@ -52,6 +61,8 @@ Measurements, learnt from the outputs AsyncEngine routes (`observe`, O(1) per ou
 
 from __future__ import annotations
 
+import math
+import random
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -68,13 +79,22 @@ from llmserve.inference.engine.config import (
     default_max_waiting_requests,
 )
 from llmserve.engine_output import EngineOutput
-from llmserve.inference.engine.types import EngineRequest
-from llmserve.inference.finish_estimate import FinishEstimate
+from llmserve.inference.engine.types import EngineRequest, StepReport
+from llmserve.inference.finish_estimate import FinishEstimate, StepSchedule
 from llmserve.inference.kv_demand import KvDemand, RequestDemand
+from llmserve.inference.step_time_model import StepTimeModel
 
 DEFAULT_RETRY_AFTER_MS = 1000  # before the drain rate is measured
 MIN_RETRY_AFTER_MS = 50  # about one step of a busy GPU: sooner would only be refused again
 MAX_RETRY_AFTER_MS = 30_000
+
+# A retry hint of T ms → one drawn from [SPREAD_LOW x T, SPREAD_HIGH x T] (see the module doc).
+SPREAD_LOW, SPREAD_HIGH = 0.5, 1.5
+Spread = Callable[[float], float]
+
+
+def jittered(rng: random.Random) -> Spread:
+    return lambda ms: ms * rng.uniform(SPREAD_LOW, SPREAD_HIGH)
 
 
 @dataclass(frozen=True, slots=True)
@@ -87,6 +107,8 @@ class AdmissionConfig:
     kv_overcommit: float = DEFAULT_KV_OVERCOMMIT
     shares_prefix_blocks: bool = True  # the core's prefix cache is on (where it has a pool)
     max_batched_tokens: int = 2048  # the core's per-step token budget (EngineConfig's default)
+    max_num_seqs: int = DEFAULT_MAX_NUM_SEQS  # the core's running batch, at most (hf: 1)
+    deadline_admission: bool = True  # refuse what the estimate says cannot meet its deadline
 
     @classmethod
     def of(cls, config: EngineConfig) -> "AdmissionConfig":
@@ -96,18 +118,30 @@ class AdmissionConfig:
         return cls(
             max_waiting_requests, config.max_waiting_prompt_tokens, config.kv_overcommit,
             config.enable_prefix_caching, config.max_batched_tokens,
+            1 if config.backend == "hf" else config.max_num_seqs,  # hf generates one sequence at a time
+            config.deadline_admission,
         )  # fmt: skip
 
 
-@dataclass(slots=True)
+@dataclass(slots=True, eq=False)
 class Admitted:
     """The demand one in-flight request was admitted with, and its progress. AsyncEngine keeps
     it with the request (it owns which requests are in flight) and hands it back with each
     output (`observe`)."""
 
     demand: RequestDemand
+    deadline_ns: int = 0  # 0: none
+    num_sequences: int = 1
+    num_tokens_left: int = 0  # of all its sequences together, at most
+    # The admission-ordered count of prompt tokens to prefill, up to its own end: what is ahead
+    # of it in the queue is this less what has started since.
+    queue_end: int = 0
     is_waiting: bool = True  # no token produced yet
     has_started: bool = False  # produced a token (not merely ended while waiting)
+
+    @property
+    def num_decode_steps_left(self) -> int:
+        return math.ceil(self.num_tokens_left / self.num_sequences)
 
 
 class AdmissionController:
@@ -121,8 +155,8 @@ class AdmissionController:
         kv_blocks_total: int,
         hash_namespace: HashNamespace,
         max_context_tokens: int,
-        step_grows_with_batch: bool = True,
         clock: Callable[[], int] = time.monotonic_ns,
+        spread: Spread = jittered(random.Random()),
     ):
         self.max_waiting_requests = config.max_waiting_requests
         self.max_waiting_prompt_tokens = config.max_waiting_prompt_tokens or max(
@@ -130,7 +164,9 @@ class AdmissionController:
             WAITING_PROMPT_TOKENS_PER_REQUEST * config.max_waiting_requests,
         )
         self.kv_overcommit = config.kv_overcommit
-        self._step_grows_with_batch = step_grows_with_batch
+        self.max_num_seqs = config.max_num_seqs
+        self._max_batched_tokens = config.max_batched_tokens
+        self._deadline_admission = config.deadline_admission
         self._max_kv_blocks = int(kv_blocks_total * config.kv_overcommit)
         self._block_size_tokens = hash_namespace.block_size_tokens
         self._kv_demand = KvDemand(
@@ -140,13 +176,21 @@ class AdmissionController:
             max_batched_tokens=config.max_batched_tokens,
         )
         self._clock = clock
+        self._spread = spread
         self.num_requests_in_flight = 0
         self.num_waiting_requests = 0
         self.num_waiting_prompt_tokens = 0
         self.num_sequences_in_flight = 0
+        # Monotonic counts of prompt tokens to prefill: admitted, and of requests that started
+        # (or ended while waiting). Their difference is num_waiting_prompt_tokens.
+        self._num_prompt_tokens_admitted = 0
+        self._num_prompt_tokens_started = 0
+        self._deadline_bound: set[Admitted] = set()  # in flight, with a deadline
         now_ns = clock()
         self.pace = StepPace(now_ns)
         self.kv_drain = DrainMeter(now_ns)  # blocks per second
+        self.sequence_finishes = DrainMeter(now_ns)  # sequences per second
+        self.step_times = StepTimeModel()
         self._has_drained = False  # else a slow first step measures a drain of 0: a 30 s hint
 
     @property
@@ -160,20 +204,31 @@ class AdmissionController:
         counted): InvalidArgument if it exceeds a whole budget, ResourceExhausted if over one
         now, DeadlineExceeded if its deadline cannot be met."""
         now_ns = self._clock()
-        self.kv_drain.advance(now_ns, was_busy=self.num_requests_in_flight > 0)
+        was_busy = self.num_requests_in_flight > 0
+        self.kv_drain.advance(now_ns, was_busy=was_busy)
+        self.sequence_finishes.advance(now_ns, was_busy=was_busy)
         demand = self._kv_demand.of(request)
         self._check_fits_alone(len(request.prompt_token_ids), demand.num_kv_blocks)
         self._check_budgets(demand, now_ns)
         if request.deadline_ns:
             self._check_deadline(request, demand, now_ns)
+        if self._deadline_admission and self._deadline_bound:
+            self._check_admitted_deadlines(request, demand.num_prompt_tokens_to_prefill, now_ns)
         if not self.num_requests_in_flight:
             self.pace.start(now_ns)
         self.num_requests_in_flight += 1
         self.num_waiting_requests += 1
         self.num_waiting_prompt_tokens += demand.num_prompt_tokens_to_prefill
+        self._num_prompt_tokens_admitted += demand.num_prompt_tokens_to_prefill
         self._kv_demand.add(demand)
         self.num_sequences_in_flight += request.sampling.n
-        return Admitted(demand)
+        sampling = request.sampling
+        admitted = Admitted(
+            demand, request.deadline_ns, sampling.n, sampling.n * sampling.max_tokens, self._num_prompt_tokens_admitted
+        )
+        if request.deadline_ns:
+            self._deadline_bound.add(admitted)
+        return admitted
 
     def _check_fits_alone(self, num_prompt_tokens: int, num_kv_blocks: int) -> None:
         if num_prompt_tokens > self.max_waiting_prompt_tokens:
@@ -218,62 +273,134 @@ class AdmissionController:
             )  # fmt: skip
 
     def _retry_after_ms(self, amount: float, drain_per_s: float | None, now_ns: int) -> int:
-        """When `amount` will have drained at `drain_per_s`, clamped to a useful hint."""
+        """When `amount` will have drained at `drain_per_s`, spread and clamped to a useful hint."""
         if drain_per_s is None:
             running_step_ms = 1000 * self.pace.running_step_s(now_ns) if self.num_requests_in_flight else 0
-            return _clamped_ms(max(DEFAULT_RETRY_AFTER_MS, running_step_ms))
-        return _clamped_ms(1000 * amount / drain_per_s if drain_per_s > 0 else MAX_RETRY_AFTER_MS)
+            return _clamped_ms(self._spread(max(DEFAULT_RETRY_AFTER_MS, running_step_ms)))
+        return _clamped_ms(self._spread(1000 * amount / drain_per_s) if drain_per_s > 0 else MAX_RETRY_AFTER_MS)
 
     def _check_deadline(self, request: EngineRequest, demand: RequestDemand, now_ns: int) -> None:
         time_left_s = (request.deadline_ns - now_ns) / 1e9
         if time_left_s <= 0:
             raise DeadlineExceeded(f"the deadline passed {-time_left_s:.3f} s before admission")
+        if not self._deadline_admission:
+            return
         estimate = self._finish_estimate(request, demand.num_prompt_tokens_to_prefill)
         if estimate.total_s > time_left_s:
             raise DeadlineExceeded(
                 f"the request cannot finish in the {time_left_s:.1f} s its deadline leaves: estimated "
-                f"{estimate.total_s:.1f} s ({estimate.describe()})"
+                f"{estimate.total_s:.1f} s ({estimate.describe()})",
+                retry_after_ms=self._deadline_retry_after_ms(estimate, time_left_s),
+                error_info=estimate.error_info(time_left_s),
             )
+
+    def _deadline_retry_after_ms(self, estimate: FinishEstimate, time_left_s: float) -> int | None:
+        """When a request with the same time budget would fit: once the start wait has drained
+        by the estimate's excess over the budget. None when even an idle replica could not meet
+        it (waiting would not help)."""
+        if estimate.alone_s > time_left_s:
+            return None
+        return _clamped_ms(self._spread(1000 * (estimate.total_s - time_left_s)))
+
+    def _check_admitted_deadlines(self, request: EngineRequest, num_prompt_tokens: int, now_ns: int) -> None:
+        """Refuse a request whose prefill and place in the batch would make a request admitted
+        before it miss a deadline its estimate met without it: a promise kept to the first
+        comers, which a burst would otherwise break for all of them. Requests the estimate
+        already has missing their deadline do not count (the engine ends them at it)."""
+        sequences, queue = self.num_sequences_in_flight, self.num_waiting_prompt_tokens
+        without = self._schedule(sequences, queue)
+        with_it = self._schedule(sequences + request.sampling.n, queue + num_prompt_tokens)
+        harmed: list[tuple[int, int, int]] = []  # (deadline, finish without it, with it), ns
+        for admitted in self._deadline_bound:
+            finish_ns = now_ns + int(1e9 * without.time_s(self._steps_left(admitted, without)))
+            finish_with_ns = now_ns + int(1e9 * with_it.time_s(self._steps_left(admitted, with_it)))
+            if finish_ns <= admitted.deadline_ns < finish_with_ns:
+                harmed.append((admitted.deadline_ns, finish_ns, finish_with_ns))
+        if harmed:
+            deadline_ns, finish_ns, finish_with_ns = min(harmed)
+            _refuse(
+                f"admitting this request would make {len(harmed)} admitted requests miss their deadlines (the "
+                f"nearest in {(deadline_ns - now_ns) / 1e9:.1f} s: estimated to finish in "
+                f"{(finish_with_ns - now_ns) / 1e9:.1f} s with it, {(finish_ns - now_ns) / 1e9:.1f} s without)",
+                _clamped_ms(self._spread((finish_ns - now_ns) / 1e6)),
+            )  # fmt: skip
+
+    def _steps_left(self, admitted: Admitted, schedule: StepSchedule) -> int:
+        """The steps until an in-flight request's last token, by `schedule`."""
+        steps = admitted.num_decode_steps_left
+        if admitted.is_waiting:  # its prefill's last step samples its first token
+            ahead = min(self.num_waiting_prompt_tokens, max(0, admitted.queue_end - self._num_prompt_tokens_started))
+            steps += schedule.steps_to_prefill(ahead) - 1
+        return max(0, steps)
 
     def finish_estimate(self, request: EngineRequest) -> FinishEstimate:
         """How long the request would take if admitted now, from what is measured so far."""
         return self._finish_estimate(request, self._kv_demand.of(request).num_prompt_tokens_to_prefill)
 
     def _finish_estimate(self, request: EngineRequest, num_prompt_tokens_to_prefill: int) -> FinishEstimate:
+        n, max_tokens = request.sampling.n, request.sampling.max_tokens
+        sequences_joined = self.num_sequences_in_flight + n
         prompt_tokens_ahead = self.num_waiting_prompt_tokens + num_prompt_tokens_to_prefill
-        drain_per_s = self.pace.prefill_tokens_per_s
-        wait_s = 0.0 if drain_per_s is None else prompt_tokens_ahead / drain_per_s
-        max_tokens = request.sampling.max_tokens
-        step_s = self.pace.step_s or 0.0
-        if self._step_grows_with_batch and self.pace.batch_size:
-            step_s *= max(1.0, (self.num_sequences_in_flight + request.sampling.n) / self.pace.batch_size)
-        return FinishEstimate(prompt_tokens_ahead, drain_per_s, wait_s, max_tokens, step_s)
+        alone = self._schedule(n, num_prompt_tokens_to_prefill)
+        return FinishEstimate(
+            schedule=self._schedule(sequences_joined, prompt_tokens_ahead),
+            prompt_tokens_ahead=prompt_tokens_ahead,
+            max_tokens=max_tokens,
+            batch=min(self.max_num_seqs, sequences_joined),
+            sequences_beyond_batch=max(0, sequences_joined - self.max_num_seqs),
+            sequence_finishes_per_s=self.sequence_finishes.per_s,
+            alone_s=alone.time_s(alone.steps_to_prefill(num_prompt_tokens_to_prefill) + max_tokens - 1),
+        )
 
-    # --- learning from outputs --------------------------------------------------------------
+    def _schedule(self, num_sequences: int, num_waiting_prompt_tokens: int) -> StepSchedule:
+        """The steps ahead with this many sequences in flight and prompt tokens waiting, timed by
+        the fit of this replica's own steps (0 before any: a cold replica admits)."""
+        batch = min(self.max_num_seqs, num_sequences)
+        chunk = max(1, self._max_batched_tokens - batch)
+        num_full_steps = math.ceil(num_waiting_prompt_tokens / chunk)
+        fit = self.step_times.fit
+        if fit is None:
+            return StepSchedule(0.0, 0.0, chunk, num_full_steps)
+        # A queue shorter than a chunk fills its steps only that far.
+        full_step_tokens = batch + min(chunk, num_waiting_prompt_tokens)
+        return StepSchedule(fit.step_s(batch, full_step_tokens), fit.step_s(batch, batch), chunk, num_full_steps)
+
+    # --- learning from outputs and steps ----------------------------------------------------
+
+    def observe_steps(self, steps: list[StepReport]) -> None:
+        for step in steps:
+            self.step_times.add(step.wall_s, step.num_seqs, step.num_tokens)
 
     def observe(self, deliveries: list[tuple[Admitted, EngineOutput, bool]]) -> None:
         """Account one delivery of outputs (in the order the core produced them), each with what
         its request was admitted with and whether it is the request's last."""
         now_ns = self._clock()
-        self.kv_drain.advance(now_ns, was_busy=self.num_requests_in_flight > 0)
-        num_started_prompt_tokens, num_released_blocks, num_token_outputs = 0, 0, 0
+        was_busy = self.num_requests_in_flight > 0
+        self.kv_drain.advance(now_ns, was_busy=was_busy)
+        self.sequence_finishes.advance(now_ns, was_busy=was_busy)
+        num_started_prompt_tokens, num_released_blocks, num_token_outputs, num_finished = 0, 0, 0, 0
         for admitted, output, is_last in deliveries:
             num_token_outputs += bool(output.new_token_ids)
+            admitted.num_tokens_left -= len(output.new_token_ids)
             demand = admitted.demand
             if admitted.is_waiting and (output.new_token_ids or output.is_finished):
                 admitted.is_waiting = False
                 self.num_waiting_requests -= 1
                 self.num_waiting_prompt_tokens -= demand.num_prompt_tokens_to_prefill
+                self._num_prompt_tokens_started += demand.num_prompt_tokens_to_prefill
                 admitted.has_started = bool(output.new_token_ids)  # else aborted or failed while waiting
                 self._kv_demand.stop_waiting(demand, has_started=admitted.has_started)
                 if admitted.has_started:
                     num_started_prompt_tokens += demand.num_prompt_tokens_to_prefill
             if output.is_finished:
                 self.num_sequences_in_flight -= 1
+                num_finished += 1
             if is_last:
                 self.num_requests_in_flight -= 1
+                self._deadline_bound.discard(admitted)
                 num_released_blocks += self._kv_demand.remove(demand, has_started=admitted.has_started)
         self.kv_drain.add(num_released_blocks)
+        self.sequence_finishes.add(num_finished)
         self._has_drained = self._has_drained or num_released_blocks > 0
         self.pace.advance(
             now_ns, num_token_outputs=num_token_outputs, num_started_prompt_tokens=num_started_prompt_tokens

@@ -91,7 +91,6 @@ class AsyncEngine:
             kv_blocks_total=client.load().kv_blocks_total,
             hash_namespace=self.model_info.hash_namespace,
             max_context_tokens=self.model_info.max_context_tokens,
-            step_grows_with_batch=self.model_info.device == "cpu",
         )
         self._requests: dict[str, _InFlight] = {}  # request_id → its state, for each in-flight request
         self._kv_event_sink: KvEventSink | None = None
@@ -182,6 +181,7 @@ class AsyncEngine:
         admission and to their consumers; a request whose every sequence has its final output
         is no longer in flight."""
         metrics.record_steps(update.steps)
+        self._admission.observe_steps(update.steps)
         if update.kv_events and self._kv_event_sink is not None:
             self._announce(update.kv_events)
         outputs = update.outputs

@@ -193,6 +193,12 @@ class EngineConfig:
         "pool; above 1 admits more but may preempt (recompute) running sequences when they all grow long",
         group=ADMISSION_GROUP, metavar="FACTOR",
     )  # fmt: skip
+    deadline_admission: bool = _flagged(
+        True, "--no-deadline-admission", "admit requests whose deadline the measured pace cannot meet "
+        "(they end with DEADLINE_EXCEEDED when it passes) instead of refusing them at once with the "
+        "estimate; for measuring what the refusals cost (bench/bench_overload.py)",
+        group=ADMISSION_GROUP,
+    )  # fmt: skip
 
     def __post_init__(self) -> None:
         for name, allowed in (

@@ -105,11 +105,15 @@ class EngineLoop:
         self._deadlines: list[tuple[int, str]] = []  # heap of (deadline_ns, request_id)
         self._last_load: EngineLoad | None = None
         self._step_report: StepReport | None = None  # the current iteration's, set by _step
+        self._previous_step_ended_s: float | None = None  # None: the loop has waited since
 
     def run(self, take_commands: TakeCommands, emit: Emit) -> None:
         """Iterate until a Stop command has been applied (or nobody reads what is emitted)."""
         while True:
-            commands = take_commands(not self._has_work())
+            is_idle = not self._has_work()
+            if is_idle:
+                self._previous_step_ended_s = None  # the wait is not part of the next step's period
+            commands = take_commands(is_idle)
             iteration = self.iterate(commands)
             is_news = iteration.outputs or iteration.kv_events or iteration.step is not None
             if (is_news or iteration.load != self._last_load) and not emit(
@@ -197,15 +201,18 @@ class EngineLoop:
             failed_ids = exc.request_ids if isinstance(exc, StepFailed) else list(self._in_flight)
             message = _describe(exc, "engine step")
             return [out for rid in failed_ids for out in self._abort(rid, FinishReason.ERROR, message)]
-        self._step_report = self._report(time.perf_counter() - started_s)
+        ended_s = time.perf_counter()
+        previous_ended_s, self._previous_step_ended_s = self._previous_step_ended_s, ended_s
+        period_s = None if previous_ended_s is None else ended_s - previous_ended_s
+        self._step_report = self._report(ended_s - started_s, period_s)
         for output in outputs:
             if output.is_finished:
                 self._finish_sequence(output.request_id, output.sequence_index)
         return outputs
 
-    def _report(self, duration_s: float) -> StepReport | None:
-        num_seqs = self._core.num_scheduled_seqs()
-        return StepReport(duration_s, num_seqs) if num_seqs else None
+    def _report(self, duration_s: float, period_s: float | None) -> StepReport | None:
+        num_seqs, num_tokens = self._core.scheduled_batch()
+        return StepReport(duration_s, num_seqs, num_tokens, period_s) if num_seqs else None
 
     def _finish_sequence(self, request_id: str, sequence_index: int) -> None:
         in_flight = self._in_flight.get(request_id)

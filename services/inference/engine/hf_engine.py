@@ -66,7 +66,7 @@ class HFEngineCore:
         self._waiting: deque[_Request] = deque()
         self._running: _Running | None = None
         self._num_requests_added = 0  # seeds requests that bring none: config.seed + this
-        self._num_scheduled_seqs = 0  # the latest step's: 1, or 0 when nothing was waiting
+        self._scheduled_batch = (0, 0)  # the latest step's: one sequence, or none when nothing was waiting
 
     # --- EngineCore interface -------------------------------------------------------------
 
@@ -95,10 +95,11 @@ class HFEngineCore:
 
     def step(self) -> list[EngineOutput]:
         """Generate one token of the running sequence (prefilling it first if new)."""
-        self._num_scheduled_seqs = int(self._running is not None or self._schedule_next())
-        if not self._num_scheduled_seqs:
+        if self._running is None and not self._schedule_next():
+            self._scheduled_batch = (0, 0)
             return []
         running = self._running
+        self._scheduled_batch = (1, len(self._new_token_ids(running)))
         try:
             token_id, logprob = self._generate_token(running)
         except Exception as exc:
@@ -118,8 +119,8 @@ class HFEngineCore:
             kv_blocks_used=0,
         )
 
-    def num_scheduled_seqs(self) -> int:
-        return self._num_scheduled_seqs
+    def scheduled_batch(self) -> tuple[int, int]:
+        return self._scheduled_batch
 
     def take_kv_events(self) -> list[CacheEvent]:
         return []
@@ -142,10 +143,13 @@ class HFEngineCore:
     def _forward(self, running: _Running) -> torch.Tensor:
         """Logits [vocab] for the next position: the prompt's on the first call, then the last
         token's."""
-        sequence = running.sequence
-        new_token_ids = sequence.token_ids if running.kv_cache is None else sequence.token_ids[-1:]
-        logits, running.kv_cache = self._model.forward(new_token_ids, running.kv_cache)
+        logits, running.kv_cache = self._model.forward(self._new_token_ids(running), running.kv_cache)
         return logits
+
+    @staticmethod
+    def _new_token_ids(running: _Running) -> list[int]:
+        sequence = running.sequence
+        return sequence.token_ids if running.kv_cache is None else sequence.token_ids[-1:]
 
     def _update(self, running: _Running, token_id: int, logprob: TokenLogprob | None) -> EngineOutput:
         now_ns = time.monotonic_ns()

@@ -103,7 +103,7 @@ class TorchEngineCore:
         self._sequences = SequenceFactory(config, self.runner.device, self.model_info.hash_namespace)
         self.step_stats = step_stats
         self._launched: _LaunchedStep | None = None  # async scheduling: launched, not processed
-        self._num_scheduled_seqs = 0
+        self._scheduled_batch = (0, 0)
 
     # --- EngineCore interface ----------------------------------------------------------------
 
@@ -122,7 +122,7 @@ class TorchEngineCore:
         previous call launched, else of this one."""
         timer = StepTimer(self.step_stats, self.runner.device) if self.step_stats is not None else UNTIMED
         batch = timer.measure("schedule_s", self.scheduler.schedule)
-        self._num_scheduled_seqs = len(batch.seqs)
+        self._scheduled_batch = (len(batch.seqs), batch.num_tokens)
         outputs = self._rejected_outputs()
         launched = None
         if not batch.is_empty:
@@ -152,9 +152,9 @@ class TorchEngineCore:
             num_preemptions_total=self.scheduler.num_preemptions_total,
         )
 
-    def num_scheduled_seqs(self) -> int:
+    def scheduled_batch(self) -> tuple[int, int]:
         """The batch the latest step() launched (with async scheduling, it processed the one before)."""
-        return self._num_scheduled_seqs
+        return self._scheduled_batch
 
     def take_kv_events(self) -> list[CacheEvent]:
         return self.block_manager.take_events()

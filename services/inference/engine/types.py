@@ -108,7 +108,16 @@ class StepReport:
     outputs, so the metrics stay in the server process."""
 
     duration_s: float  # wall time of the call; with async scheduling about one step period
-    num_seqs: int  # sequences in the batch it ran (EngineCore.num_scheduled_seqs)
+    num_seqs: int  # sequences in the batch it ran (EngineCore.scheduled_batch)
+    num_tokens: int  # tokens it computed: prefill chunks and one per decoding sequence
+    # Since the previous step ended, when the loop went on from it without waiting for work
+    # (else None): the step and the loop's host work around it (commands, outputs, the pipe),
+    # what a step costs the requests in it. Admission's step-time fit is on this.
+    period_s: float | None = None
+
+    @property
+    def wall_s(self) -> float:
+        return self.duration_s if self.period_s is None else max(self.duration_s, self.period_s)
 
 
 class StepFailed(RuntimeError):
@@ -146,8 +155,8 @@ class EngineCore(Protocol):
 
     def load(self) -> EngineLoad: ...
 
-    def num_scheduled_seqs(self) -> int:
-        """Sequences in the batch the latest step() ran (0: it ran none)."""
+    def scheduled_batch(self) -> tuple[int, int]:
+        """(sequences, tokens) of the batch the latest step() ran ((0, 0): it ran none)."""
         ...
 
     def take_kv_events(self) -> list[CacheEvent]:

@@ -1,0 +1,319 @@
+"""A burst past what a replica can serve before the deadline: what admission refuses, and what
+those refusals cost (issue 18's target).
+
+    python bench/bench_overload.py                                  # default model, CPU: 500 x (chat, 16 tokens, 30 s)
+    python bench/bench_overload.py --shape qwen2.5-1.5b --device cuda    # random weights, a real config
+    python bench/bench_overload.py --shape smollm2-135m --tokenizer ../shared/assets/tokenizers/smollm2
+
+Each configuration starts the stack as `llmserve serve` runs it (preprocess, inference on the
+default torch backend, gateway; real subprocesses on loopback), warms it up with --warmup-requests
+requests at once (so the replica has measured its pace, as a server under traffic has), then sends
+--streams GenerateStream requests at once, each a chat of about --prompt-words words asking for
+--max-tokens tokens (ignore_eos) with a --deadline-s deadline, one attempt each:
+  refusing    the defaults: admission refuses at once what its estimate says cannot finish in time;
+  admit-all   --no-deadline-admission: every request is admitted and the engine ends the ones
+              whose deadline passes; the baseline for what the refusals cost.
+Per configuration: requests OK, refused at admission (by status; with a RetryInfo; the spread of
+the hints), admitted but ended by their deadline, the fraction of the deadline window the engine
+spent in steps (llmserve_inference_step_duration_seconds over the window / the window), and the
+burst's TTFT and E2E. Across them: refusals that would have met their deadline, estimated as
+max(0, OK with admit-all - OK with refusing), as a fraction of the refusals. Prints a table and
+writes JSON to --out-dir.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import shlex
+import socket
+import statistics
+import tempfile
+import time
+import urllib.request
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import grpc
+from google.rpc import error_details_pb2, status_pb2
+from prometheus_client.parser import text_string_to_metric_families
+
+import bench_stack
+from llmserve.tools.service_process import start_service, stop_service
+from llmserve.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+CONFIGS = {"refusing": [], "admit-all": ["--no-deadline-admission"]}
+TARGET_BUSY_FRACTION = 0.8
+TARGET_FEASIBLE_REFUSALS = 0.05
+CHANNELS = 8  # the burst's streams spread over this many connections
+DEADLINE_ESTIMATE_REASON = "DEADLINE_ESTIMATE"  # services/inference/finish_estimate.py
+WORDS = ("river", "mountain", "quiet", "engine", "orange", "letter", "window", "garden", "silver", "harbor",
+         "market", "winter", "signal", "forest", "copper", "planet", "meadow", "ticket", "lantern", "bridge")
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", type=Path, help="HF checkpoint directory (default: the default model, SmolLM2-135M)")
+    parser.add_argument("--shape", choices=bench_stack.SHAPES,
+                        help="serve random weights of this shape instead (bench_stack.py's shapes, built once per run)")
+    parser.add_argument("--tokenizer", type=Path, help="tokenizer directory for --shape (default: the Qwen one)")
+    parser.add_argument("--device", default="cpu", help="the inference engine's device (default: %(default)s)")
+    parser.add_argument("--streams", type=int, default=500, help="requests sent at once (default: %(default)s)")
+    parser.add_argument("--deadline-s", type=float, default=30.0, help="each request's deadline (default: %(default)s)")
+    parser.add_argument("--max-tokens", type=int, default=16, help="(default: %(default)s)")
+    parser.add_argument("--prompt-words", type=int, default=400,
+                        help="words in each user message, about 1.3 tokens each (default: %(default)s)")
+    parser.add_argument("--warmup-requests", type=int, default=32, help="(default: %(default)s)")
+    parser.add_argument("--configs", default=",".join(CONFIGS), help="(default: %(default)s)")
+    parser.add_argument("--inference-arg", action="append", default=[], metavar="FLAGS",
+                        help="flag(s) for the inference service, shell-split, repeatable")
+    parser.add_argument("--out-dir", type=Path, default=REPO_ROOT / "bench" / "results")
+    parser.add_argument("--startup-timeout-s", type=float, default=300.0)
+    args = parser.parse_args(argv)
+    args.configs = args.configs.split(",")
+    unknown = [c for c in args.configs if c not in CONFIGS]
+    if unknown:
+        parser.error(f"unknown config(s) {unknown}; choose from {', '.join(CONFIGS)}")
+    args.inference_arg = [flag for value in args.inference_arg for flag in shlex.split(value)]
+    return args
+
+
+@dataclass
+class Outcome:
+    """One request of the burst."""
+
+    status: str = "OK"
+    refused_at_admission: bool = False
+    retry_after_ms: int | None = None
+    ttft_s: float | None = None
+    e2e_s: float = 0.0
+    num_tokens: int = 0
+    message: str = ""  # the status message, for a refusal
+
+
+@dataclass
+class ConfigResult:
+    config: str
+    num_requests: int
+    num_ok: int
+    refused_by_status: dict[str, int] = field(default_factory=dict)
+    num_refusals_with_retry_info: int = 0
+    retry_hints_ms: dict = field(default_factory=dict)
+    num_admitted_past_deadline: int = 0
+    other_errors: dict[str, int] = field(default_factory=dict)
+    busy_fraction: float = 0.0
+    ttft_p50_s: float | None = None
+    e2e_p50_s: float | None = None
+    e2e_max_ok_s: float | None = None
+    refusal_examples: list[str] = field(default_factory=list)  # the first, the middle and the last refused
+
+    @property
+    def num_refused(self) -> int:
+        return sum(self.refused_by_status.values())
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def start_stack(args, model_dir: Path, inference_flags: list[str], log_dir: Path, metrics_port: int) -> dict:
+    model = ["--model", str(model_dir)]
+    services = {}
+    try:
+        services["preprocess"] = start_service("preprocess", model, log_dir, timeout_s=args.startup_timeout_s)
+        services["inference"] = start_service(
+            "inference", [*model, "--device", args.device, "--metrics-port", str(metrics_port), *inference_flags,
+                          *args.inference_arg],
+            log_dir, timeout_s=args.startup_timeout_s)
+        services["gateway"] = start_service(
+            "gateway", [*model, "--preprocess", services["preprocess"].address,
+                        "--inference", services["inference"].address], log_dir, timeout_s=args.startup_timeout_s)
+    except BaseException:
+        stop_stack(services)
+        raise
+    return services
+
+
+def stop_stack(services: dict) -> None:
+    for service in reversed(list(services.values())):
+        stop_service(service)
+
+
+def step_seconds(metrics_port: int) -> float:
+    """The inference engine's time in steps so far (its step-duration histogram's sum)."""
+    with urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=10) as response:
+        text = response.read().decode()
+    for family in text_string_to_metric_families(text):
+        if family.name == "llmserve_inference_step_duration_seconds":
+            return sum(s.value for s in family.samples if s.name.endswith("_sum"))
+    raise RuntimeError("no llmserve_inference_step_duration_seconds on the inference metrics endpoint")
+
+
+def chat_request(index: int, args) -> gateway_pb2.GenerateStreamRequest:
+    words = " ".join(WORDS[(index * 7 + i * 3) % len(WORDS)] for i in range(args.prompt_words))
+    params = gateway_pb2.GenerateParams(
+        sampling=common_pb2.SamplingParams(max_tokens=args.max_tokens, temperature=0.0, ignore_eos=True))
+    params.chat.messages.add(role="user", content=f"Request {index}. Summarize these words in one line: {words}")
+    return gateway_pb2.GenerateStreamRequest(params=params)
+
+
+def _details(error: grpc.aio.AioRpcError) -> tuple[bool, int | None]:
+    """(refused at admission by its deadline estimate, the RetryInfo delay) from the rich status."""
+    status = status_pb2.Status()
+    for key, value in error.trailing_metadata() or ():
+        if key == "grpc-status-details-bin":
+            status.ParseFromString(value)
+    is_estimate, retry_after_ms = False, None
+    for packed in status.details:
+        if packed.Is(error_details_pb2.ErrorInfo.DESCRIPTOR):
+            info = error_details_pb2.ErrorInfo()
+            packed.Unpack(info)
+            is_estimate = info.reason == DEADLINE_ESTIMATE_REASON
+        elif packed.Is(error_details_pb2.RetryInfo.DESCRIPTOR):
+            info = error_details_pb2.RetryInfo()
+            packed.Unpack(info)
+            retry_after_ms = info.retry_delay.ToMilliseconds()
+    return is_estimate, retry_after_ms
+
+
+async def send(stub, request, timeout_s: float | None) -> Outcome:
+    outcome, start = Outcome(), time.monotonic()
+    try:
+        async for message in stub.GenerateStream(request, timeout=timeout_s):
+            if message.token_ids and outcome.ttft_s is None:
+                outcome.ttft_s = time.monotonic() - start
+            outcome.num_tokens += len(message.token_ids)
+    except grpc.aio.AioRpcError as error:
+        outcome.status = error.code().name
+        outcome.message = error.details() or ""
+        is_estimate, outcome.retry_after_ms = _details(error)
+        # Refused before it ran: RESOURCE_EXHAUSTED (a budget) or DEADLINE_EXCEEDED with the estimate.
+        outcome.refused_at_admission = is_estimate or error.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    outcome.e2e_s = time.monotonic() - start
+    return outcome
+
+
+async def send_all(address: str, requests: list, timeout_s: float | None) -> list[Outcome]:
+    channels = [grpc.aio.insecure_channel(address) for _ in range(CHANNELS)]
+    try:
+        stubs = [gateway_pb2_grpc.GatewayServiceStub(channel) for channel in channels]
+        return await asyncio.gather(*(send(stubs[i % CHANNELS], r, timeout_s) for i, r in enumerate(requests)))
+    finally:
+        for channel in channels:
+            await channel.close()
+
+
+def summarize(config: str, outcomes: list[Outcome], busy_fraction: float) -> ConfigResult:
+    result = ConfigResult(config, len(outcomes), sum(o.status == "OK" for o in outcomes), busy_fraction=busy_fraction)
+    hints = []
+    for outcome in outcomes:
+        if outcome.status == "OK":
+            continue
+        if outcome.refused_at_admission:
+            result.refused_by_status[outcome.status] = result.refused_by_status.get(outcome.status, 0) + 1
+            if outcome.retry_after_ms is not None:
+                result.num_refusals_with_retry_info += 1
+                hints.append(outcome.retry_after_ms)
+        elif outcome.status == "DEADLINE_EXCEEDED":
+            result.num_admitted_past_deadline += 1
+        else:
+            result.other_errors[outcome.status] = result.other_errors.get(outcome.status, 0) + 1
+    refused = [o for o in outcomes if o.refused_at_admission]
+    if refused:
+        result.refusal_examples = [refused[i].message for i in sorted({0, len(refused) // 2, len(refused) - 1})]
+    if hints:
+        result.retry_hints_ms = {"min": min(hints), "median": statistics.median(hints), "max": max(hints),
+                                 "distinct": len(set(hints))}
+    ok = [o for o in outcomes if o.status == "OK"]
+    ttfts = [o.ttft_s for o in ok if o.ttft_s is not None]
+    result.ttft_p50_s = statistics.median(ttfts) if ttfts else None
+    result.e2e_p50_s = statistics.median(o.e2e_s for o in ok) if ok else None
+    result.e2e_max_ok_s = max(o.e2e_s for o in ok) if ok else None
+    return result
+
+
+def run_config(config: str, args, model_dir: Path, log_dir: Path) -> ConfigResult:
+    metrics_port = free_port()
+    print(f"[{config}] starting the stack", flush=True)
+    services = start_stack(args, model_dir, CONFIGS[config], log_dir / config, metrics_port)
+    try:
+        address = services["gateway"].address
+        warmup = [chat_request(-1 - i, args) for i in range(args.warmup_requests)]
+        print(f"[{config}] warm-up: {len(warmup)} requests at once", flush=True)
+        asyncio.run(send_all(address, warmup, None))
+        burst = [chat_request(i, args) for i in range(args.streams)]
+        print(f"[{config}] burst: {len(burst)} requests at once, {args.deadline_s:g} s deadline", flush=True)
+        before_s, start = step_seconds(metrics_port), time.monotonic()
+        outcomes = asyncio.run(send_all(address, burst, args.deadline_s))
+        window_s = max(args.deadline_s, time.monotonic() - start)
+        busy_fraction = (step_seconds(metrics_port) - before_s) / window_s
+    finally:
+        stop_stack(services)
+    result = summarize(config, outcomes, busy_fraction)
+    print(f"[{config}] {result.num_ok} OK, {result.num_refused} refused, "
+          f"{result.num_admitted_past_deadline} admitted past their deadline, busy {busy_fraction:.0%}", flush=True)
+    return result
+
+
+def format_table(results: list[ConfigResult]) -> str:
+    header = ["config", "requests", "OK", "refused", "with RetryInfo", "hints ms (min/median/max, distinct)",
+              "admitted, past deadline", "other errors", "engine busy", "TTFT p50 s", "E2E p50 s", "E2E max OK s"]
+    lines = ["| " + " | ".join(header) + " |", "|" + " --- |" * len(header)]
+    for r in results:
+        hints = r.retry_hints_ms
+        hint_text = f"{hints['min']}/{hints['median']:.0f}/{hints['max']}, {hints['distinct']}" if hints else "-"
+        cells = [r.config, r.num_requests, r.num_ok, f"{r.num_refused} {r.refused_by_status}",
+                 r.num_refusals_with_retry_info, hint_text, r.num_admitted_past_deadline, r.other_errors or "-",
+                 f"{r.busy_fraction:.0%}", _seconds(r.ttft_p50_s), _seconds(r.e2e_p50_s), _seconds(r.e2e_max_ok_s)]
+        lines.append("| " + " | ".join(str(c) for c in cells) + " |")
+    return "\n".join(lines)
+
+
+def _seconds(value: float | None) -> str:
+    return "-" if value is None else f"{value:.2f}"
+
+
+def feasible_refusals(results: dict[str, ConfigResult]) -> dict | None:
+    """Refusals that would have met their deadline: what admit-all served beyond refusing's OK."""
+    if not {"refusing", "admit-all"} <= results.keys():
+        return None
+    refusing, admit_all = results["refusing"], results["admit-all"]
+    num = max(0, admit_all.num_ok - refusing.num_ok)
+    fraction = num / refusing.num_refused if refusing.num_refused else 0.0
+    return {"num": num, "fraction_of_refusals": fraction, "target": TARGET_FEASIBLE_REFUSALS}
+
+
+def main(argv=None) -> None:
+    args = parse_args(argv)
+    args.out_dir.mkdir(parents=True, exist_ok=True)
+    results = {}
+    with tempfile.TemporaryDirectory(prefix="bench-overload-") as log_dir:
+        if args.shape:
+            args.seed = 0
+            args.model = bench_stack.build_model(args, Path(log_dir) / f"random-{args.shape}")
+        elif args.model is None:
+            from llmserve.tools.model_store import resolve_model
+
+            args.model = resolve_model(None)
+        for config in args.configs:
+            results[config] = run_config(config, args, args.model, Path(log_dir))
+    feasible = feasible_refusals(results)
+    print()
+    print(format_table(list(results.values())))
+    if feasible is not None:
+        print(f"\nrefusals that would have met their deadline: {feasible['num']} "
+              f"({feasible['fraction_of_refusals']:.1%} of the refusals; target <= {TARGET_FEASIBLE_REFUSALS:.0%})")
+    settings = {key: str(value) if isinstance(value, Path) else value for key, value in vars(args).items()}
+    report = {"settings": settings, "results": {c: {**asdict(r), "num_refused": r.num_refused} for c, r in results.items()},
+              "feasible_refusals": feasible, "target_busy_fraction": TARGET_BUSY_FRACTION}
+    path = args.out_dir / f"overload-{time.strftime('%Y%m%d-%H%M%S')}.json"
+    path.write_text(json.dumps(report, indent=2) + "\n")
+    print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    main()
