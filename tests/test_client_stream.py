@@ -13,17 +13,17 @@ import asyncio
 import re
 import time
 from contextlib import aclosing
-from pathlib import Path
 
 import grpc
 import pytest
 
 from llmserve.errors import ResourceExhausted, rich_status_for
 from llmserve.gateway.hop_errors import DownstreamError
-from llmserve.gateway.replica_stream import ClientNotReading, MultiplexedTokens
+from llmserve.gateway.replica_stream import MultiplexedTokens
+from llmserve.gateway.slow_reader import ClientNotReading, SlowReaderBounds
 from llmserve.sampling import FinishReason
 from llmserve.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc, inference_pb2, inference_pb2_grpc
-from tests.factories import with_context
+from tests.long_streams import MAX_TOKENS, SMALL_WINDOW, long_context_model_dir, params  # noqa: F401 (a fixture)
 from tests.procs import stack_fixture
 
 REQUEST_ID = "r1"
@@ -43,7 +43,7 @@ class Replica:
         self.outputs = outputs
         self.forgotten: list[tuple[str, bool]] = []
         self.tokens = MultiplexedTokens(REQUEST_ID, lambda request_id, abort: self.forgotten.append((request_id, abort)),
-                                        max_unsent_tokens)
+                                        SlowReaderBounds(max_unsent_tokens=max_unsent_tokens, max_unread_s=0))
         self.num_pushed = 0
 
     async def run(self) -> None:
@@ -134,28 +134,13 @@ def test_cancelling_a_request_aborts_it_once_and_an_ended_one_not_at_all():
 
 # --- the real stack ------------------------------------------------------------------------------
 
-CONTEXT_TOKENS = 4096
-MAX_TOKENS = 4000  # with ignore_eos: far more than a small window and the bound hold
 # Above what test_stream_says_what_generate_says asks for (48), so that a client that reads but is
 # scheduled late on a loaded machine can never reach it; far below MAX_TOKENS.
 MAX_UNSENT_TOKENS = 64
-# A client whose HTTP/2 receive window stays ~1 KiB (no BDP growth), so that the gateway's writes
-# block after a few messages when it does not read (grpc's default window grows to ~1 MiB).
-SMALL_WINDOW = (("grpc.http2.lookahead_bytes", 1024), ("grpc.http2.bdp_probe", 0))
 WAIT_TIMEOUT_S = 60.0
 
 
-@pytest.fixture(scope="module")
-def long_context_model_dir(tiny_model_dir, tmp_path_factory) -> Path:
-    return with_context(tiny_model_dir, tmp_path_factory.mktemp("tiny-llama-long"), CONTEXT_TOKENS)
-
-
 stack = stack_fixture(model="long_context_model_dir", gateway_args=["--max-unsent-tokens", str(MAX_UNSENT_TOKENS)])
-
-
-def params(max_tokens: int) -> gateway_pb2.GenerateParams:
-    sampling = common_pb2.SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
-    return gateway_pb2.GenerateParams(prompt="Hello there", sampling=sampling, return_token_ids=True)
 
 
 def wait_for_load(inference, predicate) -> inference_pb2.GetLoadResponse:

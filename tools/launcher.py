@@ -23,6 +23,7 @@ import threading
 from pathlib import Path
 from typing import IO, Sequence
 
+from llmserve.gateway.slow_reader_flags import slow_reader_argv
 from llmserve.inference.engine_flags import engine_argv
 from llmserve.tools.model_store import DEFAULT_MODEL_NAME, ModelResolutionError, is_default_model_spec, resolve_model
 from llmserve.tools.serve_config import ServeConfig
@@ -95,7 +96,7 @@ def gateway_argv(
     port, and the addresses of `preprocess` and every replica (all serving already)."""
     args = [
         "--host", config.host, "--port", str(config.port), "--workers", str(config.gateway_workers), *common,
-        "--preprocess", preprocess.address, *_metrics_args(config, 0),
+        "--preprocess", preprocess.address, *_metrics_args(config, 0), *slow_reader_argv(config.slow_readers),
     ]
     for replica in replicas:
         args += ["--inference", replica.address]

@@ -12,6 +12,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from llmserve.config_checks import check_at_least
+from llmserve.gateway.slow_reader import SlowReaderBounds
+from llmserve.gateway.slow_reader_flags import add_slow_reader_arguments, slow_reader_bounds
 from llmserve.inference.engine.config import MODEL_GROUP
 from llmserve.inference.engine_flags import (
     EngineOptions,
@@ -54,6 +56,7 @@ class ServeConfig:
     metrics_port: int | None = None
     log_format: str = "text"  # of every service (docs/observability.md)
     log_prompts: bool = False
+    slow_readers: SlowReaderBounds = SlowReaderBounds()  # the gateway's (gateway.slow_reader)
     # The inference engine's options by EngineConfig field name, every flagged field present.
     engine: EngineOptions = field(default_factory=default_engine_options)
 
@@ -109,6 +112,7 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
         "--max-output-tokens", type=int, metavar="TOKENS",
         help=f"largest max_tokens accepted (default: preprocess's, {DEFAULT_MAX_OUTPUT_TOKENS})",
     )
+    add_slow_reader_arguments(server)
     server.add_argument(
         "--log-level", default="INFO", choices=LOG_LEVELS,
         help="log level of the launcher and all services (default: %(default)s)",
@@ -148,5 +152,6 @@ def serve_config_from_args(args: argparse.Namespace) -> ServeConfig:
         metrics_port=args.metrics_port,
         log_format=args.log_format,
         log_prompts=args.log_prompts,
+        slow_readers=slow_reader_bounds(args),
         engine=engine_options(args),
     )

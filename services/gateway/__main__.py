@@ -15,7 +15,7 @@ from pathlib import Path
 
 from llmserve.gateway.config import DEFAULT_DOWNSTREAM_READY_TIMEOUT_S, GatewayConfig
 from llmserve.gateway.discovery import Target
-from llmserve.gateway.replica_stream import DEFAULT_MAX_UNSENT_TOKENS
+from llmserve.gateway.slow_reader_flags import add_slow_reader_arguments, slow_reader_bounds
 from llmserve.gateway.routing_flags import add_routing_arguments, routing_options
 from llmserve.gateway.worker import run_worker
 from llmserve.gateway.worker_group import run_worker_group
@@ -65,14 +65,7 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="SECONDS",
         help="at start, how long to wait for preprocess and inference to report SERVING (default: %(default)s)",
     )
-    parser.add_argument(
-        "--max-unsent-tokens",
-        type=int,
-        default=DEFAULT_MAX_UNSENT_TOKENS,
-        metavar="TOKENS",
-        help="a stream whose client leaves more tokens than this unread (beyond what its HTTP/2 window "
-        "holds) is aborted with RESOURCE_EXHAUSTED; 0: no bound (default: %(default)s)",
-    )
+    add_slow_reader_arguments(parser)
     add_routing_arguments(parser)
     return parser
 
@@ -87,7 +80,7 @@ def config_from_args(args: argparse.Namespace) -> GatewayConfig:
         log_level=args.log_level,
         downstream_ready_timeout_s=args.downstream_ready_timeout_s,
         num_workers=args.workers,
-        max_unsent_tokens=args.max_unsent_tokens,
+        slow_readers=slow_reader_bounds(args),
         **routing_options(args),
     )
 

@@ -6,9 +6,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from llmserve.config_checks import check_at_least
-from llmserve.gateway.replica_stream import DEFAULT_MAX_UNSENT_TOKENS
 from llmserve.gateway.discovery import DEFAULT_RESOLVE_INTERVAL_S, Target
 from llmserve.gateway.router import RoutingConfig
+from llmserve.gateway.slow_reader import SlowReaderBounds
 from llmserve.prefix_index.redis_config import RedisIndexConfig
 from llmserve.observability import ObservabilityConfig
 from llmserve.server_flags import DEFAULT_GRACE_PERIOD_S, DEFAULT_HOST, GATEWAY_PORT
@@ -33,8 +33,8 @@ class GatewayConfig:
     downstream_ready_timeout_s: float = DEFAULT_DOWNSTREAM_READY_TIMEOUT_S
     # Gateway processes sharing the port (SO_REUSEPORT); 1 serves in the gateway process itself.
     num_workers: int = 1
-    # Tokens a stream may hold for a client that does not read before its request is aborted; 0: no bound.
-    max_unsent_tokens: int = DEFAULT_MAX_UNSENT_TOKENS
+    # When a stream's client counts as not reading and its request is aborted.
+    slow_readers: SlowReaderBounds = SlowReaderBounds()
     routing: RoutingConfig = RoutingConfig()
     # Seconds between DNS resolutions of dns:/// targets (preprocess and inference).
     resolve_interval_s: float = DEFAULT_RESOLVE_INTERVAL_S
@@ -53,7 +53,6 @@ class GatewayConfig:
             raise ValueError("at least one inference address is required")
         check_at_least("grace_period_s", self.grace_period_s, 0)
         check_at_least("num_workers", self.num_workers, 1)
-        check_at_least("max_unsent_tokens", self.max_unsent_tokens, 0, " (0: no bound)")
 
     @property
     def address(self) -> str:

@@ -19,7 +19,8 @@ from llmserve.gateway.block_layout import BlockLayout
 from llmserve.gateway.health import wait_until_serving
 from llmserve.gateway.hop_errors import call_hop, error_from_rpc
 from llmserve.gateway.preprocess_client import PreparedPrompt
-from llmserve.gateway.replica_stream import DEFAULT_MAX_UNSENT_TOKENS, MultiplexedTokens, ReplicaStream
+from llmserve.gateway.replica_stream import MultiplexedTokens, ReplicaStream
+from llmserve.gateway.slow_reader import SlowReaderBounds
 from llmserve.kv_events import KvEventBatch, batch_from_pb
 from llmserve.pb import sampling_to_pb
 from llmserve.sampling import SamplingParams
@@ -47,13 +48,13 @@ class KvEventsUnsupported(Exception):
 
 
 class InferenceClient:
-    """`max_unsent_tokens`: the bound on each request's buffer (replica_stream.py; 0: none)."""
+    """`slow_readers`: when a request's client counts as not reading (gateway.slow_reader)."""
 
-    def __init__(self, address: str, *, max_unsent_tokens: int = DEFAULT_MAX_UNSENT_TOKENS):
+    def __init__(self, address: str, *, slow_readers: SlowReaderBounds = SlowReaderBounds()):
         self.address = address
         self._channel = grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
         self._stub = inference_pb2_grpc.InferenceServiceStub(self._channel)
-        self._replica_stream = ReplicaStream(self._stub, max_unsent_tokens)
+        self._replica_stream = ReplicaStream(self._stub, slow_readers)
 
     async def wait_until_serving(self, timeout_s: float) -> None:
         await wait_until_serving(self._channel, f"inference at {self.address}", timeout_s)

@@ -72,6 +72,10 @@ STREAMS_IN_FLIGHT = Gauge(
     _PREFIX + "streams_in_flight", "Requests being served now.", multiprocess_mode="livesum"
 )
 CLIENT_DISCONNECTS = Counter(_PREFIX + "client_disconnects", "Clients that cancelled or went away mid-request.")
+CLIENTS_NOT_READING = Counter(
+    _PREFIX + "clients_not_reading",
+    "Streams aborted because their client left output unread past a bound (gateway.slow_reader).", ["bound"],
+)
 
 _ROUTING_PREFIX = "llmserve_routing_"
 
@@ -146,6 +150,11 @@ def record_finished(result: GenerationResult, *, is_reported_by_inference: bool)
         REQUEST_QUEUE_TIME.observe(result.queue_time_ns / _NS_PER_S)
         ROUTING_PREDICTED_CACHED_TOKENS.labels(result.replica_id).inc(result.predicted_cached_tokens)
         ROUTING_ACTUAL_CACHED_TOKENS.labels(result.replica_id).inc(result.num_cached_tokens)
+
+
+def record_client_not_reading(bound: str) -> None:
+    """A stream aborted by a slow-reader bound: "tokens" (unsent) or "time" (unread)."""
+    CLIENTS_NOT_READING.labels(bound=bound).inc()
 
 
 def record_route(replica: str, reason: str, fallback_cause: str | None) -> None:

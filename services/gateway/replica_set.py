@@ -77,7 +77,7 @@ class ReplicaSet:
         await asyncio.gather(*(replica.client.close() for replica in self._replicas.values()))
 
     def _client(self, address: str) -> InferenceClient:
-        return InferenceClient(address, max_unsent_tokens=self._config.max_unsent_tokens)
+        return InferenceClient(address, slow_readers=self._config.slow_readers)
 
     def _add(self, address: str, client: InferenceClient) -> Replica:
         replica = Replica(address, client)

@@ -15,14 +15,14 @@ The buffer is also where a slow client is coalesced and bounded, the one place i
 its handler takes from it only when it is ready to write to its client, and takes *everything*
 that arrived since it last took, merged into one output (llmserve.engine_output.coalesced), so
 at light load each write carries one step's tokens and a client slower than generation gets
-fewer, larger messages, detokenized once each. When more than `max_unsent_tokens` tokens wait
-in a buffer, the request is aborted (an abort on the stream frees its KV blocks at once) and its
-stream ends with ClientNotReading as soon as grpc lets its handler run again (when the client
-reads what its HTTP/2 window holds, or cancels). Why a bound: grpc.aio's `yield` from a
-server-streaming handler returns once the message is inside the client's HTTP/2 receive window
-(grpc's default starts at 64 KiB and grows with BDP probing, to about 1 MiB measured on loopback
-with grpc 1.85), then blocks until the client reads; without a bound a client that never reads
-keeps its sequence generating to max_tokens and its KV blocks held.
+fewer, larger messages, detokenized once each. When more tokens wait in a buffer than the
+bounds allow, or its oldest output has waited too long (gateway.slow_reader), the request is
+aborted (an abort on the stream frees its KV blocks at once) and its stream ends with
+ClientNotReading as soon as grpc lets its handler run again (when the client reads what its
+HTTP/2 window holds, or cancels). Why a bound: grpc.aio's `yield` from a server-streaming
+handler returns once the message is inside the client's HTTP/2 receive window, then blocks
+until the client reads; without a bound a client that never reads keeps its sequence
+generating to max_tokens and its KV blocks held.
 """
 
 from __future__ import annotations
@@ -40,48 +40,32 @@ from google.rpc import status_pb2
 from llmserve.engine_output import EngineOutput, coalesced
 from llmserve.errors import ServiceError, Unavailable
 from llmserve.gateway.hop_errors import error_from_rpc, error_from_status
+from llmserve.gateway.metrics import record_client_not_reading
+from llmserve.gateway.slow_reader import ClientNotReading, SlowReaderBounds
 from llmserve.pb import output_from_pb
 from llmserve.request_context import context_without_request
 from llmserve.v1 import inference_pb2, inference_pb2_grpc
 
 log = logging.getLogger(__name__)
 
-# A sequence decodes at up to a few hundred tokens/s, so this is several seconds of a client not
-# reading: long enough for a GC pause or a slow link, short enough to free a stalled client's KV.
-DEFAULT_MAX_UNSENT_TOKENS = 2048
-
 # forget(request_id, abort): the connection stops routing the request's outputs, and with
 # `abort` asks the replica to abort it.
 Forget = Callable[[str, bool], None]
 
 
-class ClientNotReading(ServiceError):
-    """The client left more than the limit of tokens unsent: its request was aborted.
-
-    RESOURCE_EXHAUSTED, not ABORTED: the stream exhausted its per-stream buffer quota and the
-    client is the cause (ABORTED means a concurrency conflict that a retry resolves; retrying
-    this request without reading faster fails the same way, so no RetryInfo is attached either).
-    """
-
-    code = grpc.StatusCode.RESOURCE_EXHAUSTED
-
-    def __init__(self, num_unsent_tokens: int, max_unsent_tokens: int):
-        super().__init__(
-            f"client is not reading: {num_unsent_tokens} tokens unsent (limit {max_unsent_tokens})"
-        )
-
-
 class MultiplexedTokens:
     """One request's outputs from a ReplicaStream: iterate for EngineOutputs (everything that
-    arrived since the previous one, merged), `cancel` to stop it. `max_unsent_tokens` 0: no
-    bound."""
+    arrived since the previous one, merged), `cancel` to stop it; `bounds` say when its client
+    counts as not reading."""
 
-    def __init__(self, request_id: str, forget: Forget, max_unsent_tokens: int = DEFAULT_MAX_UNSENT_TOKENS):
+    def __init__(self, request_id: str, forget: Forget, bounds: SlowReaderBounds = SlowReaderBounds()):
         self.request_id = request_id
         self._forget = forget
-        self._max_unsent_tokens = max_unsent_tokens
+        self._bounds = bounds
         self._outputs: list[inference_pb2.RequestOutput] = []  # arrived, not yet taken
         self._num_unsent_tokens = 0
+        # Fires max_unread_s after the first output that waits; cancelled when they are taken.
+        self._unread_timer: asyncio.TimerHandle | None = None
         self._failure: ServiceError | None = None  # the connection broke: after what arrived
         self._overflow: ClientNotReading | None = None  # the bound: instead of what arrived
         self._has_news = asyncio.Event()
@@ -91,17 +75,42 @@ class MultiplexedTokens:
         """An output arrived (on the reader task); over the bound, abort the request."""
         if self._overflow is not None:
             return
+        if not self._outputs:
+            self._start_unread_timer()
         self._outputs.append(output)
         self._num_unsent_tokens += len(output.output.token_ids)
-        if 0 < self._max_unsent_tokens < self._num_unsent_tokens:
-            self._overflow = ClientNotReading(self._num_unsent_tokens, self._max_unsent_tokens)
-            log.warning("request %s aborted: %s", self.request_id, self._overflow.message)
-            self._forget(self.request_id, True)
+        if 0 < self._bounds.max_unsent_tokens < self._num_unsent_tokens:
+            self._overflow_with(ClientNotReading.too_many_tokens(self._num_unsent_tokens, self._bounds.max_unsent_tokens))
         self._has_news.set()
 
     def fail(self, error: ServiceError) -> None:
         self._failure = error
         self._has_news.set()
+
+    def _start_unread_timer(self) -> None:
+        if self._bounds.max_unread_s > 0 and self._unread_timer is None:
+            self._unread_timer = asyncio.get_running_loop().call_later(self._bounds.max_unread_s, self._on_unread)
+
+    def _stop_unread_timer(self) -> None:
+        if self._unread_timer is not None:
+            self._unread_timer.cancel()
+            self._unread_timer = None
+
+    def _on_unread(self) -> None:
+        """The oldest waiting output waited max_unread_s: the handler's write has been blocked
+        that long on the client's full window."""
+        self._unread_timer = None
+        if self._overflow is None and not self._is_done:
+            self._overflow_with(ClientNotReading.unread_too_long(self._bounds.max_unread_s, self._num_unsent_tokens))
+            self._has_news.set()
+
+    def _overflow_with(self, error: ClientNotReading) -> None:
+        """Abort the request on the replica now; its stream ends with `error` once grpc lets it."""
+        self._stop_unread_timer()
+        self._overflow = error
+        log.warning("request %s aborted: %s", self.request_id, error.message)
+        record_client_not_reading(error.bound)
+        self._forget(self.request_id, True)
 
     async def __aiter__(self) -> AsyncIterator[EngineOutput]:
         while not self._is_done:
@@ -125,6 +134,7 @@ class MultiplexedTokens:
         request with, if it did (only ever after the outputs before it)."""
         taken, self._outputs = self._outputs, []
         self._num_unsent_tokens = 0
+        self._stop_unread_timer()
         outputs, error = [], None
         for output in taken:
             if output.error_status:
@@ -135,6 +145,7 @@ class MultiplexedTokens:
 
     def cancel(self) -> None:
         """Stop the request on the replica (an abort on the stream); harmless once it ended."""
+        self._stop_unread_timer()
         self._forget(self.request_id, not self._is_done)
         self._is_done = True
 
@@ -159,16 +170,16 @@ class _Connection:
 
 
 class ReplicaStream:
-    def __init__(self, stub: inference_pb2_grpc.InferenceServiceStub, max_unsent_tokens: int = DEFAULT_MAX_UNSENT_TOKENS):
+    def __init__(self, stub: inference_pb2_grpc.InferenceServiceStub, bounds: SlowReaderBounds = SlowReaderBounds()):
         self._stub = stub
-        self._max_unsent_tokens = max_unsent_tokens
+        self._bounds = bounds
         self._connection: _Connection | None = None
         self._tasks: set[asyncio.Task] = set()
         self.last_response_s = 0.0  # time.monotonic() of the last message from the replica
 
     def generate(self, request: inference_pb2.GenerateTokensRequest) -> MultiplexedTokens:
         connection = self._open_connection()
-        tokens = MultiplexedTokens(request.request_id, connection.forget, self._max_unsent_tokens)
+        tokens = MultiplexedTokens(request.request_id, connection.forget, self._bounds)
         connection.requests[request.request_id] = tokens
         connection.commands.put_nowait(inference_pb2.MultiplexRequest(generate=request))
         return tokens
