@@ -9,16 +9,20 @@ Each configuration starts the stack as `llmserve serve` runs it (preprocess, inf
 default torch backend, gateway; real subprocesses on loopback), warms it up with --warmup-requests
 requests at once (so the replica has measured its pace, as a server under traffic has), then sends
 --streams GenerateStream requests at once, each a chat of about --prompt-words words asking for
---max-tokens tokens (ignore_eos) with a --deadline-s deadline, one attempt each:
+--max-tokens tokens (ignore_eos) with a --deadline-s deadline, one attempt each (with
+--follow-hints, as a client that follows retry hints: a refusal carrying a RetryInfo is sent
+again after the hint while the deadline from its first attempt leaves time):
   refusing    the defaults: admission refuses at once what its estimate says cannot finish in time;
-  admit-all   --no-deadline-admission: every request is admitted and the engine ends the ones
-              whose deadline passes; the baseline for what the refusals cost.
-Per configuration: requests OK, refused at admission (by status; with a RetryInfo; the spread of
-the hints), admitted but ended by their deadline, the fraction of the deadline window the engine
-spent in steps (llmserve_inference_step_duration_seconds over the window / the window), and the
-burst's TTFT and E2E. Across them: refusals that would have met their deadline, estimated as
-max(0, OK with admit-all - OK with refusing), as a fraction of the refusals. Prints a table and
-writes JSON to --out-dir.
+  admit-all   --no-deadline-admission: no refusal by the estimate (the queue's budgets still
+              refuse), the engine ends what its deadline passes; the baseline for what the
+              estimate's refusals cost.
+Per configuration: requests OK (after a retry), attempts, refused at admission in the end (by
+status; with a RetryInfo; the spread of the hints), admitted but ended by their deadline, the
+fraction of the window the engine spent in steps (llmserve_inference_step_duration_seconds over
+the window / the window; the window: the deadline's, or with --follow-hints from the burst until
+its last request ended, so the time refused clients wait for their hints counts), and the burst's TTFT and E2E. Across them: refusals
+that would have met their deadline, estimated as max(0, OK with admit-all - OK with refusing), as
+a fraction of the refusals. Prints a table and writes JSON to --out-dir.
 """
 
 from __future__ import annotations
@@ -65,6 +69,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--max-tokens", type=int, default=16, help="(default: %(default)s)")
     parser.add_argument("--prompt-words", type=int, default=400,
                         help="words in each user message, about 1.3 tokens each (default: %(default)s)")
+    parser.add_argument("--follow-hints", action="store_true",
+                        help="send a refusal with a RetryInfo again after its hint while the deadline leaves time "
+                             "(default: one attempt per request)")
     parser.add_argument("--warmup-requests", type=int, default=32, help="(default: %(default)s)")
     parser.add_argument("--configs", default=",".join(CONFIGS), help="(default: %(default)s)")
     parser.add_argument("--inference-arg", action="append", default=[], metavar="FLAGS",
@@ -91,6 +98,7 @@ class Outcome:
     e2e_s: float = 0.0
     num_tokens: int = 0
     message: str = ""  # the status message, for a refusal
+    num_attempts: int = 0  # refusals with a hint are sent again (send)
 
 
 @dataclass
@@ -107,6 +115,9 @@ class ConfigResult:
     ttft_p50_s: float | None = None
     e2e_p50_s: float | None = None
     e2e_max_ok_s: float | None = None
+    num_attempts: int = 0  # of all requests, retries after a hint included
+    num_ok_after_retry: int = 0
+    window_s: float = 0.0  # from the burst until its last request ended
     refusal_examples: list[str] = field(default_factory=list)  # the first, the middle and the last refused
 
     @property
@@ -156,7 +167,7 @@ def step_seconds(metrics_port: int) -> float:
 def chat_request(index: int, args) -> gateway_pb2.GenerateStreamRequest:
     words = " ".join(WORDS[(index * 7 + i * 3) % len(WORDS)] for i in range(args.prompt_words))
     params = gateway_pb2.GenerateParams(
-        sampling=common_pb2.SamplingParams(max_tokens=args.max_tokens, temperature=0.0, ignore_eos=True))
+        return_token_ids=True, sampling=common_pb2.SamplingParams(max_tokens=args.max_tokens, temperature=0.0, ignore_eos=True))
     params.chat.messages.add(role="user", content=f"Request {index}. Summarize these words in one line: {words}")
     return gateway_pb2.GenerateStreamRequest(params=params)
 
@@ -180,7 +191,26 @@ def _details(error: grpc.aio.AioRpcError) -> tuple[bool, int | None]:
     return is_estimate, retry_after_ms
 
 
-async def send(stub, request, timeout_s: float | None) -> Outcome:
+async def send(stub, request, timeout_s: float | None, follow_hints: bool) -> Outcome:
+    """One request of the burst, as a client that follows retry hints: a refusal with a
+    RetryInfo is sent again after the hint while its deadline (timeout_s from the first attempt)
+    leaves time; the outcome is its last attempt's."""
+    start, num_attempts = time.monotonic(), 0
+    while True:
+        time_left_s = None if timeout_s is None else timeout_s - (time.monotonic() - start)
+        outcome = await _attempt(stub, request, time_left_s)
+        num_attempts += 1
+        hint_s = None if outcome.retry_after_ms is None else outcome.retry_after_ms / 1000
+        if not follow_hints or not outcome.refused_at_admission or hint_s is None or time_left_s is None \
+                or hint_s >= time_left_s:
+            break
+        await asyncio.sleep(hint_s)
+    outcome.num_attempts = num_attempts
+    outcome.e2e_s = time.monotonic() - start
+    return outcome
+
+
+async def _attempt(stub, request, timeout_s: float | None) -> Outcome:
     outcome, start = Outcome(), time.monotonic()
     try:
         async for message in stub.GenerateStream(request, timeout=timeout_s):
@@ -193,15 +223,14 @@ async def send(stub, request, timeout_s: float | None) -> Outcome:
         is_estimate, outcome.retry_after_ms = _details(error)
         # Refused before it ran: RESOURCE_EXHAUSTED (a budget) or DEADLINE_EXCEEDED with the estimate.
         outcome.refused_at_admission = is_estimate or error.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
-    outcome.e2e_s = time.monotonic() - start
     return outcome
 
 
-async def send_all(address: str, requests: list, timeout_s: float | None) -> list[Outcome]:
+async def send_all(address: str, requests: list, timeout_s: float | None, follow_hints: bool = False) -> list[Outcome]:
     channels = [grpc.aio.insecure_channel(address) for _ in range(CHANNELS)]
     try:
         stubs = [gateway_pb2_grpc.GatewayServiceStub(channel) for channel in channels]
-        return await asyncio.gather(*(send(stubs[i % CHANNELS], r, timeout_s) for i, r in enumerate(requests)))
+        return await asyncio.gather(*(send(stubs[i % CHANNELS], r, timeout_s, follow_hints) for i, r in enumerate(requests)))
     finally:
         for channel in channels:
             await channel.close()
@@ -222,6 +251,8 @@ def summarize(config: str, outcomes: list[Outcome], busy_fraction: float) -> Con
             result.num_admitted_past_deadline += 1
         else:
             result.other_errors[outcome.status] = result.other_errors.get(outcome.status, 0) + 1
+    result.num_attempts = sum(o.num_attempts for o in outcomes)
+    result.num_ok_after_retry = sum(o.status == "OK" and o.num_attempts > 1 for o in outcomes)
     refused = [o for o in outcomes if o.refused_at_admission]
     if refused:
         result.refusal_examples = [refused[i].message for i in sorted({0, len(refused) // 2, len(refused) - 1})]
@@ -248,27 +279,30 @@ def run_config(config: str, args, model_dir: Path, log_dir: Path) -> ConfigResul
         burst = [chat_request(i, args) for i in range(args.streams)]
         print(f"[{config}] burst: {len(burst)} requests at once, {args.deadline_s:g} s deadline", flush=True)
         before_s, start = step_seconds(metrics_port), time.monotonic()
-        outcomes = asyncio.run(send_all(address, burst, args.deadline_s))
-        window_s = max(args.deadline_s, time.monotonic() - start)
+        outcomes = asyncio.run(send_all(address, burst, args.deadline_s, args.follow_hints))
+        # The deadline's window; following hints, until the last client gave up or finished.
+        window_s = time.monotonic() - start if args.follow_hints else max(args.deadline_s, time.monotonic() - start)
         busy_fraction = (step_seconds(metrics_port) - before_s) / window_s
     finally:
         stop_stack(services)
     result = summarize(config, outcomes, busy_fraction)
-    print(f"[{config}] {result.num_ok} OK, {result.num_refused} refused, "
-          f"{result.num_admitted_past_deadline} admitted past their deadline, busy {busy_fraction:.0%}", flush=True)
+    result.window_s = window_s
+    print(f"[{config}] {result.num_ok} OK ({result.num_ok_after_retry} after a retry), {result.num_refused} refused, "
+          f"{result.num_admitted_past_deadline} admitted past their deadline, {result.num_attempts} attempts, "
+          f"busy {busy_fraction:.0%} of {window_s:.1f} s", flush=True)
     return result
 
 
 def format_table(results: list[ConfigResult]) -> str:
-    header = ["config", "requests", "OK", "refused", "with RetryInfo", "hints ms (min/median/max, distinct)",
-              "admitted, past deadline", "other errors", "engine busy", "TTFT p50 s", "E2E p50 s", "E2E max OK s"]
+    header = ["config", "requests", "OK", "OK after a retry", "attempts", "refused", "with RetryInfo", "hints ms (min/median/max, distinct)",
+              "admitted, past deadline", "other errors", "engine busy (window s)", "TTFT p50 s", "E2E p50 s", "E2E max OK s"]
     lines = ["| " + " | ".join(header) + " |", "|" + " --- |" * len(header)]
     for r in results:
         hints = r.retry_hints_ms
         hint_text = f"{hints['min']}/{hints['median']:.0f}/{hints['max']}, {hints['distinct']}" if hints else "-"
-        cells = [r.config, r.num_requests, r.num_ok, f"{r.num_refused} {r.refused_by_status}",
+        cells = [r.config, r.num_requests, r.num_ok, r.num_ok_after_retry, r.num_attempts, f"{r.num_refused} {r.refused_by_status}",
                  r.num_refusals_with_retry_info, hint_text, r.num_admitted_past_deadline, r.other_errors or "-",
-                 f"{r.busy_fraction:.0%}", _seconds(r.ttft_p50_s), _seconds(r.e2e_p50_s), _seconds(r.e2e_max_ok_s)]
+                 f"{r.busy_fraction:.0%} ({r.window_s:.1f})", _seconds(r.ttft_p50_s), _seconds(r.e2e_p50_s), _seconds(r.e2e_max_ok_s)]
         lines.append("| " + " | ".join(str(c) for c in cells) + " |")
     return "\n".join(lines)
 

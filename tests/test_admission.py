@@ -147,6 +147,23 @@ def test_retry_hint_is_the_queue_turnover_at_the_measured_prefill_rate():
     assert "80 prompt tokens are waiting" in refused.value.message and "budget of 100" in refused.value.message
 
 
+def test_once_prompt_steps_are_measured_the_queue_turnover_is_their_full_steps():
+    """The waiting prompt tokens in full steps timed by the step-time fit: the 2,000 waiting
+    tokens fit one step of (budget - batch) prompt tokens, at 5 ms each + the decode line."""
+    clock = Clock()
+    admission = controller(clock, max_waiting_requests=2, max_batched_tokens=2048)
+    steps(admission, (0.010, 2, 2), (0.020, 4, 4), (0.005 * 1000 + 0.010, 2, 1002))  # 5 ms per prompt token
+    admission.admit(request("a", 1000))
+    admission.admit(request("b", 1000))
+    with pytest.raises(ResourceExhausted) as refused:
+        admission.admit(request("c", 10))
+    fit = admission.step_times.fit
+    chunk = 2048 - 2
+    full_step_s = fit.decode_step_s(2) + fit.per_prompt_token_s * min(chunk, 2000)
+    assert refused.value.retry_after_ms == int(1000 * full_step_s)  # 2000 tokens: one full step
+    assert 9.5 < full_step_s < 10.5
+
+
 def test_idle_time_and_steps_that_start_nothing_leave_the_prefill_rate_alone():
     clock = Clock()
     admission = controller(clock)
@@ -259,7 +276,7 @@ def test_a_deadline_the_measured_steps_cannot_meet_is_refused_at_once():
     assert estimate.total_s == pytest.approx(0.1703 + 49 * 0.1103, rel=1e-3)
     with pytest.raises(DeadlineExceeded) as refused:
         admission.admit(request("c", 100, 50, deadline_ns=clock.now_ns + 5 * S))
-    assert "estimated 5.6 s" in refused.value.message and "1 steps" in refused.value.message
+    assert "estimated 5.57 s" in refused.value.message and "1 steps" in refused.value.message
     admission.admit(request("c", 100, 50, deadline_ns=clock.now_ns + 6 * S))
 
 
@@ -269,11 +286,12 @@ def test_while_prompts_wait_every_step_is_a_full_one_for_the_decodes_too():
     cpu_like_steps(admission)
     admission.admit(request("a", 100))
     admission.admit(request("b", 9000))
-    # 9101 prompt tokens, 997 a step (the budget less 3 decodes): 10 full steps of 1000 tokens
-    # (80 + 30 + 100 ms); its prompt ends in the 10th, its 5 other tokens in the 10th's wake
+    # 9101 prompt tokens, 997 a step (the budget less 3 decodes): 9 full steps of 1000 tokens
+    # (80 + 30.3 + 99.7 ms), the 10th computes the 128 left (80 + 30.3 + 12.8 ms); its prompt
+    # ends in the 10th, its 5 other tokens in the decode steps after it
     estimate = admission.finish_estimate(request("c", 1, 6))
     assert estimate.schedule.num_full_steps == 10 and estimate.prefill_steps == 10
-    assert estimate.total_s == pytest.approx(10 * 0.21 + 5 * 0.1103, rel=1e-3)
+    assert estimate.total_s == pytest.approx(9 * 0.21 + 0.1231 + 5 * 0.1103, rel=1e-3)
     # A short prompt behind no queue: its decode steps are decode steps from the start
     assert admission.finish_estimate(request("c", 1, 6)).schedule.decode_step_s == pytest.approx(0.1103, rel=1e-3)
 
@@ -284,14 +302,14 @@ def test_a_request_that_would_make_an_earlier_one_miss_its_deadline_waits():
     cpu_like_steps(admission)
     # a alone: a full step of 101 tokens (100.1 ms), 9 decode steps of 90.1 ms: 0.911 s of its 2 s
     admission.admit(request("a", 100, 10, deadline_ns=clock.now_ns + 2 * S))
-    # b's 4000 prompt tokens make a's 10 steps the first 10 of 5 full ones (200 ms) and 5 decode
-    # ones (100.2 ms): 1.501 s, still in time
+    # b's 4000 prompt tokens make a's 10 steps 4 full ones (200 ms), the 5th with the 108 tokens
+    # left (111 ms) and 5 decode ones (100.2 ms): 1.412 s, still in time
     admission.admit(request("b", 4000))
     # c's 8000 more would make all 10 full ones (210 ms): 2.1 s, past a's deadline
     with pytest.raises(ResourceExhausted) as refused:
         admission.admit(request("c", 8000))
     assert "would make 1 admitted requests miss their deadlines" in refused.value.message
-    assert abs(refused.value.retry_after_ms - 1501) <= 1  # when a will have finished
+    assert abs(refused.value.retry_after_ms - 1412) <= 1  # when a will have finished
     # a request already estimated to miss its deadline is not protected: the engine ends it
     clock.advance(1.9)
     admission.admit(request("c", 8000))
@@ -334,19 +352,20 @@ def test_a_deadline_refusal_carries_its_estimate_and_a_hint_when_waiting_helps()
     admission.admit(request("b", 2900))
     with pytest.raises(DeadlineExceeded) as refused:
         admission.admit(request("c", 100, 10, deadline_ns=clock.now_ns + 3 * S // 2))
-    # 3100 prompt tokens in 2 full steps of 2048 tokens (314.8 ms), then 9 decode steps of the
-    # batch of 3 (110.3 ms): 1.6223 s against 1.5 s left: a request with the same budget fits
-    # once the queue has drained for the 122 ms excess
+    # 3100 prompt tokens in a full step of 2048 tokens (314.8 ms) and one of the 1055 left
+    # (215.8 ms), then 9 decode steps of the batch of 3 (110.3 ms): 1.5233 s against 1.5 s left:
+    # a request with the same budget fits once the queue has drained for the 23 ms excess (the
+    # hint clamped to the shortest useful one)
     reason, _, fields = refused.value.error_info
     assert reason == DEADLINE_ESTIMATE_REASON
-    assert fields["estimated_ms"] == "1622" and fields["time_left_ms"] == "1500" and fields["batch"] == "3"
-    assert fields["full_step_ms"] == "315" and fields["decode_step_ms"] == "110"
-    assert abs(refused.value.retry_after_ms - 122) <= 1
+    assert fields["estimated_ms"] == "1523" and fields["time_left_ms"] == "1500" and fields["batch"] == "3"
+    assert fields["full_step_ms"] == "315" and fields["last_full_step_ms"] == "216" and fields["decode_step_ms"] == "110"
+    assert refused.value.retry_after_ms == MIN_RETRY_AFTER_MS
     # 0.95 s left: its own prefill and decode alone (100.1 + 9 x 90.1 ms = 0.911 s) fit, still
     # worth a retry
     with pytest.raises(DeadlineExceeded) as refused:
         admission.admit(request("c", 100, 10, deadline_ns=clock.now_ns + 95 * S // 100))
-    assert abs(refused.value.retry_after_ms - 672) <= 1
+    assert abs(refused.value.retry_after_ms - 573) <= 1
     # 0.5 s left: not even an idle replica finishes in time: no hint
     with pytest.raises(DeadlineExceeded) as refused:
         admission.admit(request("c", 100, 10, deadline_ns=clock.now_ns + S // 2))

@@ -80,7 +80,7 @@ from llmserve.inference.engine.config import (
 )
 from llmserve.engine_output import EngineOutput
 from llmserve.inference.engine.types import EngineRequest, StepReport
-from llmserve.inference.finish_estimate import FinishEstimate, StepSchedule
+from llmserve.inference.finish_estimate import FinishEstimate, StepSchedule, drain_s
 from llmserve.inference.kv_demand import KvDemand, RequestDemand
 from llmserve.inference.step_time_model import StepTimeModel
 
@@ -247,7 +247,7 @@ class AdmissionController:
 
     def _check_budgets(self, demand: RequestDemand, now_ns: int) -> None:
         num_prompt_tokens, num_kv_blocks = demand.num_prompt_tokens_to_prefill, demand.num_new_kv_blocks
-        queue_turnover_ms = self._retry_after_ms(self.num_waiting_prompt_tokens, self.pace.prefill_tokens_per_s, now_ns)
+        queue_turnover_ms = self._queue_turnover_ms(now_ns)
         if self.num_waiting_requests + 1 > self.max_waiting_requests:
             _refuse(
                 f"{self.num_waiting_requests} requests are waiting, the most this replica queues "
@@ -272,6 +272,20 @@ class AdmissionController:
                 self._retry_after_ms(excess_blocks, self.kv_drain.per_s if self._has_drained else None, now_ns),
             )  # fmt: skip
 
+    def _queue_turnover_ms(self, now_ns: int) -> int:
+        """When the waiting requests will have started: their prompt tokens computed in full steps
+        timed by the step-time fit, and the sequences beyond the running batch finished at the
+        measured rate. Before the fit has a prompt step, at the prefill pace. (The pace alone,
+        an average over warm-up steps that were mostly decodes, hinted 10-30 s on an H200 whose
+        queue of 256 requests started within 2 s.)"""
+        fit = self.step_times.fit
+        if fit is None or not fit.per_prompt_token_s:
+            return self._retry_after_ms(self.num_waiting_prompt_tokens, self.pace.prefill_tokens_per_s, now_ns)
+        schedule = self._schedule(self.num_sequences_in_flight, self.num_waiting_prompt_tokens)
+        beyond_batch = max(0, self.num_sequences_in_flight - self.max_num_seqs)
+        slot_wait_s = drain_s(beyond_batch, self.sequence_finishes.per_s)
+        return _clamped_ms(self._spread(1000 * max(schedule.time_s(schedule.num_full_steps), slot_wait_s)))
+
     def _retry_after_ms(self, amount: float, drain_per_s: float | None, now_ns: int) -> int:
         """When `amount` will have drained at `drain_per_s`, spread and clamped to a useful hint."""
         if drain_per_s is None:
@@ -288,8 +302,8 @@ class AdmissionController:
         estimate = self._finish_estimate(request, demand.num_prompt_tokens_to_prefill)
         if estimate.total_s > time_left_s:
             raise DeadlineExceeded(
-                f"the request cannot finish in the {time_left_s:.1f} s its deadline leaves: estimated "
-                f"{estimate.total_s:.1f} s ({estimate.describe()})",
+                f"the request cannot finish in the {time_left_s:.2f} s its deadline leaves: estimated "
+                f"{estimate.total_s:.2f} s ({estimate.describe()})",
                 retry_after_ms=self._deadline_retry_after_ms(estimate, time_left_s),
                 error_info=estimate.error_info(time_left_s),
             )
@@ -360,10 +374,15 @@ class AdmissionController:
         num_full_steps = math.ceil(num_waiting_prompt_tokens / chunk)
         fit = self.step_times.fit
         if fit is None:
-            return StepSchedule(0.0, 0.0, chunk, num_full_steps)
-        # A queue shorter than a chunk fills its steps only that far.
-        full_step_tokens = batch + min(chunk, num_waiting_prompt_tokens)
-        return StepSchedule(fit.step_s(batch, full_step_tokens), fit.step_s(batch, batch), chunk, num_full_steps)
+            return StepSchedule(0.0, 0.0, 0.0, chunk, num_full_steps)
+        # The last full step computes what is left of the queue (a queue shorter than a chunk,
+        # only that much): priced as a whole chunk, 3 tokens past 4 chunks cost a 5 s step on
+        # the CPU and refused a request that would have finished in 26 of its 30 s.
+        last_chunk = num_waiting_prompt_tokens - (num_full_steps - 1) * chunk if num_full_steps else 0
+        return StepSchedule(
+            fit.step_s(batch, batch + chunk), fit.step_s(batch, batch + last_chunk), fit.step_s(batch, batch),
+            chunk, num_full_steps,
+        )  # fmt: skip
 
     # --- learning from outputs and steps ----------------------------------------------------
 

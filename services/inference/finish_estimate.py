@@ -32,7 +32,8 @@ ERROR_DOMAIN = "llmserve.dev"
 
 @dataclass(frozen=True, slots=True)
 class StepSchedule:
-    full_step_s: float  # a step while prompt tokens wait
+    full_step_s: float  # a step while prompt tokens wait: the decodes and a whole chunk
+    last_full_step_s: float  # the last of them: the decodes and what is left of the queue
     decode_step_s: float  # a step once they are all computed
     chunk_tokens: int  # prompt tokens a full step computes
     num_full_steps: int  # until every waiting prompt token is computed
@@ -45,7 +46,11 @@ class StepSchedule:
     def time_s(self, num_steps: int) -> float:
         """Until the end of step `num_steps` from now."""
         num_full = min(num_steps, self.num_full_steps)
-        return num_full * self.full_step_s + max(0, num_steps - num_full) * self.decode_step_s
+        full_s = 0.0 if not num_full else (
+            (num_full - 1) * self.full_step_s
+            + (self.last_full_step_s if num_full == self.num_full_steps else self.full_step_s)
+        )  # fmt: skip
+        return full_s + max(0, num_steps - num_full) * self.decode_step_s
 
     def describe(self) -> str:
         return (
@@ -76,7 +81,7 @@ class FinishEstimate:
     @property
     def slot_wait_s(self) -> float:
         """Until enough sequences ahead have finished for its own to run."""
-        return _drain_s(self.sequences_beyond_batch, self.sequence_finishes_per_s)
+        return drain_s(self.sequences_beyond_batch, self.sequence_finishes_per_s)
 
     @property
     def start_s(self) -> float:
@@ -108,7 +113,8 @@ class FinishEstimate:
         fields = {
             "estimated_ms": self.total_s, "time_left_ms": time_left_s, "start_ms": self.start_s,
             "prefill_wait_ms": self.prefill_wait_s, "slot_wait_ms": self.slot_wait_s, "decode_ms": self.decode_s,
-            "full_step_ms": self.schedule.full_step_s, "decode_step_ms": self.schedule.decode_step_s,
+            "full_step_ms": self.schedule.full_step_s, "last_full_step_ms": self.schedule.last_full_step_s,
+            "decode_step_ms": self.schedule.decode_step_s,
         }  # fmt: skip
         metadata = {name: f"{seconds * 1000:.0f}" for name, seconds in fields.items()}
         metadata.update(prompt_tokens_ahead=str(self.prompt_tokens_ahead), batch=str(self.batch),
@@ -116,5 +122,5 @@ class FinishEstimate:
         return DEADLINE_ESTIMATE_REASON, ERROR_DOMAIN, metadata
 
 
-def _drain_s(amount: float, per_s: float | None) -> float:
+def drain_s(amount: float, per_s: float | None) -> float:
     return amount / per_s if amount and per_s else 0.0
