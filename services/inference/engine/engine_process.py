@@ -14,7 +14,7 @@ cost per token is a tuple in a pickle, not a message. Token-only outputs, the co
 travel as (request_id, sequence_index, token_ids) tuples: ten times cheaper to pickle than
 the dataclass (measured: 256 outputs, 46 µs vs 620 µs). Prefix-cache changes travel as they
 were recorded, ints in tuples and lists (types.CacheEvent): an empty list in a step without
-any. The step's StepReport (its duration, batch size and tokens: three numbers) is what the server's
+any. The step's StepReport (its duration, period, batch size and tokens: four numbers) is what the server's
 metrics need beyond the outputs: every Prometheus object lives in the server process.
 Commands are pickled on a sender thread, so a full pipe (the core busy in a step) never
 blocks the event loop.
