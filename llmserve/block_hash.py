@@ -29,6 +29,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Sequence
 
+from llmserve.client_text import num_bytes
+from llmserve.errors import InvalidArgument
+
 HASH_VERSION = 2
 DEFAULT_BLOCK_SIZE = 16
 # The checkpoint files whose bytes name the model and the tokenizer in the namespace. The
@@ -75,6 +78,19 @@ class HashNamespace:
     def block_hashes(self, token_ids: Sequence[int], cache_salt: str = "") -> list[int]:
         """Hashes of every full block of the prompt `token_ids` sent with `cache_salt`."""
         return chain_block_hashes(token_ids, self.block_size_tokens, self.seed(cache_salt))
+
+
+# A salt names a tenant (a secret or its hash); hashing more than a few hundred bytes buys
+# nothing, and every hop carries the salt with the request.
+MAX_CACHE_SALT_BYTES = 256
+
+
+def check_cache_salt(cache_salt: str) -> None:
+    """Refuse a salt over MAX_CACHE_SALT_BYTES; its value is never quoted (it may be a secret)."""
+    if num_bytes(cache_salt) > MAX_CACHE_SALT_BYTES:
+        raise InvalidArgument(
+            "cache_salt", f"{num_bytes(cache_salt)} bytes exceeds the limit of {MAX_CACHE_SALT_BYTES} bytes"
+        )
 
 
 def hash_block(parent_hash: int, token_ids: Sequence[int]) -> int:

@@ -16,6 +16,7 @@ import grpc
 import pytest
 from grpc_status import rpc_status
 
+from llmserve.block_hash import MAX_CACHE_SALT_BYTES
 from llmserve.client_text import num_bytes
 from llmserve.log_format import MAX_LINE_BYTES
 from llmserve.request_context import MAX_REQUEST_ID_BYTES
@@ -155,6 +156,27 @@ def test_a_long_request_id_is_refused_at_preprocess_and_inference(preprocess, in
             "request_id", f"1000 bytes exceeds the limit of {MAX_REQUEST_ID_BYTES} bytes"
         )
 
+
+
+def test_a_long_cache_salt_is_refused_at_every_door_without_echoing_it(gateway, preprocess, inference):
+    salt = "secret-" + "s" * 1000
+    size = num_bytes(salt)
+    refused = [
+        _refusal(lambda: _generate(gateway, gateway_pb2.GenerateParams(
+            prompt="hi", sampling=common_pb2.SamplingParams(max_tokens=2), cache_salt=salt))),
+        _refusal(lambda: preprocess.Preprocess(preprocess_pb2.PreprocessRequest(
+            request_id="long-salt", prompt="hi", cache_salt=salt))),
+        _refusal(lambda: list(inference.GenerateTokens(inference_pb2.GenerateTokensRequest(
+            request_id="long-salt", prompt_token_ids=[5, 6, 7], sampling=common_pb2.SamplingParams(max_tokens=2),
+            cache_salt=salt)))),
+    ]
+    for error in refused:
+        assert error.code() == grpc.StatusCode.INVALID_ARGUMENT, error.details()
+        assert field_violation(error) == ("cache_salt", f"{size} bytes exceeds the limit of {MAX_CACHE_SALT_BYTES} bytes")
+        assert "secret" not in error.details()
+    assert _generate(gateway, gateway_pb2.GenerateParams(
+        prompt="hi", sampling=common_pb2.SamplingParams(max_tokens=2, min_tokens=2), cache_salt="s" * MAX_CACHE_SALT_BYTES
+    )).result.usage.completion_tokens == 2
 
 # --- cross-field checks -------------------------------------------------------------------------
 

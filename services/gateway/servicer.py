@@ -17,6 +17,7 @@ from typing import AsyncIterator
 
 import grpc
 
+from llmserve.block_hash import check_cache_salt
 from llmserve.client_text import quoted
 from llmserve.errors import InvalidArgument, NotFound
 from llmserve.gateway.generation import GenerationDelta, GenerationPipeline, GenerationRequest, GenerationResult
@@ -115,6 +116,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
     ) -> GenerationRequest:
         if request.model and request.model != self._model_name:
             raise NotFound(f"model: unknown model {quoted(request.model)}; this gateway serves {self._model_name!r}")
+        check_cache_salt(request.cache_salt)
         sampling = sampling_from_pb(request.sampling)
         if sampling.n != 1:
             raise InvalidArgument(

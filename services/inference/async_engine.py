@@ -33,6 +33,7 @@ from typing import Protocol
 
 from llmserve.engine_output import EngineOutput
 from llmserve.errors import DeadlineExceeded, InvalidArgument, ResourceExhausted, Unavailable
+from llmserve.client_text import quoted
 from llmserve.inference import metrics
 from llmserve.inference.admission import AdmissionConfig, AdmissionController, Admitted
 from llmserve.inference.engine.engine_loop import CoreUpdate, Deliver
@@ -132,7 +133,7 @@ class AsyncEngine:
         if not self._is_accepting or not self._client.is_running:
             raise Unavailable("the inference engine is shutting down")
         if request.request_id in self._requests:
-            raise InvalidArgument("request_id", f"{request.request_id!r} is already in flight")
+            raise InvalidArgument("request_id", f"{quoted(request.request_id)} is already in flight")
         try:
             admitted = self._admission.admit(request)
         except (ResourceExhausted, DeadlineExceeded, InvalidArgument) as refusal:

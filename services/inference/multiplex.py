@@ -22,6 +22,7 @@ import logging
 import time
 from typing import AsyncIterator
 
+from llmserve.client_text import quoted
 from llmserve.errors import ServiceError, check_decoded, rich_status_for
 from llmserve.inference.async_engine import AsyncEngine
 from llmserve.inference.output_stream import OutputStream
@@ -84,7 +85,7 @@ class MultiplexedStream:
         except ServiceError as error:
             self._outputs.refuse(request_id, error)
         except Exception as exc:  # noqa: BLE001 — our bug: fail this request, keep the stream
-            log.exception("starting %r on a Multiplex stream failed", request_id)
+            log.exception("starting %s on a Multiplex stream failed", quoted(request_id))
             self._outputs.refuse(request_id, ServiceError(f"internal error: {type(exc).__name__}: {exc}"))
 
 

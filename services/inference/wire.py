@@ -11,6 +11,7 @@ from __future__ import annotations
 from llmserve import pb
 from llmserve.block_hash import HASH_VERSION
 from llmserve.errors import DeadlineExceeded, InvalidArgument
+from llmserve.block_hash import check_cache_salt
 from llmserve.request_context import check_request_id
 from llmserve.engine_output import EngineOutput
 from llmserve.sampling import FinishReason
@@ -39,6 +40,7 @@ def request_from_pb(
     if not pb_request.request_id:
         raise InvalidArgument("request_id", "must not be empty")
     check_request_id(pb_request.request_id)
+    check_cache_salt(pb_request.cache_salt)
     prompt_token_ids = list(pb_request.prompt_token_ids)
     _check_prompt(prompt_token_ids, info)
     sampling = pb.sampling_from_pb(pb_request.sampling)  # min_tokens ≤ max_tokens among its checks

@@ -19,6 +19,7 @@ from llmserve.errors import ServiceError
 from llmserve.pb import model_info_to_pb, prompt_input_from_pb
 from llmserve.preprocess import metrics
 from llmserve.preprocess.pipeline import PreprocessPipeline
+from llmserve.block_hash import check_cache_salt
 from llmserve.request_context import bind_request_id, check_request_id
 from llmserve.v1 import common_pb2, preprocess_pb2, preprocess_pb2_grpc
 
@@ -46,6 +47,7 @@ class PreprocessServicer(preprocess_pb2_grpc.PreprocessServiceServicer):
         prompt_input = prompt_input_from_pb(request, "prompt")
         try:
             check_request_id(request.request_id)
+            check_cache_salt(request.cache_salt)
             result = await self._pipeline.preprocess(prompt_input, max_tokens, request.cache_salt)
         except ServiceError as exc:
             metrics.record_failed(exc.code)
