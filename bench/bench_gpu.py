@@ -70,7 +70,7 @@ import torch
 
 from llmserve.inference.engine.config import EngineConfig
 from llmserve.inference.engine.sampler import Sampler
-from llmserve.inference.engine.step_stats import StepStatsLog
+from llmserve.inference.engine.step_stats import HOST_PARTS, StepStatsLog
 from llmserve.inference.engine.torch_engine import TorchEngineCore
 from llmserve.inference.engine.types import EngineRequest
 from llmserve.model_files import ModelFiles
@@ -464,7 +464,7 @@ def throughput_scenario(engine: TorchEngineCore, args, device: torch.device, dea
     wall_s = time.perf_counter() - start
     gpu_busy_s = sum(stats.gpu_busy_ms() for stats in steps) / 1e3
     host_s = {part: sum(getattr(stats, f"{part}_s") for stats in steps)
-              for part in ("schedule", "execute_launch", "sampler_launch", "result_wait")}
+              for part in HOST_PARTS}
     num_output = sum(len(o) for o in ran["outputs"].values())
     num_finished = sum(len(o) == args.throughput_output_tokens for o in ran["outputs"].values())
     return {

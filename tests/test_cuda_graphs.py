@@ -92,7 +92,6 @@ def test_pad_decode_step_fills_spare_rows_with_no_op_tokens():
     assert padded.positions == [2, 39, 0, 0]
     assert padded.slot_mapping == [3 * 16 + 2, 6 * 16 + 7, PADDING_SLOT, PADDING_SLOT]
     assert padded.context_lens == [3, 40, 0, 0]
-    assert padded.block_tables == [[3, 0, 0], [1, 2, 6], [0, 0, 0], [0, 0, 0]]
 
 
 def test_prefill_graph_sizes_stop_at_the_step_budget_and_at_1024_tokens():

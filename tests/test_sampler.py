@@ -7,7 +7,7 @@ import math
 
 import torch
 
-from llmserve.inference.engine.sampler import Sampler
+from llmserve.inference.engine.sampler import Sampler, is_plain_greedy
 from llmserve.inference.engine.sequence import Sequence
 from tests import engine_objects
 
@@ -42,6 +42,25 @@ def test_greedy_rows_take_the_argmax():
     out = sampler.sample(logits, [make_seq(temperature=0.0), make_seq(temperature=0.0)])
     assert out.token_ids == [1, 0]
     assert out.logprobs == [None, None]
+
+
+def test_plain_greedy_rows_take_the_fast_path_to_the_same_tokens():
+    sampler = Sampler((EOS,))
+    logits = logits_of([0.0, 3.0, 1.0, 0, 0, 9.0], [4.0, 0, 0, 0, 0, 0])
+    seqs = [make_seq(temperature=0.0), make_seq(temperature=0.0)]
+    assert [is_plain_greedy(seq.sampling) for seq in seqs] == [True, True]
+    general = sampler.sample(logits, seqs)
+    for seq in seqs:
+        seq.is_plain_greedy = True
+    fast = sampler.sample(logits, seqs)
+    assert fast.token_ids == general.token_ids == [5, 0] and fast.logprobs == [None, None]
+    # EOS masked until min_tokens: not plain, so the general path runs and masks it.
+    masked = make_seq(temperature=0.0, min_tokens=2)
+    assert not is_plain_greedy(masked.sampling)
+    assert sampler.sample(logits[:1], [masked]).token_ids == [1]
+    for sampling in ({"temperature": 0.5}, {"temperature": 0.0, "logprobs": 0},
+                     {"temperature": 0.0, "repetition_penalty": 1.1}):
+        assert not is_plain_greedy(make_seq(**sampling).sampling)
 
 
 def test_penalties_follow_the_documented_formulas():

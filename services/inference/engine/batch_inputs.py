@@ -1,5 +1,9 @@
 """ScheduledBatch -> StepInputs (models/step_inputs.py): one step's flat model inputs, built on
-the host. Pure Python. The layout is StepInputs' docstring."""
+the host. Pure Python. The layout is StepInputs' docstring.
+
+Decodes (one token each) take a loop of their own: at 256 running sequences they are nearly
+every row of nearly every step, so their per-sequence work is kept to a few list appends.
+"""
 
 from __future__ import annotations
 
@@ -9,13 +13,44 @@ from llmserve.inference.models.step_inputs import StepInputs
 
 def build_step_inputs(batch: ScheduledBatch, block_size: int) -> StepInputs:
     step = StepInputs()
-    order = sorted(range(len(batch.seqs)), key=lambda i: batch.num_new_tokens[i] > 1)  # decodes first
-    last_rows: dict[int, int] = {}  # batch index -> flat row of its last token
-    for i in order:
-        seq, num_new = batch.seqs[i], batch.num_new_tokens[i]
+    decode_indexes = [i for i, num_new in enumerate(batch.num_new_tokens) if num_new == 1]
+    last_rows = _add_decodes(step, batch, decode_indexes, block_size)  # batch index -> flat row of its last token
+    if len(decode_indexes) < len(batch.seqs):
+        _add_prefills(step, batch, block_size, last_rows)
+    step.logits_indices = [last_rows[i] for i in batch.sampling_indexes()]
+    return step
+
+
+def _add_decodes(step: StepInputs, batch: ScheduledBatch, indexes: list[int], block_size: int) -> dict[int, int]:
+    input_ids, positions, slot_mapping = step.input_ids, step.positions, step.slot_mapping
+    tables, context_lens, seq_ids = step.decode_block_tables, step.decode_context_lens, step.decode_seq_ids
+    last_rows: dict[int, int] = {}
+    for row, i in enumerate(indexes):
+        seq = batch.seqs[i]
+        position = seq.num_computed_tokens
+        block_ids = seq.block_ids
+        block_index = position // block_size
+        if seq.has_placeholder and position == len(seq.token_ids) - 1:
+            input_ids.append(0)
+            step.placeholder_rows.append(row)
+            step.placeholder_source_rows.append(seq.placeholder_row)
+        else:
+            input_ids.append(seq.token_ids[position])
+        positions.append(position)
+        slot_mapping.append(block_ids[block_index] * block_size + position % block_size)
+        tables.append(block_ids[: block_index + 1])
+        context_lens.append(position + 1)
+        seq_ids.append(seq.seq_id)
+        last_rows[i] = row
+    return last_rows
+
+
+def _add_prefills(step: StepInputs, batch: ScheduledBatch, block_size: int, last_rows: dict[int, int]) -> None:
+    for i, (seq, num_new) in enumerate(zip(batch.seqs, batch.num_new_tokens)):
+        if num_new == 1:
+            continue
         start, end = seq.num_computed_tokens, seq.num_computed_tokens + num_new
         block_ids = seq.block_ids
-        table = block_ids[: -(-end // block_size)]
         query_start = len(step.input_ids)
         step.input_ids.extend(seq.token_ids[start:end])
         if end == seq.num_tokens and seq.has_placeholder:
@@ -25,14 +60,8 @@ def build_step_inputs(batch: ScheduledBatch, block_size: int) -> StepInputs:
         step.positions.extend(range(start, end))
         step.slot_mapping.extend(block_ids[p // block_size] * block_size + p % block_size for p in range(start, end))
         last_rows[i] = query_start + num_new - 1
-        if num_new == 1:
-            step.decode_block_tables.append(table)
-            step.decode_context_lens.append(end)
-        else:
-            step.prefill_query_starts.append(query_start)
-            step.prefill_query_lens.append(num_new)
-            step.prefill_context_lens.append(end)
-            step.prefill_block_tables.append(table)
-            step.prefill_has_cached_prefix.append(start > 0)
-    step.logits_indices = [last_rows[i] for i in range(len(batch.seqs)) if batch.samples(i)]
-    return step
+        step.prefill_query_starts.append(query_start)
+        step.prefill_query_lens.append(num_new)
+        step.prefill_context_lens.append(end)
+        step.prefill_block_tables.append(block_ids[: -(-end // block_size)])
+        step.prefill_has_cached_prefix.append(start > 0)

@@ -4,7 +4,10 @@ A decode-only step (every sequence computes one token) of n sequences replays th
 smallest captured size b >= n (sizes: llmserve.buckets.DECODE_GRAPH_BATCH_SIZES up to
 max_num_seqs, plus max_num_seqs). Its inputs are copied into static device buffers whose first
 b rows the graph reads: the n real rows, then b - n padding rows (token 0, position 0, slot -1
-so nothing is written to the cache, context length 0 so attention reads nothing). The graph
+so nothing is written to the cache, context length 0 so attention reads nothing). Block tables
+stay on the device between steps, a row per sequence (engine/block_table_rows.py): a step
+uploads only the rows that changed, and the graph's first op gathers the step's tables from
+them. The graph
 covers the whole forward and the lm_head; the step reads the logits of its real rows. The
 attention metadata comes from the attention backend (AttentionBackend.decode_graph_metadata),
 built over views of the static buffers: a replay reads each step's values through it.
@@ -32,7 +35,9 @@ from types import MappingProxyType
 import torch
 
 from llmserve.buckets import DECODE_GRAPH_BATCH_SIZES
-from llmserve.inference.models.step_inputs import StepInputs, pad_rows
+from llmserve.inference.engine.block_table_rows import PADDING_ROW, BlockTableRows
+from llmserve.inference.models.step_inputs import StepInputs
+from llmserve.inference.models.transfers import device_int32
 from llmserve.inference.models.attention_backend import PADDING_SLOT
 
 log = logging.getLogger(__name__)
@@ -57,25 +62,23 @@ def graph_size_for(num_seqs: int, sizes: tuple[int, ...]) -> int | None:
 
 @dataclass(slots=True)
 class PaddedDecode:
-    """A decode step's inputs padded to a graph size; block tables padded to the widest row."""
+    """A decode step's per-row inputs padded to a graph size (block tables travel as rows of
+    BlockTableRows, engine/block_table_rows.py)."""
 
     input_ids: list[int]
     positions: list[int]
     slot_mapping: list[int]
     context_lens: list[int]
-    block_tables: list[list[int]]  # [size][width]
 
 
 def pad_decode_step(step: StepInputs, size: int) -> PaddedDecode:
     num_pad = size - step.num_decodes
     assert step.is_decode_only and num_pad >= 0
-    width = max(len(table) for table in step.decode_block_tables)
     return PaddedDecode(
         input_ids=step.input_ids + [0] * num_pad,
         positions=step.positions + [0] * num_pad,
         slot_mapping=step.slot_mapping + [PADDING_SLOT] * num_pad,
         context_lens=step.decode_context_lens + [0] * num_pad,
-        block_tables=pad_rows(step.decode_block_tables, width, size),
     )
 
 
@@ -136,19 +139,24 @@ class DecodeGraphs(GraphSet):
         self.device = device
         max_size = self.sizes[-1]
         # Static device inputs; a graph of size b reads rows [:b] (row slices stay contiguous).
-        self.input_ids = torch.zeros(max_size, dtype=torch.int32, device=device)
-        self.positions = torch.zeros(max_size, dtype=torch.int32, device=device)
-        self.slot_mapping = torch.full((max_size,), PADDING_SLOT, dtype=torch.int32, device=device)
-        self.context_lens = torch.zeros(max_size, dtype=torch.int32, device=device)
+        # The int rows live in one buffer, so a step's are copied at once: ids, positions,
+        # slots, lens, and each row's BlockTableRows row.
+        self._static_ints = torch.zeros(5, max_size, dtype=torch.int32, device=device)
+        self._static_ints[2].fill_(PADDING_SLOT)
+        self.input_ids, self.positions, self.slot_mapping, self.context_lens, self.table_rows = (
+            self._static_ints.unbind(0)
+        )
         self.block_tables = torch.zeros(max_size, max_blocks_per_seq, dtype=torch.int32, device=device)
-        # Host staging (pinned on CUDA, so the copies are async DMA): rows ids, positions, slots,
-        # lens. Two sets, used in turn: with async scheduling the host stages step N+1 while the
-        # copy of step N may not have run yet; the copy of step N-1 has (its results were read).
+        # The step's block tables, gathered inside the graph from the rows kept on the device.
+        self.rows = BlockTableRows(max_size, max_blocks_per_seq, device)
+        # Host staging (pinned on CUDA, so the copies are async DMA): the int rows, and the ids
+        # and block ids of the rows that changed. Two sets, used in turn: with async scheduling the host stages step N+1 while the copy of step N
+        # may not have run yet; the copy of step N-1 has (its results were read).
         pin = device.type == "cuda"
-        self._host_ints = [torch.zeros(4, max_size, dtype=torch.int32, pin_memory=pin) for _ in range(2)]
-        self._host_tables = [
-            torch.zeros(max_size * max_blocks_per_seq, dtype=torch.int32, pin_memory=pin) for _ in range(2)
-        ]
+        self._host_ints = [torch.zeros(5, max_size, dtype=torch.int32, pin_memory=pin) for _ in range(2)]
+        changed_size = max_size * (1 + max_blocks_per_seq)
+        self._host_changed = [torch.zeros(changed_size, dtype=torch.int32, pin_memory=pin) for _ in range(2)]
+        self._changed = torch.zeros(changed_size, dtype=torch.int32, device=device)
         self._num_staged = 0
         self._capture("decode", pool, device)
 
@@ -164,27 +172,57 @@ class DecodeGraphs(GraphSet):
         the next step). `fill_input_ids` completes the staged ids on the device (placeholder
         tokens) before the replay."""
         size = graph_size_for(step.num_decodes, self.sizes)
-        self._stage(pad_decode_step(step, size))
+        self._stage(pad_decode_step(step, size), step)
         if fill_input_ids is not None:
             fill_input_ids(self.input_ids)
         return self._run(size, step.num_decodes)
 
-    def _stage(self, padded: PaddedDecode) -> None:
-        size, width = len(padded.input_ids), len(padded.block_tables[0])
+    def device_block_tables(self, step: StepInputs) -> torch.Tensor:
+        """[num_decodes, max_blocks_per_seq] int32 on the device: the decodes' block tables,
+        from the rows (the changed ones sent first), for a step that runs without a graph."""
+        rows = self._assign_rows(step)
+        (row_index,) = device_int32([rows], self.device)
+        return self.rows.table.index_select(0, row_index)
+
+    def _stage(self, padded: PaddedDecode, step: StepInputs) -> None:
+        size, num_seqs = len(padded.input_ids), step.num_decodes
+        rows = self._assign_rows(step)
         host_ints = self._host_ints[self._num_staged % 2]
-        host_tables = self._host_tables[self._num_staged % 2][: size * width].view(size, width)
-        self._num_staged += 1
         host = host_ints.numpy()
         host[0, :size] = padded.input_ids
         host[1, :size] = padded.positions
         host[2, :size] = padded.slot_mapping
         host[3, :size] = padded.context_lens
-        host_tables.numpy()[:] = padded.block_tables
-        for row, static in enumerate((self.input_ids, self.positions, self.slot_mapping, self.context_lens)):
-            static[:size].copy_(host_ints[row, :size], non_blocking=True)
-        self.block_tables[:size, :width].copy_(host_tables, non_blocking=True)
+        host[4, :num_seqs] = rows
+        host[4, num_seqs:size] = PADDING_ROW
+        self._static_ints.copy_(host_ints, non_blocking=True)  # rows past `size`: read by no graph
+
+    def _assign_rows(self, step: StepInputs) -> list[int]:
+        """The decodes' rows; the changed ones written on the device (ids and block ids in one
+        copy, then one scatter, before what follows on the same stream). Takes the step's turn
+        of the staging buffers."""
+        rows, changed = self.rows.assign(step.decode_seq_ids, step.decode_block_tables)
+        host_changed = self._host_changed[self._num_staged % 2]
+        self._num_staged += 1
+        if not changed:
+            return rows
+        num_changed = len(changed)
+        width = max(len(self.rows.written(row)) for row in changed)
+        staged = host_changed[: num_changed * (1 + width)]
+        array = staged.numpy()
+        array[:num_changed] = changed
+        tables = array[num_changed:].reshape(num_changed, width)
+        for j, row in enumerate(changed):
+            table = self.rows.written(row)
+            tables[j, : len(table)] = table
+            tables[j, len(table) :] = 0
+        device_staged = self._changed[: num_changed * (1 + width)]
+        device_staged.copy_(staged, non_blocking=True)
+        self.rows.table[device_staged[:num_changed], :width] = device_staged[num_changed:].view(num_changed, width)
+        return rows
 
     def _forward(self, size: int) -> torch.Tensor:
+        torch.index_select(self.rows.table, 0, self.table_rows[:size], out=self.block_tables[:size])
         meta = self.metadata_for(self.slot_mapping[:size], self.block_tables[:size], self.context_lens[:size])
         return self.forward_logits(self.input_ids[:size], self.positions[:size], meta)
 

@@ -11,10 +11,11 @@ from llmserve.sampling import FinishReason, TokenLogprob
 
 def token_output(token: NewToken, logprob: TokenLogprob | None, now_ns: int) -> EngineOutput:
     seq = token.seq
-    output = EngineOutput.for_token(
-        seq.request_id, seq.sequence_index, token.token_id, logprob, (token.finish_reason, token.stop_token_id)
+    output = EngineOutput(
+        seq.request_id, seq.sequence_index, [token.token_id], None if logprob is None else [logprob],
+        token.finish_reason, token.stop_token_id,
     )
-    if output.is_finished:
+    if token.finish_reason is not None:
         _fill_final(output, seq, now_ns)
     return output
 

@@ -1,7 +1,8 @@
 """Runs the model on one scheduled batch: builds the flat inputs, runs the forward over the
 paged KV cache, and returns logits only for the sequences that sample this step.
 
-Inputs for a step (engine/batch_inputs.py builds them on the host; copied to the device once):
+Inputs for a step (engine/batch_inputs.py builds them on the host, the engine hands them over;
+copied to the device once):
   input_ids, positions   [num_tokens]: single-token sequences first, then prefill chunks;
   slot_mapping           [num_tokens]: where each new token's K/V go;
   per decode / prefill chunk: block tables and context lengths (attention metadata);
@@ -25,10 +26,9 @@ import torch
 from llmserve.inference.engine.config import EngineConfig
 from llmserve.inference.engine.cuda_graphs import DecodeGraphs, graph_batch_sizes
 from llmserve.inference.engine.kv_cache import KVCache, KVCacheSpec, plan_num_blocks
-from llmserve.inference.models.transfers import device_tensor
+from llmserve.inference.models.transfers import device_int32, device_tensor
 from llmserve.inference.engine.prefill_graphs import PrefillGraphs, prefill_graph_sizes
 from llmserve.inference.engine.scheduler import ScheduledBatch
-from llmserve.inference.engine.batch_inputs import build_step_inputs
 from llmserve.inference.models.step_inputs import StepInputs
 from llmserve.inference.models.attention_backend import (
     PADDING_SLOT,
@@ -98,23 +98,32 @@ class ModelRunner:
         return self.model_config.vocab_size
 
     @torch.inference_mode()
-    def execute(self, batch: ScheduledBatch, launched_tokens: torch.Tensor | None = None) -> torch.Tensor:
+    def execute(
+        self, batch: ScheduledBatch, step: StepInputs, launched_tokens: torch.Tensor | None = None
+    ) -> torch.Tensor:
         """float32 logits [num_sampling_seqs, vocab]: one row per sequence that samples, in batch
-        order. `launched_tokens`: the in-flight step's sampled ids (on the device), where the
-        placeholder input tokens of this batch are read from. Queues the work; does not wait."""
+        order; `step` is the batch's inputs (build_step_inputs). `launched_tokens`: the in-flight
+        step's sampled ids (on the device), where the placeholder input tokens of this batch are
+        read from. Queues the work; does not wait."""
         self.kv_cache.copy_blocks(batch.block_copies)
-        step = build_step_inputs(batch, self.block_size)
         fill = self._placeholder_filler(step, launched_tokens)
         if self.decode_graphs is not None and self.decode_graphs.can_run(step):
             return self._sampled_rows(self.decode_graphs.run(step, fill), step.logits_indices)
         if self.prefill_graphs is not None and self.prefill_graphs.can_run(step):
             return self.prefill_graphs.run(step, fill)
-        meta = self.attention.build_metadata(step)
-        input_ids = self._to_device(step.input_ids)
+        # A mixed step (decodes and a prefill chunk) runs eagerly: its decodes' block tables come
+        # from the decode graphs' rows on the device, its lists in one copy each side.
+        decode_tables = None
+        if self.decode_graphs is not None and step.num_decodes:
+            decode_tables = self.decode_graphs.device_block_tables(step)
+        meta = self.attention.build_metadata(step, decode_tables)
+        input_ids, positions, logits_indices = device_int32(
+            [step.input_ids, step.positions, step.logits_indices], self.device
+        )
         if fill is not None:
             fill(input_ids)
-        hidden = self.model(input_ids, self._to_device(step.positions), self.kv_cache.layers, meta)
-        return self.model.compute_logits(hidden[self._to_device(step.logits_indices)])
+        hidden = self.model(input_ids, positions, self.kv_cache.layers, meta)
+        return self.model.compute_logits(hidden[logits_indices])
 
     def _placeholder_filler(self, step: StepInputs, launched_tokens: torch.Tensor | None):
         """A function that writes the step's placeholder input ids into a device ids tensor, or None."""

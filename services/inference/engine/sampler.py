@@ -95,6 +95,8 @@ class Sampler:
     def launch(self, logits: torch.Tensor, seqs: list[Sequence]) -> LaunchedSample:
         """logits [num_seqs, vocab] float32, row i for seqs[i] (whose last token was just
         computed; penalties read the token history, which must be known on the host)."""
+        if all(seq.is_plain_greedy for seq in seqs):  # the common batch: one argmax, no other work
+            return LaunchedSample(logits.argmax(dim=-1), None)
         logits = _apply_penalties(logits, seqs)
         logits = self._mask_stop_tokens(logits, seqs)
         logits = _apply_temperature(logits, seqs)
@@ -129,6 +131,16 @@ def _copy_to_host_async(tensor: torch.Tensor) -> torch.Tensor:
         return tensor
     host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
     return host.copy_(tensor, non_blocking=True)
+
+
+def is_plain_greedy(sampling: SamplingParams) -> bool:
+    """Greedy with nothing that changes its logits or its output: no penalties, no stop tokens
+    ever masked (min_tokens 0), no logprobs. Steps 1-5 of the module docstring leave such a row
+    as it is, so its token is the argmax of the raw logits. Sequence.is_plain_greedy holds it."""
+    return (
+        sampling.temperature == 0.0 and sampling.logprobs is None and sampling.min_tokens == 0
+        and not needs_token_history(sampling)
+    )
 
 
 def needs_token_history(sampling: SamplingParams) -> bool:

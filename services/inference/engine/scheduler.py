@@ -81,9 +81,17 @@ class ScheduledBatch:
         seq = self.seqs[index]
         return seq.num_computed_tokens + self.num_new_tokens[index] == seq.num_tokens
 
+    def sampling_indexes(self) -> list[int]:
+        """Indexes of the sequences that sample this step, in batch order (samples(i), in one pass)."""
+        return [
+            i for i, (seq, num_new) in enumerate(zip(self.seqs, self.num_new_tokens))
+            if seq.num_computed_tokens + num_new == len(seq.token_ids)
+        ]
+
     def sampling_seqs(self) -> list[Sequence]:
         """The sequences that sample this step, in batch order (before the step is recorded)."""
-        return [seq for i, seq in enumerate(self.seqs) if self.samples(i)]
+        seqs = self.seqs
+        return [seqs[i] for i in self.sampling_indexes()]
 
     def add(self, seq: Sequence, num_new_tokens: int) -> None:
         self.seqs.append(seq)
@@ -138,20 +146,22 @@ class Scheduler:
         self._block_copies_to_make = []
         budget = self.config.max_batched_tokens
         num_preempted_before = self.num_preemptions_total
-        schedulable = [s for s in self.running if not s.is_finishing]
-        decodes = [s for s in schedulable if s.num_uncomputed_tokens == 1]
-        prefills = [s for s in schedulable if s.num_uncomputed_tokens > 1]
+        decodes, prefills = self._running_by_kind()
+        block_size = self.block_manager.block_size
         for seq in decodes + prefills:
             if budget == 0:
                 break
-            if seq.status is SequenceStatus.RUNNING:  # else preempted earlier in this loop
+            if seq.status is not SequenceStatus.RUNNING:
+                continue  # preempted earlier in this loop
+            if seq.num_uncomputed_tokens == 1 and seq.num_computed_tokens < len(seq.block_ids) * block_size:
+                # The common case: a decode whose token fits a block it holds (no allocation).
+                batch.seqs.append(seq)
+                batch.num_new_tokens.append(1)
+                budget -= 1
+            else:
                 budget -= self._schedule_running(seq, budget, batch)
         if self.num_preemptions_total == num_preempted_before:
             self._admit_waiting(budget, batch)
-        now_ns = time.monotonic_ns()
-        for seq in batch.seqs:
-            if not seq.first_scheduled_ns:
-                seq.first_scheduled_ns = now_ns
         return batch
 
     def record_launch(self, launch: LaunchedBatch) -> None:
@@ -161,20 +171,26 @@ class Scheduler:
         must have had its tokens recorded (update_from_output) first."""
         assert self._unprocessed_launch is None, "the launch before must have its tokens recorded first"
         batch = launch.batch
+        finished = SequenceStatus.FINISHED
         for seq, num_new_tokens in zip(batch.seqs, batch.num_new_tokens):
-            if not seq.is_finished:  # else a token of the step before stopped it
+            if seq.status is not finished:  # else a token of the step before stopped it
                 seq.num_computed_tokens += num_new_tokens
         for parent, child in launch.forks:
             self._fork(parent, child)
+        max_seq_tokens = self.config.max_seq_tokens
         for row, seq in enumerate(launch.sampling_seqs):
-            if not seq.is_finished:
-                seq.token_ids.append(PLACEHOLDER_TOKEN)
+            if seq.status is not finished:
+                token_ids = seq.token_ids
+                token_ids.append(PLACEHOLDER_TOKEN)
                 seq.placeholder_row = row
+                num_tokens = len(token_ids)
                 seq.is_finishing = reaches_length_limit(
-                    seq.num_completion_tokens, seq.num_tokens, seq.sampling, self.config.max_seq_tokens
+                    num_tokens - seq.num_prompt_tokens, num_tokens, seq.sampling, max_seq_tokens
                 )
+        block_size = self.block_manager.block_size
         for seq in batch.seqs:  # a finished sequence holds no blocks: nothing to register
-            self.block_manager.register_computed_blocks(seq)
+            if seq.num_computed_tokens // block_size > seq.num_registered_blocks:  # a block just filled
+                self.block_manager.register_computed_blocks(seq)
         self._unprocessed_launch = launch
 
     def update_from_output(self, launch: LaunchedBatch, token_ids: list[int]) -> list[NewToken]:
@@ -185,10 +201,27 @@ class Scheduler:
         assert launch is self._unprocessed_launch, "tokens come for the launch recorded last"
         self._unprocessed_launch = None
         now_ns = time.monotonic_ns()
+        eos_token_ids, max_seq_tokens = self.config.eos_token_ids, self.config.max_seq_tokens
         new_tokens = []
+        # One pass, the per-token work inline: at 256 sequences this loop is a step's largest
+        # host cost after scheduling (issue 19's profile).
         for row, (seq, token_id) in enumerate(zip(launch.sampling_seqs, token_ids)):
-            if not seq.is_finished:
-                new_tokens.append(self._record_token(seq, row, token_id, now_ns))
+            if seq.status is SequenceStatus.FINISHED:
+                continue
+            seq_token_ids = seq.token_ids
+            assert seq_token_ids[-1] == PLACEHOLDER_TOKEN, "only a sequence's last token is ever a placeholder"
+            seq_token_ids[-1] = token_id
+            seq.placeholder_row = -1
+            if not seq.first_token_ns:
+                seq.first_token_ns = now_ns
+            num_tokens = len(seq_token_ids)
+            finish_reason, stop_token_id = finish_at_token(
+                token_id, num_tokens - seq.num_prompt_tokens, num_tokens, seq.sampling,
+                stop_token_ids(seq.sampling, eos_token_ids), max_seq_tokens,
+            )
+            if finish_reason is not None:
+                self._finish(seq, finish_reason)
+            new_tokens.append(NewToken(seq, row, token_id, finish_reason, stop_token_id))
         return new_tokens
 
     def take_rejected(self) -> list[Sequence]:
@@ -197,20 +230,6 @@ class Scheduler:
         return rejected
 
     # --- update ------------------------------------------------------------------------------
-
-    def _record_token(self, seq: Sequence, row: int, token_id: int, now_ns: int) -> NewToken:
-        assert seq.token_ids[-1] == PLACEHOLDER_TOKEN, "only a sequence's last token is ever a placeholder"
-        seq.token_ids[-1] = token_id
-        seq.placeholder_row = -1
-        if not seq.first_token_ns:
-            seq.first_token_ns = now_ns
-        finish_reason, stop_token_id = finish_at_token(
-            token_id, seq.num_completion_tokens, seq.num_tokens, seq.sampling,
-            stop_token_ids(seq.sampling, self.config.eos_token_ids), self.config.max_seq_tokens,
-        )
-        if finish_reason is not None:
-            self._finish(seq, finish_reason)
-        return NewToken(seq, row, token_id, finish_reason, stop_token_id)
 
     def _fork(self, parent: Sequence, child: Sequence) -> None:
         """Start a sibling of `parent` (whose prompt was just computed) on the parent's blocks;
@@ -235,6 +254,15 @@ class Scheduler:
         seq.finish_reason = reason
 
     # --- scheduling --------------------------------------------------------------------------
+
+    def _running_by_kind(self) -> tuple[list[Sequence], list[Sequence]]:
+        """The schedulable running sequences: (decodes, prefills), each in admission order."""
+        decodes, prefills = [], []
+        for seq in self.running:
+            if not seq.is_finishing:
+                num_uncomputed = len(seq.token_ids) - seq.num_computed_tokens
+                (decodes if num_uncomputed == 1 else prefills).append(seq)
+        return decodes, prefills
 
     def _schedule_running(self, seq: Sequence, budget: int, batch: ScheduledBatch) -> int:
         """Schedule `seq`, preempting others (or itself) for blocks; returns net tokens used."""
@@ -277,6 +305,8 @@ class Scheduler:
         if not seq.was_admitted:
             seq.num_cached_tokens = num_cached_tokens
             seq.was_admitted = True
+        if not seq.first_scheduled_ns:
+            seq.first_scheduled_ns = time.monotonic_ns()
         seq.status = SequenceStatus.RUNNING
         self.running.append(seq)
 

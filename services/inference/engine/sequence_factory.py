@@ -19,6 +19,7 @@ import torch
 from llmserve.block_hash import HashNamespace
 from llmserve.inference.engine.config import EngineConfig
 from llmserve.inference.models.transfers import device_tensor
+from llmserve.inference.engine.sampler import is_plain_greedy
 from llmserve.inference.engine.sequence import Sequence
 from llmserve.inference.engine.types import EngineRequest
 
@@ -50,6 +51,7 @@ class SequenceFactory:
             block_hashes=request.usable_block_hashes(self._block_size),
             hash_seed=self._hash_namespace.seed(request.cache_salt),
             rng=self._generator(seed),
+            is_plain_greedy=is_plain_greedy(request.sampling),
         )
 
     def fork_siblings(
@@ -83,6 +85,7 @@ class SequenceFactory:
             was_admitted=True,
             rng=self._generator(_derived_seed(parent.rng.initial_seed(), index)),
             first_scheduled_ns=parent.first_scheduled_ns,
+            is_plain_greedy=parent.is_plain_greedy,
         )
 
     def _generator(self, seed: int) -> torch.Generator:

@@ -25,7 +25,7 @@ class LaunchedBatch:
     forks: list[tuple[Sequence, Sequence]] = field(default_factory=list)
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)  # not frozen: one is built per token, and a frozen init costs 2x
 class NewToken:
     """A sampled token now known on the host (row `row` of its step's sampled tokens)."""
 

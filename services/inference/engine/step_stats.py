@@ -16,6 +16,10 @@ from typing import Any
 import torch
 
 
+# The host parts of a step, in the order a step runs them (StepStats fields, less "_s").
+HOST_PARTS = ("schedule", "inputs", "execute_launch", "sampler_launch", "result_wait", "update", "record")
+
+
 @dataclass(slots=True)
 class StepStats:
     """One call of step(). Host seconds; the batch is the one the call launched (none: 0)."""
@@ -23,10 +27,13 @@ class StepStats:
     num_seqs: int = 0
     num_tokens: int = 0  # tokens the batch computes (prefill chunks + decodes)
     step_s: float = 0.0  # the whole call
-    schedule_s: float = 0.0
-    execute_launch_s: float = 0.0  # queueing the forward (ModelRunner.execute)
+    schedule_s: float = 0.0  # Scheduler.schedule
+    inputs_s: float = 0.0  # the step's flat inputs on the host (batch_inputs.build_step_inputs)
+    execute_launch_s: float = 0.0  # queueing the forward (ModelRunner.execute: staging, metadata, launch)
     sampler_launch_s: float = 0.0  # queueing the sampling (Sampler.launch)
     result_wait_s: float = 0.0  # waiting for sampled tokens on the host: the step's one sync
+    update_s: float = 0.0  # the sampled tokens into the sequences, stop rules, one output per token
+    record_s: float = 0.0  # Scheduler.record_launch: placeholders, computed counts, prefix cache
     # CUDA events recorded before the forward and after the sampling is queued (measure_gpu).
     gpu_begin: Any = None
     gpu_end: Any = None

@@ -37,11 +37,12 @@ from dataclasses import dataclass
 import torch
 
 from llmserve.buckets import BucketConfig
+from llmserve.inference.engine.batch_inputs import build_step_inputs
 from llmserve.inference.engine.block_manager import BlockManager
 from llmserve.inference.engine.config import EngineConfig
 from llmserve.inference.engine.engine_outputs import error_outputs, token_output
 from llmserve.inference.engine.model_runner import ModelRunner
-from llmserve.inference.engine.sampler import LaunchedSample, Sampler, needs_token_history
+from llmserve.inference.engine.sampler import LaunchedSample, Sampler, SamplerOutput, needs_token_history
 from llmserve.inference.engine.scheduler import ScheduledBatch, Scheduler, SchedulerConfig
 from llmserve.inference.engine.sequence_factory import SequenceFactory
 from llmserve.inference.engine.step_output import LaunchedBatch
@@ -131,7 +132,7 @@ class TorchEngineCore:
         if self._launched is not None:
             outputs += self._process(self._take_launched(), timer)
         if launched is not None:
-            self.scheduler.record_launch(launched.launch)
+            timer.measure("record_s", self.scheduler.record_launch, launched.launch)
             self._launched = launched
             if not self.config.async_scheduling:
                 outputs += self._process(self._take_launched(), timer)
@@ -168,7 +169,8 @@ class TorchEngineCore:
         outputs: list[EngineOutput] = []
         timer.gpu_begin()
         launched_tokens = self._launched.sampled.token_ids if self._launched is not None else None
-        logits = timer.measure("execute_launch_s", self.runner.execute, batch, launched_tokens)
+        step_inputs = timer.measure("inputs_s", build_step_inputs, batch, self.runner.block_size)
+        logits = timer.measure("execute_launch_s", self.runner.execute, batch, step_inputs, launched_tokens)
         seqs, forks, logits = self._sequences.fork_siblings(batch.sampling_seqs(), logits)
         if self._launched is not None and any(needs_token_history(seq.sampling) for seq in seqs):
             outputs = self._process(self._take_launched(), timer)
@@ -184,7 +186,10 @@ class TorchEngineCore:
         """Wait for the step's sampled tokens and hand them to the scheduler: an output per new
         token."""
         result = timer.measure("result_wait_s", step.sampled.result)
-        new_tokens = self.scheduler.update_from_output(step.launch, result.token_ids)
+        return timer.measure("update_s", self._outputs_of, step.launch, result)
+
+    def _outputs_of(self, launch: LaunchedBatch, result: SamplerOutput) -> list[EngineOutput]:
+        new_tokens = self.scheduler.update_from_output(launch, result.token_ids)
         now_ns = time.monotonic_ns()
         return [token_output(token, result.logprobs[token.row], now_ns) for token in new_tokens]
 

@@ -64,8 +64,10 @@ class AttentionBackend(ABC, Generic[MetadataT]):
         self.device = device
 
     @abstractmethod
-    def build_metadata(self, step: StepInputs) -> MetadataT:
-        """The step's attention metadata on the device (no hidden host sync)."""
+    def build_metadata(self, step: StepInputs, decode_block_tables: torch.Tensor | None = None) -> MetadataT:
+        """The step's attention metadata on the device (no hidden host sync). `decode_block_tables`
+        [num_decodes, width] int32: the decodes' block tables when already on the device (the
+        decode graphs keep them, engine/block_table_rows.py); only where supports_cuda_graphs."""
 
     @abstractmethod
     def rope_tables(self, positions: torch.Tensor, inv_freq: torch.Tensor, dtype: torch.dtype) -> RopeTables:

@@ -151,7 +151,8 @@ class PortableAttention(AttentionBackend[PortableAttentionMetadata]):
     name = "portable"
     ops = REFERENCE_OPS
 
-    def build_metadata(self, step: StepInputs) -> PortableAttentionMetadata:
+    def build_metadata(self, step: StepInputs, decode_block_tables: torch.Tensor | None = None) -> PortableAttentionMetadata:
+        assert decode_block_tables is None, "the portable backend keeps no device block tables"
         num_decodes = step.num_decodes
         chunks = zip(step.prefill_query_starts, step.prefill_query_lens, step.prefill_context_lens,
                      step.prefill_block_tables, step.prefill_has_cached_prefix)

@@ -30,6 +30,7 @@ class StepInputs:
     slot_mapping: list[int] = field(default_factory=list)
     decode_block_tables: list[list[int]] = field(default_factory=list)
     decode_context_lens: list[int] = field(default_factory=list)
+    decode_seq_ids: list[int] = field(default_factory=list)  # whose table each is (kept across steps by id)
     prefill_query_starts: list[int] = field(default_factory=list)
     prefill_query_lens: list[int] = field(default_factory=list)
     prefill_context_lens: list[int] = field(default_factory=list)

@@ -13,3 +13,13 @@ def device_tensor(values, device: torch.device, dtype: torch.dtype = torch.long)
     if device.type == "cuda":
         return tensor.pin_memory().to(device, non_blocking=True)
     return tensor
+
+
+def device_int32(value_lists: list[list[int]], device: torch.device) -> list[torch.Tensor]:
+    """Several int lists as int32 device tensors (views of one), in one host-to-device copy: a
+    step's small inputs each cost ~30 µs of host time when sent alone (tensor, pin, copy)."""
+    lengths = [len(values) for values in value_lists]
+    tensor = torch.tensor([value for values in value_lists for value in values], dtype=torch.int32)
+    if device.type == "cuda":
+        tensor = tensor.pin_memory().to(device, non_blocking=True)
+    return list(tensor.split(lengths))

@@ -15,7 +15,8 @@ from dataclasses import dataclass
 
 import torch
 
-from llmserve.inference.models.step_inputs import StepInputs
+from llmserve.inference.models.step_inputs import StepInputs, pad_rows
+from llmserve.inference.models.transfers import device_int32
 from llmserve.inference.kernels.paged_decode import decode_num_splits, paged_decode_attention
 from llmserve.inference.kernels.paged_prefill import paged_prefill_attention, prefill_num_splits
 from llmserve.inference.kernels.rope_kv import rope_and_write_kv
@@ -59,23 +60,38 @@ class TritonAttention(AttentionBackend[TritonAttentionMetadata]):
         is_cuda = device.type == "cuda"
         self.num_sms = torch.cuda.get_device_properties(device).multi_processor_count if is_cuda else CPU_NUM_SMS
 
-    def build_metadata(self, step: StepInputs) -> TritonAttentionMetadata:
-        num_decodes = step.num_decodes
+    def build_metadata(
+        self, step: StepInputs, decode_block_tables: torch.Tensor | None = None
+    ) -> TritonAttentionMetadata:
+        """All of the step's lists in one copy (transfers.device_int32); `decode_block_tables`:
+        the decodes' tables already on the device (the decode graphs' rows), else sent too."""
+        num_decodes, has_prefill = step.num_decodes, not step.is_decode_only
+        lists = [step.slot_mapping, step.decode_context_lens]
+        if has_prefill:
+            lists += [step.prefill_query_starts, step.prefill_query_lens, step.prefill_context_lens,
+                      _flat_rows(step.prefill_block_tables)]
+        if num_decodes and decode_block_tables is None:
+            lists.append(_flat_rows(step.decode_block_tables))
+        tensors = iter(device_int32(lists, self.device))
+        slot_mapping, decode_context_lens = next(tensors), next(tensors)
         meta = TritonAttentionMetadata(
-            slot_mapping=self._to_device(step.slot_mapping, torch.int32),
+            slot_mapping=slot_mapping,
             num_decode_tokens=num_decodes,
-            decode_block_tables=self._block_table(step.decode_block_tables, torch.int32) if num_decodes else None,
-            decode_context_lens=self._to_device(step.decode_context_lens, torch.int32) if num_decodes else None,
+            decode_block_tables=None,
+            decode_context_lens=decode_context_lens if num_decodes else None,
             decode_num_splits=self._decode_num_splits(num_decodes),
         )
-        if not step.is_decode_only:
-            meta.prefill_block_tables = self._block_table(step.prefill_block_tables, torch.int32)
-            meta.prefill_query_starts = self._to_device(step.prefill_query_starts, torch.int32)
-            meta.prefill_query_lens = self._to_device(step.prefill_query_lens, torch.int32)
-            meta.prefill_context_lens = self._to_device(step.prefill_context_lens, torch.int32)
+        if has_prefill:
+            meta.prefill_query_starts, meta.prefill_query_lens = next(tensors), next(tensors)
+            meta.prefill_context_lens = next(tensors)
+            meta.prefill_block_tables = next(tensors).view(len(step.prefill_block_tables), -1)
             meta.prefill_max_query_len = max(step.prefill_query_lens)
             meta.prefill_num_splits = self._prefill_num_splits(
                 meta.prefill_max_query_len, len(step.prefill_query_lens), max(step.prefill_context_lens)
+            )
+        if num_decodes:
+            meta.decode_block_tables = (
+                decode_block_tables if decode_block_tables is not None else next(tensors).view(num_decodes, -1)
             )
         return meta
 
@@ -137,3 +153,9 @@ class TritonAttention(AttentionBackend[TritonAttentionMetadata]):
 
     def _prefill_num_splits(self, max_query_len: int, num_chunks: int, max_context_len: int) -> int:
         return prefill_num_splits(max_query_len, num_chunks, self.config.num_heads, max_context_len, self.num_sms)
+
+
+def _flat_rows(rows: list[list[int]]) -> list[int]:
+    """The rows right-padded with block 0 to the widest, concatenated."""
+    width = max(len(row) for row in rows)
+    return [value for row in pad_rows(rows, width) for value in row]
