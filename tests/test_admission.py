@@ -164,6 +164,25 @@ def test_once_prompt_steps_are_measured_the_queue_turnover_is_their_full_steps()
     assert 9.5 < full_step_s < 10.5
 
 
+def test_sequences_beyond_the_batch_wait_the_mean_steps_left_of_those_in_flight():
+    """A burst of short requests past --max-num-seqs: a batch's worth beyond it waits for the
+    decode steps a sequence in flight has left (8 tokens), not for a finish rate measured at
+    another load."""
+    clock = Clock()
+    admission = controller(clock, max_waiting_requests=4, max_num_seqs=2, max_batched_tokens=2048)
+    steps(admission, (0.010, 2, 2), (0.020, 4, 4), (0.001 * 100 + 0.010, 2, 102))
+    for name in "abcd":
+        admission.admit(request(name, 1, max_tokens=8))  # 1-token prompts: prefill is nothing
+    with pytest.raises(ResourceExhausted) as refused:
+        admission.admit(request("e", 1, max_tokens=8))
+    fit = admission.step_times.fit
+    # 4 sequences in flight, 2 beyond the batch of 2: one batch's worth waits 8 steps of the batch.
+    assert refused.value.retry_after_ms == int(1000 * 8 * fit.decode_step_s(2))
+    admission.observe([token(name) for name in "abcd"])  # one token each: 7 left
+    admission.admit(request("e", 1, max_tokens=8))
+    assert admission.num_output_tokens_left == 4 * 7 + 8
+
+
 def test_idle_time_and_steps_that_start_nothing_leave_the_prefill_rate_alone():
     clock = Clock()
     admission = controller(clock)

@@ -80,9 +80,9 @@ from llmserve.inference.engine.config import (
 )
 from llmserve.engine_output import EngineOutput
 from llmserve.inference.engine.types import EngineRequest, StepReport
-from llmserve.inference.finish_estimate import FinishEstimate, StepSchedule, drain_s
+from llmserve.inference.finish_estimate import FinishEstimate, StepSchedule
 from llmserve.inference.kv_demand import KvDemand, RequestDemand
-from llmserve.inference.step_time_model import StepTimeModel
+from llmserve.inference.step_time_model import StepFit, StepTimeModel
 
 DEFAULT_RETRY_AFTER_MS = 1000  # before the drain rate is measured
 MIN_RETRY_AFTER_MS = 50  # about one step of a busy GPU: sooner would only be refused again
@@ -181,6 +181,7 @@ class AdmissionController:
         self.num_waiting_requests = 0
         self.num_waiting_prompt_tokens = 0
         self.num_sequences_in_flight = 0
+        self.num_output_tokens_left = 0  # at most, over every sequence in flight
         # Monotonic counts of prompt tokens to prefill: admitted, and of requests that started
         # (or ended while waiting). Their difference is num_waiting_prompt_tokens.
         self._num_prompt_tokens_admitted = 0
@@ -223,6 +224,7 @@ class AdmissionController:
         self._kv_demand.add(demand)
         self.num_sequences_in_flight += request.sampling.n
         sampling = request.sampling
+        self.num_output_tokens_left += sampling.n * sampling.max_tokens
         admitted = Admitted(
             demand, request.deadline_ns, sampling.n, sampling.n * sampling.max_tokens, self._num_prompt_tokens_admitted
         )
@@ -282,9 +284,18 @@ class AdmissionController:
         if fit is None or not fit.per_prompt_token_s:
             return self._retry_after_ms(self.num_waiting_prompt_tokens, self.pace.prefill_tokens_per_s, now_ns)
         schedule = self._schedule(self.num_sequences_in_flight, self.num_waiting_prompt_tokens)
+        return _clamped_ms(self._spread(1000 * max(schedule.time_s(schedule.num_full_steps), self._slot_wait_s(fit))))
+
+    def _slot_wait_s(self, fit: StepFit) -> float:
+        """How long the sequences beyond the running batch wait for a slot: a batch's worth of
+        them waits about the mean decode steps a sequence in flight has left, timed by the fit.
+        (A finish rate measured at another load, e.g. a warm-up of a few requests, hinted 10-15 s
+        on an H200 whose whole burst of 500 short requests ran in 2 s.)"""
         beyond_batch = max(0, self.num_sequences_in_flight - self.max_num_seqs)
-        slot_wait_s = drain_s(beyond_batch, self.sequence_finishes.per_s)
-        return _clamped_ms(self._spread(1000 * max(schedule.time_s(schedule.num_full_steps), slot_wait_s)))
+        if not beyond_batch:
+            return 0.0
+        mean_steps_left = self.num_output_tokens_left / self.num_sequences_in_flight
+        return beyond_batch / self.max_num_seqs * mean_steps_left * fit.decode_step_s(self.max_num_seqs)
 
     def _retry_after_ms(self, amount: float, drain_per_s: float | None, now_ns: int) -> int:
         """When `amount` will have drained at `drain_per_s`, spread and clamped to a useful hint."""
@@ -401,6 +412,7 @@ class AdmissionController:
         for admitted, output, is_last in deliveries:
             num_token_outputs += bool(output.new_token_ids)
             admitted.num_tokens_left -= len(output.new_token_ids)
+            self.num_output_tokens_left -= len(output.new_token_ids)
             demand = admitted.demand
             if admitted.is_waiting and (output.new_token_ids or output.is_finished):
                 admitted.is_waiting = False
@@ -415,6 +427,7 @@ class AdmissionController:
                 self.num_sequences_in_flight -= 1
                 num_finished += 1
             if is_last:
+                self.num_output_tokens_left -= max(0, admitted.num_tokens_left)  # ended before max_tokens
                 self.num_requests_in_flight -= 1
                 self._deadline_bound.discard(admitted)
                 num_released_blocks += self._kv_demand.remove(demand, has_started=admitted.has_started)
