@@ -29,6 +29,16 @@ def test_bench_engine_on_the_tiny_model(tmp_path):
     assert report["prefill_saving_x"] > 1
 
 
+def test_bench_host_step_times_every_part_of_full_decode_steps(tmp_path):
+    report = run_bench("bench_host_step.py", ["--streams", "8", "--output-tokens", "12", "--out-dir", str(tmp_path)],
+                       tmp_path)
+    assert report["full_steps"] >= 5  # the steps after the first three, while all 8 decode
+    assert set(report["host_us_per_step"]) == {
+        "schedule", "inputs", "execute_launch", "sampler_launch", "result_wait", "update", "record", "emit"
+    }
+    assert report["host_us_per_step"]["execute_launch"] > 0 and report["step_us"] > 0
+
+
 def test_bench_gpu_scenarios_run_on_cpu(tmp_path):
     tiny = ["--device", "cpu", "--small-model", "tiny", "--large-model", "tiny", "--out-dir", str(tmp_path)]
     small_workload = ["--throughput-requests", "6", "--throughput-prompt-tokens", "24", "--throughput-output-tokens", "8",
