@@ -88,3 +88,12 @@ def test_a_step_without_a_graph_gets_its_decodes_tables_from_the_same_rows():
     eager = graphs.device_block_tables(_step([3, 2], tables))
     assert eager.shape == (2, 6)
     assert eager[0, :3].tolist() == [9, 8, 2] and eager[1, :2].tolist() == [7, 11]
+
+
+def test_lists_sent_in_one_copy_keep_their_values_and_start_16_byte_aligned():
+    from llmserve.inference.models.transfers import device_int32
+
+    lists = [[1, 2, 3], [4, 5, 6, 7, 8], [], [9]]
+    tensors = device_int32(lists, CPU)
+    assert [t.tolist() for t in tensors] == lists
+    assert all(t.dtype == torch.int32 and (t.storage_offset() * 4) % 16 == 0 for t in tensors)

@@ -27,7 +27,6 @@ PADDING_ROW = 0
 class BlockTableRows:
     def __init__(self, max_seqs_per_step: int, width: int, device: torch.device):
         self.num_rows = 2 * max_seqs_per_step + 1
-        self.width = width
         self.table = torch.zeros(self.num_rows, width, dtype=torch.int32, device=device)
         self._row_of: dict[int, int] = {}  # seq_id -> row
         self._written: list[list[int] | None] = [None] * self.num_rows
