@@ -286,6 +286,7 @@ def test_a_deadline_the_measured_steps_cannot_meet_is_refused_at_once():
     admission = controller(clock)
     admission.admit(request("a", 100, 100))
     cpu_like_steps(admission)
+    clock.advance(1)  # the last step reported a second ago: nothing of it is left
     admission.admit(request("b", 400))  # 500 prompt tokens waiting
     # In the batch of 3 it joins: one full step computes the 600 prompt tokens (its own last),
     # 80 + 30 + 60.3 ms, and samples its first token; 49 decode steps of 80 + 30 + 0.3 ms follow
@@ -296,7 +297,10 @@ def test_a_deadline_the_measured_steps_cannot_meet_is_refused_at_once():
     with pytest.raises(DeadlineExceeded) as refused:
         admission.admit(request("c", 100, 50, deadline_ns=clock.now_ns + 5 * S))
     assert "estimated 5.57 s" in refused.value.message and "1 steps" in refused.value.message
-    admission.admit(request("c", 100, 50, deadline_ns=clock.now_ns + 6 * S))
+    # 6 s: the estimate ends within it, but not DEADLINE_SLACK of it before (5.4 s)
+    with pytest.raises(DeadlineExceeded):
+        admission.admit(request("c", 100, 50, deadline_ns=clock.now_ns + 6 * S))
+    admission.admit(request("c", 100, 50, deadline_ns=clock.now_ns + 65 * S // 10))
 
 
 def test_while_prompts_wait_every_step_is_a_full_one_for_the_decodes_too():
@@ -363,6 +367,27 @@ def test_a_step_that_does_not_grow_with_the_batch_is_the_estimate_for_any_batch(
     assert admission.finish_estimate(request("i", 1, 50)).total_s == pytest.approx(50 * 0.004, rel=1e-3)
 
 
+def test_the_steps_ahead_start_after_what_is_left_of_the_step_in_progress():
+    """Admitted mid-step, a request's prompt waits for that step to end: taken as long as the
+    last step reported (a decode step of the batch of 1: 80 + 10 + 0.1 ms), less what has run."""
+    clock = Clock()
+    admission = controller(clock)
+    admission.admit(request("a", 100, 100))
+    cpu_like_steps(admission)
+    steps(admission, (0.0901, 1, 1))
+    idle_replica_s = admission.finish_estimate(request("c", 100, 10)).alone_s
+    at_report = admission.finish_estimate(request("c", 100, 10))
+    assert at_report.schedule.in_progress_s == pytest.approx(0.0901)
+    clock.advance(0.06)
+    mid_step = admission.finish_estimate(request("c", 100, 10))
+    assert mid_step.schedule.in_progress_s == pytest.approx(0.0301)
+    assert mid_step.total_s == pytest.approx(at_report.total_s - 0.06)
+    assert "30 ms left of the step in progress" in mid_step.describe()
+    clock.advance(1)
+    assert admission.finish_estimate(request("c", 100, 10)).schedule.in_progress_s == 0
+    assert admission.finish_estimate(request("c", 100, 10)).alone_s == idle_replica_s  # never on an idle one
+
+
 def test_a_deadline_refusal_carries_its_estimate_and_a_hint_when_waiting_helps():
     clock = Clock()
     admission = controller(clock)
@@ -372,19 +397,19 @@ def test_a_deadline_refusal_carries_its_estimate_and_a_hint_when_waiting_helps()
     with pytest.raises(DeadlineExceeded) as refused:
         admission.admit(request("c", 100, 10, deadline_ns=clock.now_ns + 3 * S // 2))
     # 3100 prompt tokens in a full step of 2048 tokens (314.8 ms) and one of the 1055 left
-    # (215.8 ms), then 9 decode steps of the batch of 3 (110.3 ms): 1.5233 s against 1.5 s left:
-    # a request with the same budget fits once the queue has drained for the 23 ms excess (the
-    # hint clamped to the shortest useful one)
+    # (215.8 ms), then 9 decode steps of the batch of 3 (110.3 ms): 1.5233 s against the 1.35 s
+    # of the 1.5 s left that a deadline's slack leaves: a request with the same budget fits once
+    # the queue has drained for the 173 ms excess
     reason, _, fields = refused.value.error_info
     assert reason == DEADLINE_ESTIMATE_REASON
     assert fields["estimated_ms"] == "1523" and fields["time_left_ms"] == "1500" and fields["batch"] == "3"
     assert fields["full_step_ms"] == "315" and fields["last_full_step_ms"] == "216" and fields["decode_step_ms"] == "110"
-    assert refused.value.retry_after_ms == MIN_RETRY_AFTER_MS
-    # 0.95 s left: its own prefill and decode alone (100.1 + 9 x 90.1 ms = 0.911 s) fit, still
-    # worth a retry
+    assert refused.value.retry_after_ms == 173
+    # 1.05 s left: its own prefill and decode alone (100.1 + 9 x 90.1 ms = 0.911 s) fit in the
+    # 0.945 s promised, still worth a retry
     with pytest.raises(DeadlineExceeded) as refused:
-        admission.admit(request("c", 100, 10, deadline_ns=clock.now_ns + 95 * S // 100))
-    assert abs(refused.value.retry_after_ms - 573) <= 1
+        admission.admit(request("c", 100, 10, deadline_ns=clock.now_ns + 105 * S // 100))
+    assert abs(refused.value.retry_after_ms - 578) <= 1
     # 0.5 s left: not even an idle replica finishes in time: no hint
     with pytest.raises(DeadlineExceeded) as refused:
         admission.admit(request("c", 100, 10, deadline_ns=clock.now_ns + S // 2))

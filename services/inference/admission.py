@@ -31,6 +31,11 @@ prompt tokens wait every step is a full one (the decodes, then prompt chunks up 
 replica's own steps (step_time_model.py: a fixed part plus a part per sequence and per token, so
 a CPU's step that grows with the batch and a GPU's that barely does are both measured, not
 assumed), for the batch it joins (the sequences in flight with its own, at most --max-num-seqs).
+Every step ahead starts after what is left of the step in progress (its length taken as the
+last step's). A deadline counts as met when the estimate ends DEADLINE_SLACK of the time left
+before it: the estimate errs (steps carry prompt chunks of requests admitted later, outputs
+cross two processes), and a request admitted at 93% of its time left, with those after it
+admitted up to the same edge, ended a few tokens short on a loaded CPU.
 A request is refused at once, instead of being queued to die:
   - DeadlineExceeded when its own estimate exceeds the time it has left: its prompt ends in the
     step that computes the last waiting token (it queues last), its tokens follow one per step,
@@ -87,6 +92,8 @@ from llmserve.inference.step_time_model import StepFit, StepTimeModel
 DEFAULT_RETRY_AFTER_MS = 1000  # before the drain rate is measured
 MIN_RETRY_AFTER_MS = 50  # about one step of a busy GPU: sooner would only be refused again
 MAX_RETRY_AFTER_MS = 30_000
+# Of the time a deadline leaves, what an estimate must end before it (see the module doc).
+DEADLINE_SLACK = 0.1
 
 # A retry hint of T ms → one drawn from [SPREAD_LOW x T, SPREAD_HIGH x T] (see the module doc).
 SPREAD_LOW, SPREAD_HIGH = 0.5, 1.5
@@ -193,6 +200,8 @@ class AdmissionController:
         self.sequence_finishes = DrainMeter(now_ns)  # sequences per second
         self.step_times = StepTimeModel()
         self._has_drained = False  # else a slow first step measures a drain of 0: a 30 s hint
+        self._last_step_s = 0.0  # the wall time of the last step reported,
+        self._last_step_ended_ns = now_ns  # and when its report came
 
     @property
     def num_kv_blocks_demanded(self) -> int:
@@ -215,8 +224,9 @@ class AdmissionController:
             self._check_deadline(request, demand, now_ns)
         if self._deadline_admission and self._deadline_bound:
             self._check_admitted_deadlines(request, demand.num_prompt_tokens_to_prefill, now_ns)
-        if not self.num_requests_in_flight:
+        if not self.num_requests_in_flight:  # an idle replica: no step in progress
             self.pace.start(now_ns)
+            self._last_step_s = 0.0
         self.num_requests_in_flight += 1
         self.num_waiting_requests += 1
         self.num_waiting_prompt_tokens += demand.num_prompt_tokens_to_prefill
@@ -283,7 +293,7 @@ class AdmissionController:
         fit = self.step_times.fit
         if fit is None or not fit.per_prompt_token_s:
             return self._retry_after_ms(self.num_waiting_prompt_tokens, self.pace.prefill_tokens_per_s, now_ns)
-        schedule = self._schedule(self.num_sequences_in_flight, self.num_waiting_prompt_tokens)
+        schedule = self._schedule(self.num_sequences_in_flight, self.num_waiting_prompt_tokens, now_ns)
         return _clamped_ms(self._spread(1000 * max(schedule.time_s(schedule.num_full_steps), self._slot_wait_s(fit))))
 
     def _slot_wait_s(self, fit: StepFit) -> float:
@@ -310,11 +320,12 @@ class AdmissionController:
             raise DeadlineExceeded(f"the deadline passed {-time_left_s:.3f} s before admission")
         if not self._deadline_admission:
             return
-        estimate = self._finish_estimate(request, demand.num_prompt_tokens_to_prefill)
-        if estimate.total_s > time_left_s:
+        estimate = self._finish_estimate(request, demand.num_prompt_tokens_to_prefill, now_ns)
+        if estimate.total_s > _promised_s(time_left_s):
             raise DeadlineExceeded(
-                f"the request cannot finish in the {time_left_s:.2f} s its deadline leaves: estimated "
-                f"{estimate.total_s:.2f} s ({estimate.describe()})",
+                f"the request cannot finish in the {time_left_s:.2f} s its deadline leaves (less "
+                f"{DEADLINE_SLACK:.0%} kept for the estimate's error): estimated {estimate.total_s:.2f} s "
+                f"({estimate.describe()})",
                 retry_after_ms=self._deadline_retry_after_ms(estimate, time_left_s),
                 error_info=estimate.error_info(time_left_s),
             )
@@ -323,9 +334,9 @@ class AdmissionController:
         """When a request with the same time budget would fit: once the start wait has drained
         by the estimate's excess over the budget. None when even an idle replica could not meet
         it (waiting would not help)."""
-        if estimate.alone_s > time_left_s:
+        if estimate.alone_s > _promised_s(time_left_s):
             return None
-        return _clamped_ms(self._spread(1000 * (estimate.total_s - time_left_s)))
+        return _clamped_ms(self._spread(1000 * (estimate.total_s - _promised_s(time_left_s))))
 
     def _check_admitted_deadlines(self, request: EngineRequest, num_prompt_tokens: int, now_ns: int) -> None:
         """Refuse a request whose prefill and place in the batch would make a request admitted
@@ -333,13 +344,14 @@ class AdmissionController:
         comers, which a burst would otherwise break for all of them. Requests the estimate
         already has missing their deadline do not count (the engine ends them at it)."""
         sequences, queue = self.num_sequences_in_flight, self.num_waiting_prompt_tokens
-        without = self._schedule(sequences, queue)
-        with_it = self._schedule(sequences + request.sampling.n, queue + num_prompt_tokens)
+        without = self._schedule(sequences, queue, now_ns)
+        with_it = self._schedule(sequences + request.sampling.n, queue + num_prompt_tokens, now_ns)
         harmed: list[tuple[int, int, int]] = []  # (deadline, finish without it, with it), ns
         for admitted in self._deadline_bound:
             finish_ns = now_ns + int(1e9 * without.time_s(self._steps_left(admitted, without)))
             finish_with_ns = now_ns + int(1e9 * with_it.time_s(self._steps_left(admitted, with_it)))
-            if finish_ns <= admitted.deadline_ns < finish_with_ns:
+            promised_ns = now_ns + int(1e9 * _promised_s((admitted.deadline_ns - now_ns) / 1e9))
+            if finish_ns <= promised_ns < finish_with_ns:
                 harmed.append((admitted.deadline_ns, finish_ns, finish_with_ns))
         if harmed:
             deadline_ns, finish_ns, finish_with_ns = min(harmed)
@@ -360,15 +372,16 @@ class AdmissionController:
 
     def finish_estimate(self, request: EngineRequest) -> FinishEstimate:
         """How long the request would take if admitted now, from what is measured so far."""
-        return self._finish_estimate(request, self._kv_demand.of(request).num_prompt_tokens_to_prefill)
+        num_prompt_tokens_to_prefill = self._kv_demand.of(request).num_prompt_tokens_to_prefill
+        return self._finish_estimate(request, num_prompt_tokens_to_prefill, self._clock())
 
-    def _finish_estimate(self, request: EngineRequest, num_prompt_tokens_to_prefill: int) -> FinishEstimate:
+    def _finish_estimate(self, request: EngineRequest, num_prompt_tokens_to_prefill: int, now_ns: int) -> FinishEstimate:
         n, max_tokens = request.sampling.n, request.sampling.max_tokens
         sequences_joined = self.num_sequences_in_flight + n
         prompt_tokens_ahead = self.num_waiting_prompt_tokens + num_prompt_tokens_to_prefill
         alone = self._schedule(n, num_prompt_tokens_to_prefill)
         return FinishEstimate(
-            schedule=self._schedule(sequences_joined, prompt_tokens_ahead),
+            schedule=self._schedule(sequences_joined, prompt_tokens_ahead, now_ns),
             prompt_tokens_ahead=prompt_tokens_ahead,
             max_tokens=max_tokens,
             batch=min(self.max_num_seqs, sequences_joined),
@@ -377,29 +390,39 @@ class AdmissionController:
             alone_s=alone.time_s(alone.steps_to_prefill(num_prompt_tokens_to_prefill) + max_tokens - 1),
         )
 
-    def _schedule(self, num_sequences: int, num_waiting_prompt_tokens: int) -> StepSchedule:
+    def _schedule(self, num_sequences: int, num_waiting_prompt_tokens: int, now_ns: int | None = None) -> StepSchedule:
         """The steps ahead with this many sequences in flight and prompt tokens waiting, timed by
-        the fit of this replica's own steps (0 before any: a cold replica admits)."""
+        the fit of this replica's own steps (0 before any: a cold replica admits); at `now_ns`,
+        after the step in progress (None: on an idle replica)."""
         batch = min(self.max_num_seqs, num_sequences)
         chunk = max(1, self._max_batched_tokens - batch)
         num_full_steps = math.ceil(num_waiting_prompt_tokens / chunk)
         fit = self.step_times.fit
         if fit is None:
             return StepSchedule(0.0, 0.0, 0.0, chunk, num_full_steps)
+        in_progress_s = 0.0 if now_ns is None else self._step_in_progress_s(now_ns)
         # The last full step computes what is left of the queue (a queue shorter than a chunk,
         # only that much): priced as a whole chunk, 3 tokens past 4 chunks cost a 5 s step on
         # the CPU and refused a request that would have finished in 26 of its 30 s.
         last_chunk = num_waiting_prompt_tokens - (num_full_steps - 1) * chunk if num_full_steps else 0
         return StepSchedule(
             fit.step_s(batch, batch + chunk), fit.step_s(batch, batch + last_chunk), fit.step_s(batch, batch),
-            chunk, num_full_steps,
+            chunk, num_full_steps, in_progress_s,
         )  # fmt: skip
+
+    def _step_in_progress_s(self, now_ns: int) -> float:
+        """What is left of the step running now, if it is as long as the last one."""
+        if not self.num_requests_in_flight:
+            return 0.0
+        return max(0.0, self._last_step_s - (now_ns - self._last_step_ended_ns) / 1e9)
 
     # --- learning from outputs and steps ----------------------------------------------------
 
     def observe_steps(self, steps: list[StepReport]) -> None:
         for step in steps:
             self.step_times.add(step.wall_s, step.num_seqs, step.num_tokens)
+        if steps:
+            self._last_step_s, self._last_step_ended_ns = steps[-1].wall_s, self._clock()
 
     def observe(self, deliveries: list[tuple[Admitted, EngineOutput, bool]]) -> None:
         """Account one delivery of outputs (in the order the core produced them), each with what
@@ -441,6 +464,11 @@ class AdmissionController:
 
 def _refuse(budget: str, retry_after_ms: int) -> None:
     raise ResourceExhausted(f"replica busy: {budget}; retry in ~{retry_after_ms} ms", retry_after_ms=retry_after_ms)
+
+
+def _promised_s(time_left_s: float) -> float:
+    """Of the time a deadline leaves, what an estimate may take and the deadline count as met."""
+    return (1 - DEADLINE_SLACK) * time_left_s
 
 
 def _clamped_ms(ms: float) -> int:

@@ -37,6 +37,10 @@ class StepSchedule:
     decode_step_s: float  # a step once they are all computed
     chunk_tokens: int  # prompt tokens a full step computes
     num_full_steps: int  # until every waiting prompt token is computed
+    # What is left of the step running now: every step ahead starts after it. (Left out, a
+    # request admitted mid-step on the CPU, where a step with prompt chunks takes ~1 s, was
+    # estimated a step short and ended 1-3 tokens short of max_tokens at its deadline.)
+    in_progress_s: float = 0.0
 
     def steps_to_prefill(self, num_prompt_tokens_ahead: int) -> int:
         """The step in which a prompt ends that has this many waiting tokens ahead of its end (at
@@ -44,17 +48,18 @@ class StepSchedule:
         return max(1, math.ceil(num_prompt_tokens_ahead / self.chunk_tokens))
 
     def time_s(self, num_steps: int) -> float:
-        """Until the end of step `num_steps` from now."""
+        """Until the end of step `num_steps` from now (the step in progress not counted)."""
         num_full = min(num_steps, self.num_full_steps)
         full_s = 0.0 if not num_full else (
             (num_full - 1) * self.full_step_s
             + (self.last_full_step_s if num_full == self.num_full_steps else self.full_step_s)
         )  # fmt: skip
-        return full_s + max(0, num_steps - num_full) * self.decode_step_s
+        return self.in_progress_s + full_s + max(0, num_steps - num_full) * self.decode_step_s
 
     def describe(self) -> str:
+        in_progress = f"{self.in_progress_s * 1000:.0f} ms left of the step in progress, " if self.in_progress_s else ""
         return (
-            f"{self.num_full_steps} steps of {self.chunk_tokens} prompt tokens at {self.full_step_s * 1000:.0f} ms, "
+            f"{in_progress}{self.num_full_steps} steps of {self.chunk_tokens} prompt tokens at {self.full_step_s * 1000:.0f} ms, "
             f"then decode steps of {self.decode_step_s * 1000:.0f} ms"
         )
 
@@ -114,7 +119,7 @@ class FinishEstimate:
             "estimated_ms": self.total_s, "time_left_ms": time_left_s, "start_ms": self.start_s,
             "prefill_wait_ms": self.prefill_wait_s, "slot_wait_ms": self.slot_wait_s, "decode_ms": self.decode_s,
             "full_step_ms": self.schedule.full_step_s, "last_full_step_ms": self.schedule.last_full_step_s,
-            "decode_step_ms": self.schedule.decode_step_s,
+            "decode_step_ms": self.schedule.decode_step_s, "in_progress_step_ms": self.schedule.in_progress_s,
         }  # fmt: skip
         metadata = {name: f"{seconds * 1000:.0f}" for name, seconds in fields.items()}
         metadata.update(prompt_tokens_ahead=str(self.prompt_tokens_ahead), batch=str(self.batch),
