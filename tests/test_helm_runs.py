@@ -16,6 +16,16 @@ Then the stack must answer through the gateway's Service, every probe must pass 
 asks it (gRPC Health/Check with the probe's service, exec, tcpSocket), every metrics port must
 serve /metrics, and SIGTERM must end every container, with exit code 0, in the time its pod
 leaves it after the preStop hook.
+
+Run by `images` (issue 20), every llmserve container runs from its real image instead
+(tests/docker_engine.py builds them): `docker run` on the host network, as the pod's user, with
+its read-only root filesystem, dropped capabilities and no privilege escalation, its volumes
+bind-mounted at their mount paths (owned by the pod's fsGroup, as a kubelet makes an emptyDir)
+and its environment; an exec probe runs in the container. What differs from a kubelet: the
+built-in Redis pod's image (redis:7-alpine) cannot be pulled here, so it runs as a local
+redis-server as above; host networking stands in for the pod network (the port mapping above);
+the model volume is this machine's model cache, mounted as is; the containers of a pod share the
+host's IPC namespace for their /dev/shm.
 """
 
 from __future__ import annotations
@@ -48,6 +58,7 @@ from tests.helm_manifests import (  # noqa: E402
     render,
     selects,
 )
+from tests.docker_engine import Containers, built_images, docker_engine  # noqa: E402, F401
 from tests.procs import free_port  # noqa: E402
 
 pytestmark = pytest.mark.slow
@@ -75,6 +86,7 @@ class LocalPod:
     ports: dict[int, int]  # containerPort → local port (one network namespace per pod)
     volumes: dict[str, Path]  # volume name → local directory
     processes: dict[str, subprocess.Popen] = field(default_factory=dict)
+    container_names: dict[str, str] = field(default_factory=dict)  # from images: container → docker name
 
     @property
     def name(self) -> str:
@@ -92,10 +104,12 @@ class LocalPod:
 
 
 class Loopback:
-    """The explicit mapping from what a cluster provides to what this machine has."""
+    """The explicit mapping from what a cluster provides to what this machine has. With
+    `containers`, the llmserve containers run from their images (see the module doc)."""
 
-    def __init__(self, docs: list[dict], pods: list[LocalPod]):
+    def __init__(self, docs: list[dict], pods: list[LocalPod], containers: Containers | None = None):
         self.docs = docs
+        self.containers = containers
         self.commands = _commands()
         self.addresses = {}
         for service in of_kind(docs, "Service"):
@@ -113,10 +127,13 @@ class Loopback:
     def service_address(self, name: str, port: int) -> str:
         return self.addresses[f"{name}.{NAMESPACE}.svc:{port}"]
 
+    def in_image(self, container: dict) -> bool:
+        return self.containers is not None and container["image"].startswith("llmserve/")
+
     def token(self, pod: LocalPod, container: dict, token: str) -> str:
         if token == "0.0.0.0":
             return LOOPBACK
-        for mount in container.get("volumeMounts", []):
+        for mount in [] if self.in_image(container) else container.get("volumeMounts", []):
             path = mount["mountPath"]
             if token == path or token.startswith(path + "/"):
                 return str(pod.volumes[mount["name"]]) + token[len(path):]
@@ -125,7 +142,7 @@ class Loopback:
         return token
 
     def argv(self, pod: LocalPod, container: dict, argv: list[str]) -> list[str]:
-        command = self.commands[argv[0]]
+        command = argv[0] if self.in_image(container) else self.commands[argv[0]]
         assert command, f"{argv[0]} is not installed here"
         local = [command]
         for previous, token in zip(argv, argv[1:]):
@@ -141,10 +158,42 @@ class Loopback:
         env = container_env(container, self.docs, pod_name=pod.name, secrets={})
         argv = [expand(token, env) for token in [*container["command"], *container.get("args", [])]]
         local_env = {name: self.token(pod, container, value) for name, value in env.items()}
-        return self.argv(pod, container, argv), {**os.environ, **local_env}
+        if self.in_image(container):
+            argv = self.docker_run(pod, container, self.argv(pod, container, argv), local_env)
+        else:
+            argv = self.argv(pod, container, argv)
+        return argv, {**os.environ, **local_env}  # what the docker client does not read, it ignores
+
+    def docker_run(self, pod: LocalPod, container: dict, argv: list[str], env: dict[str, str]) -> list[str]:
+        """`docker run` of the container's image, as its pod's security context says."""
+        pod_security = pod.template.spec.get("securityContext", {})
+        security = container.get("securityContext", {})
+        options = ["--network", "host", "--ipc", "host", "--entrypoint", argv[0]]
+        if "runAsUser" in pod_security:
+            options += ["--user", f"{pod_security['runAsUser']}:{pod_security.get('runAsGroup', pod_security['runAsUser'])}"]
+        if security.get("readOnlyRootFilesystem"):
+            options.append("--read-only")
+        if security.get("allowPrivilegeEscalation") is False:
+            options += ["--security-opt", "no-new-privileges"]
+        options += [f"--cap-drop={cap}" for cap in security.get("capabilities", {}).get("drop", [])]
+        for mount in container.get("volumeMounts", []):
+            options += ["--volume", f"{pod.volumes[mount['name']]}:{mount['mountPath']}"]
+        for name, value in env.items():
+            options += ["--env", f"{name}={value}"]
+        run_args = self.containers.run_args(f"{pod.name}-{container['name']}")
+        pod.container_names[container["name"]] = run_args[1]
+        return ["docker", "run", "--rm", *run_args, *options, container["image"], *argv[1:]]
+
+    def exec_argv(self, pod: LocalPod, container: dict, argv: list[str]) -> list[str]:
+        """An exec probe's command: in the running container where it runs from an image."""
+        if self.in_image(container):
+            return ["docker", "exec", pod.container_names[container["name"]], *argv]
+        return self.argv(pod, container, argv)
 
 
-def _start_pods(docs: list[dict], model_cache: Path, work_dir: Path) -> tuple[list[LocalPod], Loopback]:
+def _start_pods(
+    docs: list[dict], model_cache: Path, work_dir: Path, containers: Containers | None = None
+) -> tuple[list[LocalPod], Loopback]:
     pods = []
     for template in pod_templates(docs):
         ports = {p["containerPort"]: free_port() for c in template.containers for p in c.get("ports", [])}
@@ -155,8 +204,11 @@ def _start_pods(docs: list[dict], model_cache: Path, work_dir: Path) -> tuple[li
             else:
                 volumes[volume["name"]] = work_dir / template.workload / volume["name"]
                 volumes[volume["name"]].mkdir(parents=True)
+                fs_group = template.spec.get("securityContext", {}).get("fsGroup")
+                if containers is not None and fs_group is not None:  # as a kubelet makes an emptyDir
+                    os.chown(volumes[volume["name"]], fs_group, fs_group)
         pods.append(LocalPod(template, ports, volumes))
-    loopback = Loopback(docs, pods)
+    loopback = Loopback(docs, pods, containers)
     for pod in pods:
         for container in pod.template.init_containers:
             _run_init_container(pod, container, loopback)
@@ -195,7 +247,7 @@ def _probe_passes(pod: LocalPod, container: dict, probe: dict, loopback: Loopbac
                 return False
         return response.status == health_pb2.HealthCheckResponse.SERVING
     if "exec" in probe:
-        argv = loopback.argv(pod, container, probe["exec"]["command"])
+        argv = loopback.exec_argv(pod, container, probe["exec"]["command"])
         try:
             return subprocess.run(argv, capture_output=True, timeout=timeout_s).returncode == 0
         except subprocess.TimeoutExpired:
@@ -259,10 +311,31 @@ def _stop(pod: LocalPod) -> dict[str, int | None]:
 
 @pytest.mark.parametrize("mode", ["cpu", "cpu-colocated"])
 def test_the_cpu_values_run_serve_and_answer_every_probe(mode, default_model_dir, tmp_path):
+    _serve_and_stop(render(mode), default_model_dir, tmp_path)
+
+
+# The co-located mode from the images passed too (2026-12-03, by hand: LLMSERVE_IMAGE_MODES=
+# cpu,cpu-colocated); each mode costs CI ~2 minutes, and what the images add is the same in both.
+IMAGE_MODES = os.environ.get("LLMSERVE_IMAGE_MODES", "cpu").split(",")
+
+
+@pytest.mark.timeout(2400)  # the first builds the images (tests/docker_engine.py)
+@pytest.mark.parametrize("mode", IMAGE_MODES)
+def test_the_cpu_values_run_from_the_images(mode, built_images, default_model_dir, tmp_path):
+    docs = render(mode)
+    images = {c["image"] for pod in pod_templates(docs) for c in [*pod.containers, *pod.init_containers]}
+    assert {image for image in images if image.startswith("llmserve/")} <= set(built_images.values())
+    containers = Containers(tmp_path)
+    try:
+        _serve_and_stop(docs, default_model_dir, tmp_path, containers)
+    finally:
+        containers.remove_all()
+
+
+def _serve_and_stop(docs: list[dict], default_model_dir: Path, tmp_path: Path, containers: Containers | None = None) -> None:
     if shutil.which("redis-server") is None or shutil.which("redis-cli") is None:
         pytest.skip("redis-server and redis-cli are needed for the built-in Redis pod")
-    docs = render(mode)
-    pods, loopback = _start_pods(docs, default_model_dir.parent, tmp_path)
+    pods, loopback = _start_pods(docs, default_model_dir.parent, tmp_path, containers)
     try:
         for pod in pods:
             for container in pod.template.containers:
