@@ -16,6 +16,8 @@ DEFAULT_HOST = "127.0.0.1"
 DEFAULT_GRACE_PERIOD_S = 10.0
 # The well-known ports: clients find the gateway here; 0 (the inference default) picks a free one.
 GATEWAY_PORT = 50051
+# The OpenAI-compatible HTTP API's port under `llmserve serve` (the port OpenAI-compatible servers use).
+HTTP_PORT = 8000
 PREPROCESS_PORT = 50052
 
 

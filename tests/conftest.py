@@ -1,4 +1,5 @@
-"""Shared fixtures: tiny real models (built once per session) and the real default model."""
+"""Shared fixtures: tiny real models (built once per session), the real default model, and a
+Docker engine with the project's images (tests/docker_engine.py)."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ from pathlib import Path
 import pytest
 
 from llmserve.tools.tiny_model import ARCHITECTURES, build_tiny_model
+from tests.docker_engine import built_images, docker_engine  # noqa: F401 (fixtures)
 
 
 @pytest.fixture(scope="session")

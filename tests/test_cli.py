@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import queue
 import re
@@ -11,6 +12,7 @@ import subprocess
 import sys
 import threading
 import time
+import urllib.request
 from pathlib import Path
 
 import grpc
@@ -18,6 +20,7 @@ import pytest
 
 from llmserve.tools.cli import main
 from llmserve.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc
+from tests.procs import free_port
 
 SERVE_START_TIMEOUT_S = 180.0
 SERVE_STOP_TIMEOUT_S = 60.0
@@ -111,7 +114,11 @@ def private_model_dir(tiny_model_dir, tmp_path) -> Path:
 
 
 def test_serve_generate_chat_models_then_sigterm_stops_everything(private_model_dir, tmp_path):
-    serve = ServeProcess(["--model", str(private_model_dir), "--backend", "hf", "--port", "0"], tmp_path / "serve.log")
+    http_port = free_port()  # serve's HTTP API is on by default (8000): here on a port of the test's
+    serve = ServeProcess(
+        ["--model", str(private_model_dir), "--backend", "hf", "--port", "0", "--http-port", str(http_port)],
+        tmp_path / "serve.log",
+    )  # fmt: skip
     try:
         address = serve.wait_for_address()
         child_pids = pids_with_argument(str(private_model_dir)) - {serve.process.pid}
@@ -128,6 +135,13 @@ def test_serve_generate_chat_models_then_sigterm_stops_everything(private_model_
         assert result.stdout == expected.text + "\n"
         assert "finish: length | tokens: prompt " in result.stderr
         assert f"completion {expected.result.usage.completion_tokens}," in result.stderr
+        body = {"prompt": "The capital of France is", "temperature": 0, "max_tokens": 16}
+        http_request = urllib.request.Request(
+            f"http://127.0.0.1:{http_port}/v1/completions", data=json.dumps(body).encode(),
+            headers={"Content-Type": "application/json"},
+        )  # fmt: skip
+        with urllib.request.urlopen(http_request, timeout=CLIENT_TIMEOUT_S) as http_response:
+            assert json.loads(http_response.read())["choices"][0]["text"] == expected.text
 
         chat = common_pb2.ChatInput(
             messages=[

@@ -58,7 +58,7 @@ from tests.helm_manifests import (  # noqa: E402
     render,
     selects,
 )
-from tests.docker_engine import Containers, built_images, docker_engine  # noqa: E402, F401
+from tests.docker_engine import Containers  # noqa: E402
 from tests.procs import free_port  # noqa: E402
 
 pytestmark = pytest.mark.slow

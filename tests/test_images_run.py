@@ -18,7 +18,7 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from tests.docker_engine import Containers, built_images, docker, docker_engine  # noqa: F401
+from tests.docker_engine import Containers, docker
 from tests.procs import free_port
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(2400)]  # the first test builds the images

@@ -98,6 +98,8 @@ def gateway_argv(
         "--host", config.host, "--port", str(config.port), "--workers", str(config.gateway_workers), *common,
         "--preprocess", preprocess.address, *_metrics_args(config, 0), *slow_reader_argv(config.slow_readers),
     ]
+    if config.http_port is not None:
+        args += ["--http-port", str(config.http_port)]
     for replica in replicas:
         args += ["--inference", replica.address]
     return args
@@ -118,10 +120,22 @@ def print_banner(config: ServeConfig, port: int, model_dir: Path, out: IO[str]) 
         f"           llmserve generate --address {address} \"The capital of France is\" --max-tokens 32\n"
         f"           llmserve models --address {address}\n"
         f"  grpcurl: grpcurl -plaintext -d '{{\"params\": {{\"prompt\": \"Hi\"}}}}' {address} llmserve.v1.GatewayService/GenerateStream\n"
+        f"{_http_banner(config)}"
         f"{_metrics_banner(config)}"
         f"  Ctrl-C stops all services.\n"
     )
     out.flush()
+
+
+def _http_banner(config: ServeConfig) -> str:
+    if config.http_port is None:
+        return ""
+    url = f"http://{connect_host(config.host)}:{config.http_port}/v1"
+    return (
+        f"  openai:  curl {url}/chat/completions -H 'Content-Type: application/json' "
+        f"-d '{{\"messages\": [{{\"role\": \"user\", \"content\": \"Hi\"}}]}}'\n"
+        f"           (any OpenAI client: base_url={url})\n"
+    )
 
 
 def _metrics_banner(config: ServeConfig) -> str:

@@ -23,7 +23,7 @@ from llmserve.inference.engine_flags import (
 )
 from llmserve.observability import LOG_FORMATS
 from llmserve.preprocess.config import DEFAULT_MAX_OUTPUT_TOKENS
-from llmserve.server_flags import DEFAULT_GRACE_PERIOD_S, DEFAULT_HOST, GATEWAY_PORT, LOG_LEVELS
+from llmserve.server_flags import DEFAULT_GRACE_PERIOD_S, DEFAULT_HOST, GATEWAY_PORT, HTTP_PORT, LOG_LEVELS
 
 # Per service: weight loading and CUDA-graph capture take a while.
 DEFAULT_STARTUP_TIMEOUT_S = 900.0
@@ -46,6 +46,7 @@ class ServeConfig:
     cache_dir: Path | None = None  # converted-model cache (None: model_store's default)
     host: str = DEFAULT_HOST
     port: int = GATEWAY_PORT  # the gateway's public port; 0 picks a free one
+    http_port: int | None = HTTP_PORT  # the gateway's OpenAI-compatible HTTP API; None: off
     log_level: str = "INFO"
     grace_period_s: float = DEFAULT_GRACE_PERIOD_S
     startup_timeout_s: float = DEFAULT_STARTUP_TIMEOUT_S
@@ -62,6 +63,8 @@ class ServeConfig:
 
     def __post_init__(self) -> None:
         check_at_least("--replicas", self.num_replicas, 1)
+        if self.http_port is not None and not 1 <= self.http_port <= 65535:
+            raise ValueError(f"--http-port must be a port number (1 to 65535; --no-http for none), got {self.http_port}")
         if self.metrics_port is not None and not 1 <= self.metrics_port <= 65535 - 1 - self.num_replicas:
             raise ValueError(f"--metrics-port must leave room for every service's port, got {self.metrics_port}")
 
@@ -92,6 +95,12 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     server.add_argument(
         "--port", type=int, default=GATEWAY_PORT, help="gateway port; 0 picks a free one (default: %(default)s)"
     )
+    server.add_argument(
+        "--http-port", type=int, default=HTTP_PORT, metavar="PORT",
+        help="the gateway's OpenAI-compatible HTTP API (/v1/chat/completions, /v1/completions, /v1/models) "
+        "on --host:PORT (default: %(default)s)",
+    )
+    server.add_argument("--no-http", action="store_true", help="serve gRPC only: no HTTP API")
     server.add_argument(
         "--gateway-workers", type=int, default=default_gateway_workers(), metavar="N",
         help="gateway processes sharing the port; each uses up to a core, about one per 8k output "
@@ -143,6 +152,7 @@ def serve_config_from_args(args: argparse.Namespace) -> ServeConfig:
         cache_dir=args.cache_dir,
         host=args.host,
         port=args.port,
+        http_port=None if args.no_http else args.http_port,
         log_level=args.log_level,
         grace_period_s=args.grace_period_s,
         startup_timeout_s=args.startup_timeout_s,

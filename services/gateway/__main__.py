@@ -36,6 +36,11 @@ def build_parser() -> argparse.ArgumentParser:
         help="gateway processes sharing the port (SO_REUSEPORT: the kernel spreads connections over them); "
         "each uses up to a core, about one per 8k output tokens/s (default: %(default)s)",
     )
+    server.add_argument(
+        "--http-port", type=int, default=None, metavar="PORT",
+        help="also serve the OpenAI-compatible HTTP API (/v1/chat/completions, /v1/completions, /v1/models, "
+        "/health) on this port, on --host; 0 picks a free one (default: off)",
+    )
     parser.add_argument(
         "--preprocess",
         required=True,
@@ -80,6 +85,7 @@ def config_from_args(args: argparse.Namespace) -> GatewayConfig:
         log_level=args.log_level,
         downstream_ready_timeout_s=args.downstream_ready_timeout_s,
         num_workers=args.workers,
+        http_port=args.http_port,
         slow_readers=slow_reader_bounds(args),
         **routing_options(args),
     )

@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from llmserve.gateway.config import GatewayConfig
 from llmserve.gateway.detokenizer import Detokenizer
@@ -28,6 +29,9 @@ from llmserve.message_limits import prompt_request_bytes
 from llmserve.server import RunningServer, create_server
 from llmserve.v1 import gateway_pb2_grpc
 
+if TYPE_CHECKING:  # imported where --http-port asks for it: aiohttp is needed only then
+    from llmserve.gateway.openai_http import HttpServer
+
 log = logging.getLogger(__name__)
 
 
@@ -38,12 +42,15 @@ class RunningGateway:
     replicas: ReplicaSet
     index: RoutingIndex
     model: ModelCard
+    http: "HttpServer | None" = None  # --http-port
 
     @property
     def port(self) -> int:
         return self.server.port
 
     async def close_clients(self) -> None:
+        if self.http is not None:
+            await self.http.close()
         await self.replicas.close()
         await self.index.close()
         await self.preprocess.close()
@@ -76,13 +83,19 @@ async def start_gateway(config: GatewayConfig, worker_id: int = 0) -> RunningGat
     servicer = GatewayServicer(
         GenerationPipeline(preprocess.pool, router, detokenizer), model, model_name, worker_id=worker_id
     )
+    # A client's request is preprocess's, plus sampling: the same bound, from the same cap.
+    max_receive_bytes = prompt_request_bytes(preprocess_card.max_prompt_bytes, preprocess_card.max_context_tokens)
     server = await create_server(
         config.address,
         lambda s: gateway_pb2_grpc.add_GatewayServiceServicer_to_server(servicer, s),
         (SERVICE_NAME,),
-        # A client's request is preprocess's, plus sampling: the same bound, from the same cap.
-        max_receive_bytes=prompt_request_bytes(preprocess_card.max_prompt_bytes, preprocess_card.max_context_tokens),
+        max_receive_bytes=max_receive_bytes,
     )
+    http = None
+    if config.http_port is not None:
+        from llmserve.gateway.openai_http import start_http_server
+
+        http = await start_http_server(servicer, config.host, config.http_port, max_body_bytes=max_receive_bytes)
     await server.set_serving(True)
     log.info(
         "gateway serving %s (%s, backend %s) on %s:%d; preprocess %s, inference %s (%d live, routing %s, index %s)",
@@ -91,4 +104,6 @@ async def start_gateway(config: GatewayConfig, worker_id: int = 0) -> RunningGat
         ", ".join(map(str, config.inference_targets)), len(replicas.live()), config.routing.policy.value,
         "in Redis" if config.redis else "in memory",
     )
-    return RunningGateway(server=server, preprocess=preprocess, replicas=replicas, index=index, model=model)
+    if http is not None:
+        log.info("OpenAI-compatible HTTP API on http://%s:%d/v1", config.host, http.port)
+    return RunningGateway(server=server, preprocess=preprocess, replicas=replicas, index=index, model=model, http=http)

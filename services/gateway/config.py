@@ -27,6 +27,8 @@ class GatewayConfig:
     host: str = DEFAULT_HOST
     port: int = GATEWAY_PORT  # 0 = any free port
     port_file: str | None = None
+    # The OpenAI-compatible HTTP API's port (openai_http.py): None off, 0 any free port.
+    http_port: int | None = None
     log_level: str = "INFO"
     grace_period_s: float = DEFAULT_GRACE_PERIOD_S
     observability: ObservabilityConfig = ObservabilityConfig()  # metrics endpoint, log format
@@ -53,6 +55,8 @@ class GatewayConfig:
             raise ValueError("at least one inference address is required")
         check_at_least("grace_period_s", self.grace_period_s, 0)
         check_at_least("num_workers", self.num_workers, 1)
+        if self.http_port == 0 and self.num_workers > 1:
+            raise ValueError("--http-port 0 picks a port per worker: give a port to share with --workers > 1")
 
     @property
     def address(self) -> str:

@@ -50,6 +50,19 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
         self._model_name = model_name
         self._worker_metadata = (WORKER_METADATA_KEY, str(worker_id))
 
+    # What the HTTP face (openai_http) shares with this one.
+    @property
+    def pipeline(self) -> GenerationPipeline:
+        return self._pipeline
+
+    @property
+    def model(self) -> ModelCard:
+        return self._model
+
+    @property
+    def model_name(self) -> str:
+        return self._model_name
+
     async def GenerateStream(self, request: gateway_pb2.GenerateStreamRequest, context: grpc.aio.ServicerContext):
         """Each message carries every token made since the last one was sent (the pipeline reads
         its replica's buffer only when the previous message is written: replica_stream.py)."""
@@ -100,7 +113,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
         request_id = new_request_id()
         bind_request_id(request_id)
         await context.send_initial_metadata(((REQUEST_ID_METADATA_KEY, request_id), self._worker_metadata))
-        generation = self._request_from_pb(request, request_id, arrival_ns)
+        generation = self.request_from_params(request, request_id, arrival_ns)
         log.debug("accepted", extra={"prompt": generation.prompt_input})
         return generation
 
@@ -111,9 +124,10 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
         # Only at DEBUG: collecting the completion costs a little on every delta.
         return _logging_completion(deltas) if log.isEnabledFor(logging.DEBUG) else deltas
 
-    def _request_from_pb(
+    def request_from_params(
         self, request: gateway_pb2.GenerateParams, request_id: str, arrival_ns: int
     ) -> GenerationRequest:
+        """The validated request (InvalidArgument or NotFound naming what is wrong)."""
         if request.model and request.model != self._model_name:
             raise NotFound(f"model: unknown model {quoted(request.model)}; this gateway serves {self._model_name!r}")
         check_cache_salt(request.cache_salt)

@@ -25,7 +25,10 @@ async def _serve(config: GatewayConfig, worker_id: int, on_serving: Callable[[in
     gateway = await start_gateway(config, worker_id)
     on_serving(gateway.port)
     try:
-        await serve_until_signal(gateway.server, grace_s=config.grace_period_s)
+        await serve_until_signal(
+            gateway.server, grace_s=config.grace_period_s,
+            on_drain=gateway.http.drain if gateway.http is not None else None,
+        )  # fmt: skip
     finally:
         await gateway.close_clients()
 

@@ -1,0 +1,311 @@
+"""The gateway's OpenAI-compatible HTTP face (issue 21, first part): `--http-port`.
+
+A second face of the same gateway, not a proxy: it runs on the worker's event loop (aiohttp),
+turns each body into the gateway's own GenerateParams (openai_params.py), and runs it through
+the same validation, GenerationPipeline, routing, admission and metrics as gRPC.
+
+  POST /v1/chat/completions   chat; `stream: true` answers Server-Sent Events in OpenAI's framing
+  POST /v1/completions        one prompt (text or token ids), streamed the same way
+  GET  /v1/models             the served model
+  GET  /health                200 while serving, 503 while draining
+
+Every answer carries `x-request-id` (the id the gateway logs the request under). Errors are
+OpenAI's shape, `{"error": {"message", "type", "param", "code"}}`, with the status clients expect:
+400 a bad field (named in `param`), 404 an unknown model, 413 a body over the limit (refused as it
+is read, not after), 429 with `Retry-After` from admission, 503 unavailable or draining, 504 the
+deadline. A client that disconnects cancels its handler (handler_cancellation), which closes
+its generation: the inference request is aborted and its KV blocks freed, as for a gRPC cancel.
+Not there yet (issue 21): logprobs, n > 1, several prompts per request, structured outputs.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import time
+from contextlib import aclosing
+from typing import Any, AsyncIterator, Callable
+
+import grpc
+from aiohttp import web
+
+from llmserve.errors import InvalidArgument, ServiceError, Unavailable
+from llmserve.gateway.generation import GenerationDelta, GenerationResult
+from llmserve.gateway.metrics import tracked_request
+from llmserve.gateway.openai_params import chat_params, completion_params, openai_param
+from llmserve.gateway.request_id import REQUEST_ID_METADATA_KEY, new_request_id
+from llmserve.gateway.servicer import GatewayServicer
+from llmserve.request_context import bind_request_id
+from llmserve.sampling import FinishReason
+
+log = logging.getLogger(__name__)
+
+# gRPC status → (HTTP status, OpenAI error type).
+_HTTP_STATUS = {
+    grpc.StatusCode.INVALID_ARGUMENT: (400, "invalid_request_error"),
+    grpc.StatusCode.NOT_FOUND: (404, "not_found_error"),
+    grpc.StatusCode.RESOURCE_EXHAUSTED: (429, "rate_limit_error"),
+    grpc.StatusCode.UNAVAILABLE: (503, "service_unavailable"),
+    grpc.StatusCode.DEADLINE_EXCEEDED: (504, "timeout"),
+    grpc.StatusCode.CANCELLED: (499, "cancelled"),
+}
+_FINISH_REASONS = {FinishReason.STOP: "stop", FinishReason.LENGTH: "length"}
+
+
+class _NoDeadline:
+    """An HTTP request has no gRPC deadline (tracked_request and the pipeline ask for one)."""
+
+    @staticmethod
+    def time_remaining() -> None:
+        return None
+
+
+class OpenAIHttpApi:
+    """The handlers; `servicer` is the gRPC face, whose validation and pipeline they share."""
+
+    def __init__(self, servicer: GatewayServicer, *, max_body_bytes: int):
+        self._servicer = servicer
+        self._max_body_bytes = max_body_bytes
+        self.is_serving = True
+
+    def app(self) -> web.Application:
+        app = web.Application(client_max_size=self._max_body_bytes, middlewares=[self._errors_middleware])
+        app.router.add_post("/v1/chat/completions", self._chat_completions)
+        app.router.add_post("/v1/completions", self._completions)
+        app.router.add_get("/v1/models", self._models)
+        app.router.add_get("/health", self._health)
+        return app
+
+    # --- endpoints ---------------------------------------------------------------------------
+
+    async def _chat_completions(self, request: web.Request) -> web.StreamResponse:
+        return await self._generate(request, chat_params, _ChatShape())
+
+    async def _completions(self, request: web.Request) -> web.StreamResponse:
+        return await self._generate(request, completion_params, _CompletionShape())
+
+    async def _models(self, request: web.Request) -> web.Response:
+        card = self._servicer.model
+        model = {
+            "id": self._servicer.model_name, "object": "model", "created": 0, "owned_by": "llmserve",
+            "max_model_len": card.max_context_tokens,
+        }  # fmt: skip
+        return web.json_response({"object": "list", "data": [model]})
+
+    async def _health(self, request: web.Request) -> web.Response:
+        if not self.is_serving:
+            return web.json_response({"status": "draining"}, status=503)
+        return web.json_response({"status": "ok"})
+
+    # --- generation --------------------------------------------------------------------------
+
+    async def _generate(self, request: web.Request, to_params: Callable, shape: "_Shape") -> web.StreamResponse:
+        if not self.is_serving:
+            raise Unavailable("the gateway is draining (SIGTERM): send the request to another one")
+        arrival_ns = time.monotonic_ns()
+        request_id = new_request_id()
+        bind_request_id(request_id)
+        request["request_id"] = request_id
+        body = await _json_body(request, self._max_body_bytes)
+        stream = body.get("stream", False)
+        if not isinstance(stream, bool):
+            raise InvalidArgument("stream", "must be a boolean")
+        include_usage = stream and bool((body.get("stream_options") or {}).get("include_usage"))
+        generation = self._servicer.request_from_params(to_params(body), request_id, arrival_ns)
+        context = _Context(request_id, self._servicer.model_name, int(time.time()))
+        with tracked_request(_NoDeadline()) as outcome:
+            deltas = self._servicer.pipeline.generate(generation, _NoDeadline.time_remaining)
+            async with aclosing(deltas):
+                if stream:
+                    return await self._stream(request, deltas, shape, context, include_usage, outcome)
+                return await self._whole(deltas, shape, context, outcome)
+
+    async def _whole(self, deltas: AsyncIterator[GenerationDelta], shape: "_Shape", context: "_Context", outcome) -> web.Response:
+        texts: list[str] = []
+        result: GenerationResult | None = None
+        async for delta in deltas:
+            texts.append(delta.text)
+            result = delta.result or result
+        assert result is not None  # the pipeline's last delta carries it
+        outcome.finish_reason = result.finish_reason
+        response = shape.whole(context, "".join(texts), result)
+        return web.json_response(response, headers={REQUEST_ID_METADATA_KEY: context.request_id})
+
+    async def _stream(
+        self, request: web.Request, deltas: AsyncIterator[GenerationDelta],
+        shape: "_Shape", context: "_Context", include_usage: bool, outcome,
+    ) -> web.StreamResponse:  # fmt: skip
+        # The first delta before the headers: an error in preprocess or admission (400, 429)
+        # is still an HTTP status, not an event in a 200 stream.
+        first = await anext(deltas)
+        response = web.StreamResponse(
+            headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache", REQUEST_ID_METADATA_KEY: context.request_id}
+        )  # fmt: skip
+        await response.prepare(request)
+        await _send_event(response, shape.first_chunk(context))
+        try:
+            delta: GenerationDelta | None = first
+            while delta is not None:
+                if delta.text or delta.result is not None:
+                    await _send_event(response, shape.chunk(context, delta.text, delta.result))
+                if delta.result is not None:
+                    outcome.finish_reason = delta.result.finish_reason
+                    if include_usage:
+                        await _send_event(response, shape.usage_chunk(context, delta.result))
+                    break
+                delta = await anext(deltas, None)
+        except ServiceError as error:  # after the headers: an error event, as OpenAI's server sends
+            await _send_event(response, _error_body(error)[1])
+        await response.write(b"data: [DONE]\n\n")
+        await response.write_eof()
+        return response
+
+    @web.middleware
+    async def _errors_middleware(self, request: web.Request, handler) -> web.StreamResponse:
+        try:
+            return await handler(request)
+        except ServiceError as error:
+            status, body = _error_body(error)
+            headers = {}
+            if error.retry_after_ms:
+                headers["Retry-After"] = str(max(1, math.ceil(error.retry_after_ms / 1000)))
+            if "request_id" in request:
+                headers[REQUEST_ID_METADATA_KEY] = request["request_id"]
+            return web.json_response(body, status=status, headers=headers)
+        except web.HTTPRequestEntityTooLarge:
+            return web.json_response(
+                _openai_error(f"the request body exceeds {self._max_body_bytes} bytes", "invalid_request_error", None, 413),
+                status=413,
+            )  # fmt: skip
+        except web.HTTPException as error:
+            return web.json_response(_openai_error(error.reason, "invalid_request_error", None, error.status), status=error.status)
+
+
+async def _json_body(request: web.Request, max_body_bytes: int) -> dict[str, Any]:
+    if request.content_length is not None and request.content_length > max_body_bytes:  # before reading any
+        raise web.HTTPRequestEntityTooLarge(max_size=max_body_bytes, actual_size=request.content_length)
+    raw = await request.read()  # bounded by client_max_size (a chunked body): 413 past it
+    try:
+        body = json.loads(raw)
+    except (ValueError, UnicodeDecodeError) as error:
+        raise InvalidArgument("body", f"not valid JSON: {str(error)[:200]}") from None
+    if not isinstance(body, dict):
+        raise InvalidArgument("body", "must be a JSON object")
+    return body
+
+
+async def _send_event(response: web.StreamResponse, payload: dict) -> None:
+    await response.write(b"data: " + json.dumps(payload, separators=(",", ":")).encode() + b"\n\n")
+
+
+def _error_body(error: ServiceError) -> tuple[int, dict]:
+    status, kind = _HTTP_STATUS.get(error.code, (500, "internal_error"))
+    param = openai_param(error.field) if isinstance(error, InvalidArgument) else None
+    message = f"{openai_param(error.field)}: {error.problem}" if isinstance(error, InvalidArgument) else error.message
+    return status, _openai_error(message, kind, param, error.code.name.lower())
+
+
+def _openai_error(message: str, kind: str, param: str | None, code: Any) -> dict:
+    return {"error": {"message": message, "type": kind, "param": param, "code": code}}
+
+
+class _Context:
+    __slots__ = ("request_id", "model", "created")
+
+    def __init__(self, request_id: str, model: str, created: int):
+        self.request_id, self.model, self.created = request_id, model, created
+
+
+def _usage(result: GenerationResult) -> dict:
+    return {
+        "prompt_tokens": result.num_prompt_tokens,
+        "completion_tokens": result.num_completion_tokens,
+        "total_tokens": result.num_prompt_tokens + result.num_completion_tokens,
+        "prompt_tokens_details": {"cached_tokens": result.num_cached_tokens},
+    }
+
+
+def _finish_reason(result: GenerationResult | None) -> str | None:
+    return None if result is None else _FINISH_REASONS.get(result.finish_reason, "stop")
+
+
+class _Shape:
+    """How one endpoint's responses look: whole, and as stream chunks."""
+
+    object_whole: str
+    object_chunk: str
+    id_prefix: str
+
+    def _base(self, context: _Context, kind: str) -> dict:
+        return {"id": f"{self.id_prefix}-{context.request_id}", "object": kind, "created": context.created, "model": context.model}
+
+    def whole(self, context: _Context, text: str, result: GenerationResult) -> dict:
+        return {**self._base(context, self.object_whole), "choices": [self._whole_choice(text, result)], "usage": _usage(result)}
+
+    def first_chunk(self, context: _Context) -> dict:
+        return {**self._base(context, self.object_chunk), "choices": [self._chunk_choice("", None, first=True)]}
+
+    def chunk(self, context: _Context, text: str, result: GenerationResult | None) -> dict:
+        return {**self._base(context, self.object_chunk), "choices": [self._chunk_choice(text, result, first=False)]}
+
+    def usage_chunk(self, context: _Context, result: GenerationResult) -> dict:
+        return {**self._base(context, self.object_chunk), "choices": [], "usage": _usage(result)}
+
+    def _whole_choice(self, text: str, result: GenerationResult) -> dict:
+        raise NotImplementedError
+
+    def _chunk_choice(self, text: str, result: GenerationResult | None, *, first: bool) -> dict:
+        raise NotImplementedError
+
+
+class _ChatShape(_Shape):
+    object_whole, object_chunk, id_prefix = "chat.completion", "chat.completion.chunk", "chatcmpl"
+
+    def _whole_choice(self, text: str, result: GenerationResult) -> dict:
+        message = {"role": "assistant", "content": text}
+        return {"index": 0, "message": message, "logprobs": None, "finish_reason": _finish_reason(result)}
+
+    def _chunk_choice(self, text: str, result: GenerationResult | None, *, first: bool) -> dict:
+        delta = {"role": "assistant", "content": ""} if first else ({"content": text} if text else {})
+        return {"index": 0, "delta": delta, "logprobs": None, "finish_reason": _finish_reason(result)}
+
+
+class _CompletionShape(_Shape):
+    object_whole, object_chunk, id_prefix = "text_completion", "text_completion", "cmpl"
+
+    def _whole_choice(self, text: str, result: GenerationResult) -> dict:
+        return {"index": 0, "text": text, "logprobs": None, "finish_reason": _finish_reason(result)}
+
+    def _chunk_choice(self, text: str, result: GenerationResult | None, *, first: bool) -> dict:
+        return {"index": 0, "text": text, "logprobs": None, "finish_reason": _finish_reason(result)}
+
+
+class HttpServer:
+    """The HTTP API served on the worker's loop: `drain` (on SIGTERM) makes /health 503 and
+    lets in-flight requests finish; `close` stops it."""
+
+    def __init__(self, api: OpenAIHttpApi, runner: web.AppRunner, port: int):
+        self._api = api
+        self._runner = runner
+        self.port = port
+
+    async def drain(self) -> None:
+        self._api.is_serving = False
+
+    async def close(self) -> None:
+        await self._runner.cleanup()
+
+
+async def start_http_server(servicer: GatewayServicer, host: str, port: int, *, max_body_bytes: int) -> HttpServer:
+    """Bound and serving on return. The port is shared by the gateway's workers (SO_REUSEPORT),
+    as the gRPC one is."""
+    api = OpenAIHttpApi(servicer, max_body_bytes=max_body_bytes)
+    # handler_cancellation: a client that disconnects cancels its handler, so its generation
+    # closes and inference aborts the request (frees its KV blocks).
+    runner = web.AppRunner(api.app(), handler_cancellation=True, access_log=None)
+    await runner.setup()
+    site = web.TCPSite(runner, host, port, reuse_port=True)
+    await site.start()
+    bound_port = runner.addresses[0][1]
+    return HttpServer(api, runner, bound_port)

@@ -1,0 +1,143 @@
+"""OpenAI request bodies as the gateway's own GenerateParams (issue 21): the HTTP face builds the
+same typed request the gRPC face receives, so both are validated, routed and admitted by the same
+code (GatewayServicer.request_from_params). Only the shapes are translated here; the values are
+checked where gRPC's are (llmserve.pb.sampling_from_pb), and a field those checks name
+("sampling.top_p") is reported under its OpenAI name ("top_p", `openai_param`).
+
+Unknown fields are ignored, as OpenAI's server does; a known field of the wrong type is refused
+with its name. Our own options ride in the body beside OpenAI's, as vLLM's extra-body fields do:
+`ignore_eos`, `min_tokens`, `cache_salt`, `top_k`, `min_p`, `repetition_penalty`.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from llmserve.errors import InvalidArgument
+from llmserve.v1 import common_pb2, gateway_pb2
+
+# Roles a chat template renders (OpenAI's "developer" is its newer name for "system").
+CHAT_ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
+_NUMBERS = (int, float)
+
+
+def chat_params(body: dict[str, Any]) -> gateway_pb2.GenerateParams:
+    """POST /v1/chat/completions' body."""
+    params = _common_params(body)
+    messages = _required(body, "messages", list)
+    if not messages:
+        raise InvalidArgument("messages", "must hold at least one message")
+    for index, message in enumerate(messages):
+        params.chat.messages.append(_chat_message(message, f"messages[{index}]"))
+    max_tokens = _optional(body, "max_completion_tokens", int)
+    if max_tokens is None:
+        max_tokens = _optional(body, "max_tokens", int)
+    if max_tokens is not None:
+        params.sampling.max_tokens = max_tokens
+    if _optional(body, "logprobs", bool):
+        raise InvalidArgument("logprobs", "not supported on the HTTP API yet (the gRPC API returns them)")
+    return params
+
+
+def completion_params(body: dict[str, Any]) -> gateway_pb2.GenerateParams:
+    """POST /v1/completions' body: one prompt, as a string or token ids (or a list of one)."""
+    params = _common_params(body)
+    prompt = body.get("prompt")
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
+        prompt = prompt[0]
+    if isinstance(prompt, str):
+        params.prompt = prompt
+    elif isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+        if any(t < 0 for t in prompt):
+            raise InvalidArgument("prompt", "token ids must be >= 0")
+        params.prompt_token_ids.token_ids.extend(prompt)
+    elif isinstance(prompt, list) and len(prompt) > 1:
+        raise InvalidArgument("prompt", f"one prompt per request here, got {len(prompt)}")
+    else:
+        raise InvalidArgument("prompt", "must be a string, a list of token ids, or a list of one of those")
+    max_tokens = _optional(body, "max_tokens", int)
+    if max_tokens is not None:
+        params.sampling.max_tokens = max_tokens
+    if _optional(body, "logprobs", int) is not None:
+        raise InvalidArgument("logprobs", "not supported on the HTTP API yet (the gRPC API returns them)")
+    if _optional(body, "echo", bool):
+        raise InvalidArgument("echo", "echoing the prompt is not supported")
+    return params
+
+
+def openai_param(field: str) -> str:
+    """The OpenAI name of a field our validation named."""
+    return field.removeprefix("sampling.")
+
+
+def _common_params(body: dict[str, Any]) -> gateway_pb2.GenerateParams:
+    params = gateway_pb2.GenerateParams(model=_optional(body, "model", str) or "")
+    sampling = params.sampling
+    for name in ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty"):
+        value = _optional(body, name, _NUMBERS)
+        if value is not None:
+            setattr(sampling, name, float(value))
+    for name in ("top_k", "seed", "min_tokens", "n"):
+        value = _optional(body, name, int)
+        if value is not None:
+            setattr(sampling, name, value)
+    if sampling.HasField("top_k") and sampling.top_k < 0:
+        sampling.top_k = 0  # vLLM's -1: no limit
+    if _optional(body, "ignore_eos", bool):
+        sampling.ignore_eos = True
+    stop = body.get("stop")
+    if isinstance(stop, str):
+        sampling.stop.append(stop)
+    elif isinstance(stop, list) and all(isinstance(s, str) for s in stop):
+        sampling.stop.extend(stop)
+    elif stop is not None:
+        raise InvalidArgument("stop", "must be a string or a list of strings")
+    params.cache_salt = _optional(body, "cache_salt", str) or ""
+    if _optional(body, "response_format", dict) not in (None, {"type": "text"}):
+        raise InvalidArgument("response_format", "structured outputs are not supported yet: only {\"type\": \"text\"}")
+    return params
+
+
+def _chat_message(message: Any, field: str) -> common_pb2.ChatMessage:
+    if not isinstance(message, dict):
+        raise InvalidArgument(field, "must be an object with role and content")
+    role = message.get("role")
+    if role not in CHAT_ROLES:
+        raise InvalidArgument(f"{field}.role", f"must be one of {', '.join(CHAT_ROLES)}, got {str(role)[:32]!r}")
+    return common_pb2.ChatMessage(role=CHAT_ROLES[role], content=_content(message.get("content"), f"{field}.content"))
+
+
+def _content(content: Any, field: str) -> str:
+    """A message's content: a string, or text parts (joined); no other part type is read."""
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        texts = []
+        for index, part in enumerate(content):
+            if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
+                raise InvalidArgument(f"{field}[{index}]", 'only text parts ({"type": "text", "text": ...}) are read')
+            texts.append(part["text"])
+        return "".join(texts)
+    if content is None:
+        return ""
+    raise InvalidArgument(field, "must be a string or a list of text parts")
+
+
+def _optional(body: dict[str, Any], name: str, kind: type | tuple[type, ...]) -> Any:
+    value = body.get(name)
+    if value is None:
+        return None
+    # bool is an int in Python, never in JSON's sense of a number.
+    if not isinstance(value, kind) or (isinstance(value, bool) and kind is not bool):
+        expected = kind.__name__ if isinstance(kind, type) else "number"
+        raise InvalidArgument(name, f"must be a {_JSON_TYPES.get(expected, expected)}, got {type(value).__name__}")
+    return value
+
+
+def _required(body: dict[str, Any], name: str, kind: type) -> Any:
+    if body.get(name) is None:
+        raise InvalidArgument(name, "is required")
+    return _optional(body, name, kind)
+
+
+_JSON_TYPES = {"int": "integer", "float": "number", "str": "string", "bool": "boolean", "dict": "object", "list": "array"}
