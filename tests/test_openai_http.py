@@ -175,3 +175,29 @@ async def test_a_replica_full_at_admission_is_a_429_with_retry_after(tiny_model_
     for refused in refusals:
         assert refused.status_code == 429 and int(refused.response.headers["Retry-After"]) >= 1
         assert refused.body["type"] == "rate_limit_error" and "replica busy" in refused.body["message"]
+
+
+def test_logprobs_come_in_each_endpoints_shape(client, model_name):
+    chat = client.chat.completions.create(
+        model=model_name, messages=QUESTION, temperature=0, max_tokens=6, logprobs=True, top_logprobs=2
+    )  # fmt: skip
+    [choice] = chat.choices
+    entries = choice.logprobs.content
+    assert len(entries) == chat.usage.completion_tokens
+    assert "".join(e.token for e in entries) == choice.message.content  # byte-level BPE: pieces add up
+    for entry in entries:
+        assert entry.logprob <= 0 and bytes(entry.bytes).decode() == entry.token
+        assert len(entry.top_logprobs) == 2 and entry.top_logprobs[0].logprob >= entry.top_logprobs[1].logprob
+        assert entry.top_logprobs[0].token == entry.token  # greedy: the chosen token is the most likely
+    assert client.chat.completions.create(model=model_name, messages=QUESTION, max_tokens=2).choices[0].logprobs is None
+
+    text = client.completions.create(model=model_name, prompt="The capital of France is", temperature=0, max_tokens=5, logprobs=1)
+    lists = text.choices[0].logprobs
+    assert len(lists.tokens) == len(lists.token_logprobs) == len(lists.top_logprobs) == text.usage.completion_tokens
+    assert lists.text_offset == [sum(len(t) for t in lists.tokens[:i]) for i in range(len(lists.tokens))]
+    assert all(len(top) == 1 for top in lists.top_logprobs)
+    streamed = client.completions.create(
+        model=model_name, prompt="The capital of France is", temperature=0, max_tokens=5, logprobs=1, stream=True
+    )  # fmt: skip
+    streamed_tokens = [t for c in streamed if c.choices and c.choices[0].logprobs for t in c.choices[0].logprobs.tokens]
+    assert streamed_tokens == lists.tokens

@@ -15,11 +15,13 @@ OpenAI's shape, `{"error": {"message", "type", "param", "code"}}`, with the stat
 is read, not after), 429 with `Retry-After` from admission, 503 unavailable or draining, 504 the
 deadline. A client that disconnects cancels its handler (handler_cancellation), which closes
 its generation: the inference request is aborted and its KV blocks freed, as for a gRPC cancel.
-Not there yet (issue 21): logprobs, n > 1, several prompts per request, structured outputs.
+Logprobs come in each endpoint's shape (openai_logprobs.py). Not there yet (issue 21): n > 1,
+several prompts per request, structured outputs.
 """
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import math
@@ -31,13 +33,15 @@ import grpc
 from aiohttp import web
 
 from llmserve.errors import InvalidArgument, ServiceError, Unavailable
+from llmserve.gateway.detokenizer import Detokenizer
 from llmserve.gateway.generation import GenerationDelta, GenerationResult
+from llmserve.gateway.openai_logprobs import CompletionLogprobs, TokenText, chat_logprobs
 from llmserve.gateway.metrics import tracked_request
 from llmserve.gateway.openai_params import chat_params, completion_params, openai_param
 from llmserve.gateway.request_id import REQUEST_ID_METADATA_KEY, new_request_id
 from llmserve.gateway.servicer import GatewayServicer
 from llmserve.request_context import bind_request_id
-from llmserve.sampling import FinishReason
+from llmserve.sampling import FinishReason, TokenLogprob
 
 log = logging.getLogger(__name__)
 
@@ -64,10 +68,14 @@ class _NoDeadline:
 class OpenAIHttpApi:
     """The handlers; `servicer` is the gRPC face, whose validation and pipeline they share."""
 
-    def __init__(self, servicer: GatewayServicer, *, max_body_bytes: int):
+    def __init__(self, servicer: GatewayServicer, detokenizer: Detokenizer, *, max_body_bytes: int):
         self._servicer = servicer
         self._max_body_bytes = max_body_bytes
         self.is_serving = True
+        decoder = detokenizer.decoder
+        self._token_text: TokenText = functools.lru_cache(maxsize=1 << 16)(
+            lambda token_id: decoder.decode_without_clean_up([token_id], skip_special_tokens=False)
+        )
 
     def app(self) -> web.Application:
         app = web.Application(client_max_size=self._max_body_bytes, middlewares=[self._errors_middleware])
@@ -80,10 +88,10 @@ class OpenAIHttpApi:
     # --- endpoints ---------------------------------------------------------------------------
 
     async def _chat_completions(self, request: web.Request) -> web.StreamResponse:
-        return await self._generate(request, chat_params, _ChatShape())
+        return await self._generate(request, chat_params, _ChatShape)
 
     async def _completions(self, request: web.Request) -> web.StreamResponse:
-        return await self._generate(request, completion_params, _CompletionShape())
+        return await self._generate(request, completion_params, _CompletionShape)
 
     async def _models(self, request: web.Request) -> web.Response:
         card = self._servicer.model
@@ -100,7 +108,7 @@ class OpenAIHttpApi:
 
     # --- generation --------------------------------------------------------------------------
 
-    async def _generate(self, request: web.Request, to_params: Callable, shape: "_Shape") -> web.StreamResponse:
+    async def _generate(self, request: web.Request, to_params: Callable, shape_type: type["_Shape"]) -> web.StreamResponse:
         if not self.is_serving:
             raise Unavailable("the gateway is draining (SIGTERM): send the request to another one")
         arrival_ns = time.monotonic_ns()
@@ -113,6 +121,7 @@ class OpenAIHttpApi:
             raise InvalidArgument("stream", "must be a boolean")
         include_usage = stream and bool((body.get("stream_options") or {}).get("include_usage"))
         generation = self._servicer.request_from_params(to_params(body), request_id, arrival_ns)
+        shape = shape_type(self._token_text, wants_logprobs=generation.sampling.logprobs is not None)
         context = _Context(request_id, self._servicer.model_name, int(time.time()))
         with tracked_request(_NoDeadline()) as outcome:
             deltas = self._servicer.pipeline.generate(generation, _NoDeadline.time_remaining)
@@ -123,13 +132,15 @@ class OpenAIHttpApi:
 
     async def _whole(self, deltas: AsyncIterator[GenerationDelta], shape: "_Shape", context: "_Context", outcome) -> web.Response:
         texts: list[str] = []
+        logprobs: list[TokenLogprob] = []
         result: GenerationResult | None = None
         async for delta in deltas:
             texts.append(delta.text)
+            logprobs.extend(delta.logprobs or ())
             result = delta.result or result
         assert result is not None  # the pipeline's last delta carries it
         outcome.finish_reason = result.finish_reason
-        response = shape.whole(context, "".join(texts), result)
+        response = shape.whole(context, "".join(texts), result, logprobs)
         return web.json_response(response, headers={REQUEST_ID_METADATA_KEY: context.request_id})
 
     async def _stream(
@@ -147,8 +158,8 @@ class OpenAIHttpApi:
         try:
             delta: GenerationDelta | None = first
             while delta is not None:
-                if delta.text or delta.result is not None:
-                    await _send_event(response, shape.chunk(context, delta.text, delta.result))
+                if delta.text or delta.logprobs or delta.result is not None:
+                    await _send_event(response, shape.chunk(context, delta.text, delta.result, delta.logprobs or []))
                 if delta.result is not None:
                     outcome.finish_reason = delta.result.finish_reason
                     if include_usage:
@@ -180,6 +191,9 @@ class OpenAIHttpApi:
             )  # fmt: skip
         except web.HTTPException as error:
             return web.json_response(_openai_error(error.reason, "invalid_request_error", None, error.status), status=error.status)
+        except Exception:  # a defect: logged here with its traceback, never sent to the client
+            log.exception("HTTP %s %s failed", request.method, request.path)
+            return web.json_response(_openai_error("internal error", "internal_error", None, 500), status=500)
 
 
 async def _json_body(request: web.Request, max_body_bytes: int) -> dict[str, Any]:
@@ -231,54 +245,73 @@ def _finish_reason(result: GenerationResult | None) -> str | None:
 
 
 class _Shape:
-    """How one endpoint's responses look: whole, and as stream chunks."""
+    """How one endpoint's responses look, whole and as stream chunks, for one request."""
 
     object_whole: str
     object_chunk: str
     id_prefix: str
 
+    def __init__(self, token_text: TokenText, *, wants_logprobs: bool):
+        self._token_text = token_text
+        self._wants_logprobs = wants_logprobs
+
     def _base(self, context: _Context, kind: str) -> dict:
         return {"id": f"{self.id_prefix}-{context.request_id}", "object": kind, "created": context.created, "model": context.model}
 
-    def whole(self, context: _Context, text: str, result: GenerationResult) -> dict:
-        return {**self._base(context, self.object_whole), "choices": [self._whole_choice(text, result)], "usage": _usage(result)}
+    def whole(self, context: _Context, text: str, result: GenerationResult, logprobs: list[TokenLogprob]) -> dict:
+        choice = self._whole_choice(text, result, self._logprobs(logprobs))
+        return {**self._base(context, self.object_whole), "choices": [choice], "usage": _usage(result)}
 
     def first_chunk(self, context: _Context) -> dict:
-        return {**self._base(context, self.object_chunk), "choices": [self._chunk_choice("", None, first=True)]}
+        return {**self._base(context, self.object_chunk), "choices": [self._chunk_choice("", None, None, first=True)]}
 
-    def chunk(self, context: _Context, text: str, result: GenerationResult | None) -> dict:
-        return {**self._base(context, self.object_chunk), "choices": [self._chunk_choice(text, result, first=False)]}
+    def chunk(self, context: _Context, text: str, result: GenerationResult | None, logprobs: list[TokenLogprob]) -> dict:
+        choice = self._chunk_choice(text, result, self._logprobs(logprobs), first=False)
+        return {**self._base(context, self.object_chunk), "choices": [choice]}
 
     def usage_chunk(self, context: _Context, result: GenerationResult) -> dict:
         return {**self._base(context, self.object_chunk), "choices": [], "usage": _usage(result)}
 
-    def _whole_choice(self, text: str, result: GenerationResult) -> dict:
+    def _logprobs(self, items: list[TokenLogprob]) -> dict | None:
         raise NotImplementedError
 
-    def _chunk_choice(self, text: str, result: GenerationResult | None, *, first: bool) -> dict:
+    def _whole_choice(self, text: str, result: GenerationResult, logprobs: dict | None) -> dict:
+        raise NotImplementedError
+
+    def _chunk_choice(self, text: str, result: GenerationResult | None, logprobs: dict | None, *, first: bool) -> dict:
         raise NotImplementedError
 
 
 class _ChatShape(_Shape):
     object_whole, object_chunk, id_prefix = "chat.completion", "chat.completion.chunk", "chatcmpl"
 
-    def _whole_choice(self, text: str, result: GenerationResult) -> dict:
-        message = {"role": "assistant", "content": text}
-        return {"index": 0, "message": message, "logprobs": None, "finish_reason": _finish_reason(result)}
+    def _logprobs(self, items: list[TokenLogprob]) -> dict | None:
+        return chat_logprobs(items, self._token_text) if self._wants_logprobs else None
 
-    def _chunk_choice(self, text: str, result: GenerationResult | None, *, first: bool) -> dict:
+    def _whole_choice(self, text: str, result: GenerationResult, logprobs: dict | None) -> dict:
+        message = {"role": "assistant", "content": text}
+        return {"index": 0, "message": message, "logprobs": logprobs, "finish_reason": _finish_reason(result)}
+
+    def _chunk_choice(self, text: str, result: GenerationResult | None, logprobs: dict | None, *, first: bool) -> dict:
         delta = {"role": "assistant", "content": ""} if first else ({"content": text} if text else {})
-        return {"index": 0, "delta": delta, "logprobs": None, "finish_reason": _finish_reason(result)}
+        return {"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": _finish_reason(result)}
 
 
 class _CompletionShape(_Shape):
     object_whole, object_chunk, id_prefix = "text_completion", "text_completion", "cmpl"
 
-    def _whole_choice(self, text: str, result: GenerationResult) -> dict:
-        return {"index": 0, "text": text, "logprobs": None, "finish_reason": _finish_reason(result)}
+    def __init__(self, token_text: TokenText, *, wants_logprobs: bool):
+        super().__init__(token_text, wants_logprobs=wants_logprobs)
+        self._completion_logprobs = CompletionLogprobs(token_text)
 
-    def _chunk_choice(self, text: str, result: GenerationResult | None, *, first: bool) -> dict:
-        return {"index": 0, "text": text, "logprobs": None, "finish_reason": _finish_reason(result)}
+    def _logprobs(self, items: list[TokenLogprob]) -> dict | None:
+        return self._completion_logprobs.of(items) if self._wants_logprobs else None
+
+    def _whole_choice(self, text: str, result: GenerationResult, logprobs: dict | None) -> dict:
+        return {"index": 0, "text": text, "logprobs": logprobs, "finish_reason": _finish_reason(result)}
+
+    def _chunk_choice(self, text: str, result: GenerationResult | None, logprobs: dict | None, *, first: bool) -> dict:
+        return {"index": 0, "text": text, "logprobs": logprobs, "finish_reason": _finish_reason(result)}
 
 
 class HttpServer:
@@ -297,10 +330,12 @@ class HttpServer:
         await self._runner.cleanup()
 
 
-async def start_http_server(servicer: GatewayServicer, host: str, port: int, *, max_body_bytes: int) -> HttpServer:
+async def start_http_server(
+    servicer: GatewayServicer, detokenizer: Detokenizer, host: str, port: int, *, max_body_bytes: int
+) -> HttpServer:
     """Bound and serving on return. The port is shared by the gateway's workers (SO_REUSEPORT),
     as the gRPC one is."""
-    api = OpenAIHttpApi(servicer, max_body_bytes=max_body_bytes)
+    api = OpenAIHttpApi(servicer, detokenizer, max_body_bytes=max_body_bytes)
     # handler_cancellation: a client that disconnects cancels its handler, so its generation
     # closes and inference aborts the request (frees its KV blocks).
     runner = web.AppRunner(api.app(), handler_cancellation=True, access_log=None)

@@ -33,9 +33,11 @@ def chat_params(body: dict[str, Any]) -> gateway_pb2.GenerateParams:
     if max_tokens is None:
         max_tokens = _optional(body, "max_tokens", int)
     if max_tokens is not None:
-        params.sampling.max_tokens = max_tokens
+        _assign(params.sampling, "max_tokens", max_tokens)
     if _optional(body, "logprobs", bool):
-        raise InvalidArgument("logprobs", "not supported on the HTTP API yet (the gRPC API returns them)")
+        _assign(params.sampling, "logprobs", _optional(body, "top_logprobs", int) or 0, param="top_logprobs")
+    elif _optional(body, "top_logprobs", int):
+        raise InvalidArgument("top_logprobs", "needs logprobs: true")
     return params
 
 
@@ -50,6 +52,8 @@ def completion_params(body: dict[str, Any]) -> gateway_pb2.GenerateParams:
     elif isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
         if any(t < 0 for t in prompt):
             raise InvalidArgument("prompt", "token ids must be >= 0")
+        if any(t >= 1 << 32 for t in prompt):
+            raise InvalidArgument("prompt", "token ids must be below 2^32")
         params.prompt_token_ids.token_ids.extend(prompt)
     elif isinstance(prompt, list) and len(prompt) > 1:
         raise InvalidArgument("prompt", f"one prompt per request here, got {len(prompt)}")
@@ -57,9 +61,10 @@ def completion_params(body: dict[str, Any]) -> gateway_pb2.GenerateParams:
         raise InvalidArgument("prompt", "must be a string, a list of token ids, or a list of one of those")
     max_tokens = _optional(body, "max_tokens", int)
     if max_tokens is not None:
-        params.sampling.max_tokens = max_tokens
-    if _optional(body, "logprobs", int) is not None:
-        raise InvalidArgument("logprobs", "not supported on the HTTP API yet (the gRPC API returns them)")
+        _assign(params.sampling, "max_tokens", max_tokens)
+    logprobs = _optional(body, "logprobs", int)
+    if logprobs is not None:
+        _assign(params.sampling, "logprobs", logprobs)
     if _optional(body, "echo", bool):
         raise InvalidArgument("echo", "echoing the prompt is not supported")
     return params
@@ -79,10 +84,10 @@ def _common_params(body: dict[str, Any]) -> gateway_pb2.GenerateParams:
             setattr(sampling, name, float(value))
     for name in ("top_k", "seed", "min_tokens", "n"):
         value = _optional(body, name, int)
+        if name == "top_k" and value is not None and value < 0:
+            value = 0  # vLLM's -1: no limit
         if value is not None:
-            setattr(sampling, name, value)
-    if sampling.HasField("top_k") and sampling.top_k < 0:
-        sampling.top_k = 0  # vLLM's -1: no limit
+            _assign(sampling, name, value)
     if _optional(body, "ignore_eos", bool):
         sampling.ignore_eos = True
     stop = body.get("stop")
@@ -96,6 +101,14 @@ def _common_params(body: dict[str, Any]) -> gateway_pb2.GenerateParams:
     if _optional(body, "response_format", dict) not in (None, {"type": "text"}):
         raise InvalidArgument("response_format", "structured outputs are not supported yet: only {\"type\": \"text\"}")
     return params
+
+
+def _assign(message: Any, name: str, value: int, *, param: str | None = None) -> None:
+    """Set an unsigned protobuf field, refusing what it cannot hold (negative, too large)."""
+    try:
+        setattr(message, name, value)
+    except ValueError:
+        raise InvalidArgument(param or name, f"must be a non-negative integer in range, got {value}") from None
 
 
 def _chat_message(message: Any, field: str) -> common_pb2.ChatMessage:
