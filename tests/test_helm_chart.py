@@ -33,6 +33,7 @@ from tests.helm_manifests import (  # noqa: E402
     container_env,
     expanded_args,
     flag_value,
+    merge_values,
     mode_values,
     named,
     of_kind,
@@ -130,7 +131,10 @@ def test_probes_ask_the_real_health_service_on_the_bound_port(rendered, mode):
         for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
             assert container[probe]["grpc"] == {"port": port, "service": SERVICE_NAMES[container["name"]]}, probe
         ports_by_name = {p["name"].removeprefix("pre-"): p["containerPort"] for p in container["ports"]}
-        assert ports_by_name == {"grpc": port, "metrics": int(flag_value(args, "--metrics-port"))}
+        expected = {"grpc": port, "metrics": int(flag_value(args, "--metrics-port"))}
+        if container["name"] == "gateway":  # and its OpenAI-compatible HTTP API
+            expected["http"] = int(flag_value(args, "--http-port"))
+        assert ports_by_name == expected
 
 
 @modes
@@ -243,7 +247,18 @@ def test_only_the_gateway_is_open_to_everyone(rendered, mode):
         if "from" not in rule
         for port in rule["ports"]
     ]
-    assert open_ports == [("rel-llmserve-gateway", 50051)]
+    assert open_ports == [("rel-llmserve-gateway", 50051), ("rel-llmserve-gateway", 8000)]  # gRPC, HTTP
+
+
+def test_the_gateways_http_api_is_on_its_public_service_and_can_be_turned_off(rendered):
+    service = named(rendered["default"], "Service", "rel-llmserve-gateway")
+    assert [(p["name"], p["port"], p["targetPort"]) for p in service["spec"]["ports"]] == [
+        ("grpc", 50051, "grpc"), ("http", 8000, "http"),
+    ]  # fmt: skip
+    docs = render_values(merge_values(mode_values("default"), {"gateway": {"httpPort": None}}))
+    gateway = next(pod for pod in pod_templates(docs) if pod.workload.endswith("-gateway")).container("gateway")
+    assert "--http-port" not in gateway["args"] and "http" not in {p["name"] for p in gateway["ports"]}
+    assert [p["name"] for p in named(docs, "Service", "rel-llmserve-gateway")["spec"]["ports"]] == ["grpc"]
 
 
 def test_inference_gets_a_gpu_by_default(rendered):

@@ -64,7 +64,7 @@ from tests.procs import free_port  # noqa: E402
 pytestmark = pytest.mark.slow
 
 LOOPBACK = "127.0.0.1"
-PORT_FLAGS = ("--port", "--metrics-port", "-p")
+PORT_FLAGS = ("--port", "--metrics-port", "--http-port", "-p")
 PROBE_POLL_S = 1.0  # the kubelet asks every periodSeconds; polling faster only starts the test sooner
 RPC_TIMEOUT_S = 120
 

@@ -19,6 +19,10 @@
     - {{ $v.downstreamReadyTimeoutSeconds | quote }}
     - --workers
     - {{ $v.workers | quote }}
+    {{- if $v.httpPort }}
+    - --http-port
+    - {{ $v.httpPort | quote }}
+    {{- end }}
     - --routing
     - {{ $v.routing }}
     {{- if include "llmserve.hasRoutingRedis" . }}
@@ -29,7 +33,7 @@
     {{- toYaml . | nindent 4 }}
     {{- end }}
   {{- include "llmserve.env" (dict "root" .) | nindent 2 }}
-  {{- include "llmserve.ports" (dict "grpcName" "grpc" "port" $v.port "metricsName" "metrics" "metricsPort" .Values.metrics.port) | nindent 2 }}
+  {{- include "llmserve.ports" (dict "grpcName" "grpc" "port" $v.port "metricsName" "metrics" "metricsPort" .Values.metrics.port "httpPort" $v.httpPort) | nindent 2 }}
   {{- include "llmserve.grpcProbes" (dict "port" $v.port "service" "llmserve.v1.GatewayService" "startupTimeoutSeconds" $v.startupTimeoutSeconds) | nindent 2 }}
   {{- include "llmserve.preStop" $v.drain | nindent 2 }}
   resources:

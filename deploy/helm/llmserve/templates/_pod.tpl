@@ -184,6 +184,11 @@ ports:
   - name: {{ .metricsName }}
     containerPort: {{ .metricsPort }}
     protocol: TCP
+{{- if .httpPort }}
+  - name: http
+    containerPort: {{ .httpPort }}
+    protocol: TCP
+{{- end }}
 {{- end }}
 
 {{/* nodeSelector, tolerations and affinity of one component's values. */}}
