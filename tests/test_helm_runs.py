@@ -30,6 +30,7 @@ host's IPC namespace for their /dev/shm.
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import signal
@@ -286,6 +287,15 @@ def _ask_the_gateway(docs: list[dict], loopback: Loopback) -> gateway_pb2.Genera
         )
 
 
+def _http_models(docs: list[dict], loopback: Loopback) -> list[str]:
+    """The model ids the gateway's OpenAI HTTP API lists, through the public Service's http port."""
+    service = next(s for s in of_kind(docs, "Service") if s["metadata"]["name"].endswith("-gateway"))
+    (port,) = [p["port"] for p in service["spec"]["ports"] if p["name"] == "http"]
+    address = loopback.service_address(service["metadata"]["name"], port)
+    with urllib.request.urlopen(f"http://{address}/v1/models", timeout=RPC_TIMEOUT_S) as answer:
+        return [model["id"] for model in json.loads(answer.read())["data"]]
+
+
 def _scrape(pod: LocalPod, container: dict) -> str:
     (port,) = [p["containerPort"] for p in container["ports"] if p["name"].endswith("metrics")]
     with urllib.request.urlopen(f"http://{LOOPBACK}:{pod.ports[port]}/metrics", timeout=10) as response:
@@ -343,6 +353,7 @@ def _serve_and_stop(docs: list[dict], default_model_dir: Path, tmp_path: Path, c
 
         response = _ask_the_gateway(docs, loopback)
         assert "Paris" in response.text, response.text
+        assert _http_models(docs, loopback) == ["smollm2-135m-instruct"]  # the default model's name
 
         for pod in pods:
             for container in pod.template.containers:
