@@ -57,7 +57,7 @@ $(PROTO_OUT)/.built: $(PROTO_SRC) $(VENV)/.installed
 proto-baseline: $(VENV)/.installed  ## Refresh protos/buf-baseline.json from protos/ (an intended break)
 	$(VENV)/bin/buf build --exclude-source-info -o '-#format=json' | $(PY) -m json.tool --indent 1 > protos/buf-baseline.json
 
-serve: setup  ## Serve the default model (SmolLM2-135M-Instruct) on localhost:50051
+serve: setup  ## Serve the default model (SmolLM2-135M-Instruct) (gRPC on localhost:50051, OpenAI HTTP on :8000)
 	$(VENV)/bin/llmserve serve $(SERVE_ARGS)
 
 test: setup  ## Run the whole test suite (starts real servers on loopback)
