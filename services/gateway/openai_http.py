@@ -12,8 +12,8 @@ the same validation, GenerationPipeline, routing, admission and metrics as gRPC.
 Every answer carries `x-request-id` (the id the gateway logs the request under). Errors are
 OpenAI's shape, `{"error": {"message", "type", "param", "code"}}`, with the status clients expect:
 400 a bad field (named in `param`), 404 an unknown model, 413 a body over the limit (refused as it
-is read, not after), 429 with `Retry-After` from admission, 503 unavailable or draining, 504 the
-deadline. A client that disconnects cancels its handler (handler_cancellation), which closes
+is read, not after), 429 with `Retry-After` from admission, 503 unavailable or draining, 504 a
+deadline (none is read from an HTTP request yet). A client that disconnects cancels its handler (handler_cancellation), which closes
 its generation: the inference request is aborted and its KV blocks freed, as for a gRPC cancel.
 Logprobs come in each endpoint's shape (openai_logprobs.py). Not there yet (issue 21): n > 1,
 several prompts per request, structured outputs.
