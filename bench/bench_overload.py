@@ -74,6 +74,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                              "(default: one attempt per request)")
     parser.add_argument("--warmup-requests", type=int, default=32, help="(default: %(default)s)")
     parser.add_argument("--configs", default=",".join(CONFIGS), help="(default: %(default)s)")
+    parser.add_argument("--runs", type=int, default=1,
+                        help="run the configs this many times, interleaved, on one model; with 3 or more the "
+                             "summary gives min/median/max per config (default: %(default)s)")
     parser.add_argument("--inference-arg", action="append", default=[], metavar="FLAGS",
                         help="flag(s) for the inference service, shell-split, repeatable")
     parser.add_argument("--out-dir", type=Path, default=REPO_ROOT / "bench" / "results")
@@ -119,6 +122,7 @@ class ConfigResult:
     num_ok_after_retry: int = 0
     window_s: float = 0.0  # from the burst until its last request ended
     refusal_examples: list[str] = field(default_factory=list)  # the first, the middle and the last refused
+    run: int = 1  # of --runs
 
     @property
     def num_refused(self) -> int:
@@ -294,16 +298,41 @@ def run_config(config: str, args, model_dir: Path, log_dir: Path) -> ConfigResul
 
 
 def format_table(results: list[ConfigResult]) -> str:
-    header = ["config", "requests", "OK", "OK after a retry", "attempts", "refused", "with RetryInfo", "hints ms (min/median/max, distinct)",
+    header = ["config #run", "requests", "OK", "OK after a retry", "attempts", "refused", "with RetryInfo", "hints ms (min/median/max, distinct)",
               "admitted, past deadline", "other errors", "engine busy (window s)", "TTFT p50 s", "E2E p50 s", "E2E max OK s"]
     lines = ["| " + " | ".join(header) + " |", "|" + " --- |" * len(header)]
     for r in results:
         hints = r.retry_hints_ms
         hint_text = f"{hints['min']}/{hints['median']:.0f}/{hints['max']}, {hints['distinct']}" if hints else "-"
-        cells = [r.config, r.num_requests, r.num_ok, r.num_ok_after_retry, r.num_attempts, f"{r.num_refused} {r.refused_by_status}",
+        cells = [f"{r.config} #{r.run}", r.num_requests, r.num_ok, r.num_ok_after_retry, r.num_attempts, f"{r.num_refused} {r.refused_by_status}",
                  r.num_refusals_with_retry_info, hint_text, r.num_admitted_past_deadline, r.other_errors or "-",
                  f"{r.busy_fraction:.0%} ({r.window_s:.1f})", _seconds(r.ttft_p50_s), _seconds(r.e2e_p50_s), _seconds(r.e2e_max_ok_s)]
         lines.append("| " + " | ".join(str(c) for c in cells) + " |")
+    return "\n".join(lines)
+
+
+SPREAD_FIELDS = ("num_ok", "num_refused", "num_admitted_past_deadline", "busy_fraction", "window_s")
+
+
+def spread(results: list[ConfigResult]) -> dict:
+    """Min, median and max over a config's runs of each SPREAD_FIELDS number."""
+    spreads = {}
+    for name in SPREAD_FIELDS:
+        values = sorted(getattr(r, name) for r in results)
+        spreads[name] = {"min": values[0], "median": statistics.median(values), "max": values[-1]}
+    return spreads
+
+
+def format_spreads(spreads: dict[str, dict]) -> str:
+    header = ["config", *(f"{name} min/median/max" for name in SPREAD_FIELDS)]
+    lines = ["| " + " | ".join(header) + " |", "|" + " --- |" * len(header)]
+    for config, of_config in spreads.items():
+        cells = [config]
+        for name in SPREAD_FIELDS:
+            values = of_config[name]
+            fmt = "{:.0%}" if name == "busy_fraction" else "{:.1f}" if name == "window_s" else "{:g}"
+            cells.append("/".join(fmt.format(values[key]) for key in ("min", "median", "max")))
+        lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
 
@@ -333,17 +362,27 @@ def main(argv=None) -> None:
             from llmserve.tools.model_store import resolve_model
 
             args.model = resolve_model(None)
-        for config in args.configs:
-            results[config] = run_config(config, args, args.model, Path(log_dir))
-    feasible = feasible_refusals(results)
+        for run in range(1, args.runs + 1):
+            for config in args.configs:
+                result = run_config(config, args, args.model, Path(log_dir))
+                result.run = run
+                results[(run, config)] = result
+    runs = [{config: results[(run, config)] for config in args.configs} for run in range(1, args.runs + 1)]
+    feasible = [feasible_refusals(of_run) for of_run in runs]
     print()
     print(format_table(list(results.values())))
-    if feasible is not None:
-        print(f"\nrefusals that would have met their deadline: {feasible['num']} "
-              f"({feasible['fraction_of_refusals']:.1%} of the refusals; target <= {TARGET_FEASIBLE_REFUSALS:.0%})")
+    for run, of_run in enumerate(feasible, 1):
+        if of_run is not None:
+            print(f"run {run}: refusals that would have met their deadline: {of_run['num']} "
+                  f"({of_run['fraction_of_refusals']:.1%} of the refusals; target <= {TARGET_FEASIBLE_REFUSALS:.0%})")
+    spreads = {config: spread([results[(run, config)] for run in range(1, args.runs + 1)]) for config in args.configs}
+    if args.runs >= 3:
+        print()
+        print(format_spreads(spreads))
     settings = {key: str(value) if isinstance(value, Path) else value for key, value in vars(args).items()}
-    report = {"settings": settings, "results": {c: {**asdict(r), "num_refused": r.num_refused} for c, r in results.items()},
-              "feasible_refusals": feasible, "target_busy_fraction": TARGET_BUSY_FRACTION}
+    report = {"settings": settings,
+              "results": [{**asdict(r), "num_refused": r.num_refused} for r in results.values()],
+              "feasible_refusals": feasible, "spread": spreads, "target_busy_fraction": TARGET_BUSY_FRACTION}
     path = args.out_dir / f"overload-{time.strftime('%Y%m%d-%H%M%S')}.json"
     path.write_text(json.dumps(report, indent=2) + "\n")
     print(f"wrote {path}")
