@@ -238,6 +238,9 @@ def output_to_pb(output: EngineOutput) -> inference_pb2.GenerateTokensResponse:
 def output_from_pb(request_id: str, response: inference_pb2.GenerateTokensResponse) -> EngineOutput:
     """What the gateway reads of an inference output: tokens, logprobs, how it ended, and the
     usage and timings of the last one."""
+    if not response.finish_reason and not response.logprobs:
+        # The common case, a step's tokens mid-sequence: the rest is unset (read per token).
+        return EngineOutput(request_id, response.sequence_index, list(response.token_ids))
     return EngineOutput(
         request_id=request_id,
         sequence_index=response.sequence_index,

@@ -73,6 +73,9 @@ class DetokenizerStream:
     prefix_offset: int = 0
     read_offset: int = 0
     clean_up: CleanUpStream | None = None  # the model's space clean-up, if its rule has one
+    # The text of tokens[prefix_offset:read_offset], decoded once per window move rather than
+    # at every push (None: not decoded yet for this window).
+    _emitted_text: str | None = None
 
     def push(self, new_token_ids: Sequence[int]) -> str:
         """Add tokens; return the newly completed text ("" while a character is incomplete)."""
@@ -87,8 +90,9 @@ class DetokenizerStream:
 
     def _completed_text(self) -> str:
         end = len(self.token_ids)
-        if not self._decode(self.prefix_offset, end).endswith(REPLACEMENT_CHAR):
-            return self._advance_to(end)
+        full_text = self._decode(self.prefix_offset, end)
+        if not full_text.endswith(REPLACEMENT_CHAR):
+            return self._advance_to(end, full_text)
         if end - self.read_offset <= MAX_HELD_BACK_TOKENS:
             return ""  # the incomplete character's remaining bytes may still come
         # A chunk of several tokens ending mid-character: the text before the last
@@ -98,14 +102,19 @@ class DetokenizerStream:
     def _decode(self, start: int, end: int) -> str:
         return self.detokenizer.decode_window(self.token_ids[start:end])
 
-    def _advance_to(self, end: int) -> str:
-        """Emit the text of tokens[read_offset:end] and move the window there."""
-        emitted_text = self._decode(self.prefix_offset, self.read_offset)
-        full_text = self._decode(self.prefix_offset, end)
+    def _advance_to(self, end: int, full_text: str | None = None) -> str:
+        """Emit the text of tokens[read_offset:end] and move the window there (`full_text`: that
+        of tokens[prefix_offset:end], when the caller decoded it already)."""
+        if self._emitted_text is None:
+            self._emitted_text = self._decode(self.prefix_offset, self.read_offset)
+        emitted_text = self._emitted_text
+        if full_text is None:
+            full_text = self._decode(self.prefix_offset, end)
         if len(full_text) <= len(emitted_text):
             # Special tokens (skipped) or tokens without text yet: nothing new to show, and the
             # window must not move past tokens whose text was never emitted.
             return ""
         self.prefix_offset = self.read_offset
         self.read_offset = end
+        self._emitted_text = None
         return full_text[len(emitted_text) :]

@@ -147,45 +147,39 @@ class GenerationPipeline:
         self, route: RouteDecision, request: GenerationRequest, prompt: PreparedPrompt, time_remaining: TimeRemaining
     ) -> AsyncIterator[GenerationDelta]:
         """The request on the route's replica, counted in flight there (its prefill queued until
-        its first token)."""
+        its first token). One generator for both: every layer of `async for ... yield` between
+        the replica's buffer and the client's stream is paid per message."""
         with route.replica.dispatched(route.prefill_blocks) as dispatch:
-            async with aclosing(self._generate_on(route, request, prompt, time_remaining)) as deltas:
-                async for delta in deltas:
-                    if delta.token_ids:
+            stream = route.replica.client.generate(
+                request.request_id,
+                prompt,
+                sampling_for_inference(request.sampling, prompt.max_tokens),
+                timeout_s=time_remaining(),
+            )
+            state = _RequestState(
+                prompt=prompt,
+                route=route,
+                detokenizer=self._detokenizer.new_stream(prompt.token_ids),
+                stop_matcher=StopStringMatcher(request.sampling.stop),
+            )
+            is_finished_by_inference = False
+            try:
+                async for output in stream:
+                    is_finished_by_inference = output.is_finished
+                    if state.first_token_ns is None and output.new_token_ids:
                         dispatch.prefilled()
+                    delta = self._on_output(request, state, output)
+                    if delta.result is not None:
+                        _log_finished(request.request_id, delta.result)
+                        record_finished(delta.result, is_reported_by_inference=is_finished_by_inference)
                     yield delta
-
-    async def _generate_on(
-        self, route: RouteDecision, request: GenerationRequest, prompt: PreparedPrompt, time_remaining: TimeRemaining
-    ) -> AsyncIterator[GenerationDelta]:
-        stream = route.replica.client.generate(
-            request.request_id,
-            prompt,
-            sampling_for_inference(request.sampling, prompt.max_tokens),
-            timeout_s=time_remaining(),
-        )
-        state = _RequestState(
-            prompt=prompt,
-            route=route,
-            detokenizer=self._detokenizer.new_stream(prompt.token_ids),
-            stop_matcher=StopStringMatcher(request.sampling.stop),
-        )
-        is_finished_by_inference = False
-        try:
-            async for output in stream:
-                is_finished_by_inference = output.is_finished
-                delta = self._on_output(request, state, output)
-                if delta.result is not None:
-                    _log_finished(request.request_id, delta.result)
-                    record_finished(delta.result, is_reported_by_inference=is_finished_by_inference)
-                yield delta
-                if delta.result is not None:
-                    return
-            raise ServiceError(f"inference ended request {request.request_id} without a finish reason")
-        finally:
-            # Cancel, deadline, stop string or error: inference must not keep generating.
-            if not is_finished_by_inference:
-                stream.cancel()
+                    if delta.result is not None:
+                        return
+                raise ServiceError(f"inference ended request {request.request_id} without a finish reason")
+            finally:
+                # Cancel, deadline, stop string or error: inference must not keep generating.
+                if not is_finished_by_inference:
+                    stream.cancel()
 
     def _on_output(self, request: GenerationRequest, state: _RequestState, output: EngineOutput) -> GenerationDelta:
         now_ns = time.monotonic_ns()

@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Iterator
 import grpc
 from prometheus_client import Counter, Gauge, Histogram
 
+from llmserve.batched_histogram import BatchedHistogram
 from llmserve.errors import ServiceError
 from llmserve.sampling import FinishReason
 
@@ -49,6 +50,8 @@ INTER_TOKEN_LATENCY = Histogram(
     "Between consecutive tokens of a request: one observation per token after the first.",
     buckets=_TOKEN_GAP_BUCKETS_S,
 )
+# Observed per message: in batches (see BatchedHistogram), flushed at each request's end.
+_TOKEN_GAPS = BatchedHistogram(INTER_TOKEN_LATENCY)
 E2E_REQUEST_LATENCY = Histogram(
     _PREFIX + "e2e_request_latency_seconds", "Request accepted to its last message (finished requests).",
     buckets=_LATENCY_BUCKETS_S,
@@ -125,16 +128,14 @@ _ERRORS_BY_CODE = {code: REQUEST_ERRORS.labels(code.name) for code in grpc.Statu
 def record_first_tokens(time_to_first_token_ns: int, num_tokens: int) -> None:
     """The first chunk of a request's tokens: TTFT, and a zero gap for each token it carries past the first."""
     TIME_TO_FIRST_TOKEN.observe(time_to_first_token_ns / _NS_PER_S)
-    for _ in range(num_tokens - 1):
-        INTER_TOKEN_LATENCY.observe(0.0)
+    if num_tokens > 1:
+        _TOKEN_GAPS.observe(0.0, num_tokens - 1)
 
 
 def record_next_tokens(gap_ns: int, num_tokens: int) -> None:
     """A later chunk of `num_tokens` tokens, `gap_ns` after the previous one: the gap shared among
     its tokens, so the histogram's sum is first to last token and its count the tokens after the first."""
-    gap_s = gap_ns / _NS_PER_S / num_tokens
-    for _ in range(num_tokens):
-        INTER_TOKEN_LATENCY.observe(gap_s)
+    _TOKEN_GAPS.observe(gap_ns / _NS_PER_S / num_tokens, num_tokens)
 
 
 def record_finished(result: GenerationResult, *, is_reported_by_inference: bool) -> None:
@@ -214,6 +215,7 @@ def tracked_request(context: grpc.aio.ServicerContext) -> Iterator[RequestOutcom
             _FINISHED[outcome.finish_reason].inc()
     finally:
         STREAMS_IN_FLIGHT.dec()
+        _TOKEN_GAPS.flush()  # so that a scrape after the traffic stops sees all of it
 
 
 def _record_error(code: grpc.StatusCode) -> None:

@@ -64,7 +64,11 @@ class MultiplexedTokens:
         self._bounds = bounds
         self._outputs: list[inference_pb2.RequestOutput] = []  # arrived, not yet taken
         self._num_unsent_tokens = 0
-        # Fires max_unread_s after the first output that waits; cancelled when they are taken.
+        # loop.time() when the oldest output still waiting arrived (None: none waits). A timer
+        # checks it max_unread_s after it was armed and re-arms for what is left; a take only
+        # clears the time. Why not a timer per wait, cancelled at each take: at one output per
+        # step per request, its call_later and cancel cost more than the rest of the buffer.
+        self._first_unread_s: float | None = None
         self._unread_timer: asyncio.TimerHandle | None = None
         self._failure: ServiceError | None = None  # the connection broke: after what arrived
         self._overflow: ClientNotReading | None = None  # the bound: instead of what arrived
@@ -75,8 +79,8 @@ class MultiplexedTokens:
         """An output arrived (on the reader task); over the bound, abort the request."""
         if self._overflow is not None:
             return
-        if not self._outputs:
-            self._start_unread_timer()
+        if self._first_unread_s is None and self._bounds.max_unread_s > 0:
+            self._first_unread_s = self._arm_unread_timer()
         self._outputs.append(output)
         self._num_unsent_tokens += len(output.output.token_ids)
         if 0 < self._bounds.max_unsent_tokens < self._num_unsent_tokens:
@@ -87,22 +91,33 @@ class MultiplexedTokens:
         self._failure = error
         self._has_news.set()
 
-    def _start_unread_timer(self) -> None:
-        if self._bounds.max_unread_s > 0 and self._unread_timer is None:
-            self._unread_timer = asyncio.get_running_loop().call_later(self._bounds.max_unread_s, self._on_unread)
+    def _arm_unread_timer(self) -> float:
+        """Now (loop time), with the timer armed if it is not."""
+        loop = asyncio.get_running_loop()
+        if self._unread_timer is None:
+            self._unread_timer = loop.call_later(self._bounds.max_unread_s, self._on_unread)
+        return loop.time()
 
     def _stop_unread_timer(self) -> None:
+        self._first_unread_s = None
         if self._unread_timer is not None:
             self._unread_timer.cancel()
             self._unread_timer = None
 
     def _on_unread(self) -> None:
-        """The oldest waiting output waited max_unread_s: the handler's write has been blocked
-        that long on the client's full window."""
+        """max_unread_s since the timer was armed: if the oldest waiting output waited that long,
+        the handler's write has been blocked that long on the client's full window; if a younger
+        one waits, check again when it will have."""
         self._unread_timer = None
-        if self._overflow is None and not self._is_done:
-            self._overflow_with(ClientNotReading.unread_too_long(self._bounds.max_unread_s, self._num_unsent_tokens))
-            self._has_news.set()
+        if self._overflow is not None or self._is_done or self._first_unread_s is None:
+            return
+        loop = asyncio.get_running_loop()
+        waited_s = loop.time() - self._first_unread_s
+        if waited_s < self._bounds.max_unread_s:
+            self._unread_timer = loop.call_later(self._bounds.max_unread_s - waited_s, self._on_unread)
+            return
+        self._overflow_with(ClientNotReading.unread_too_long(self._bounds.max_unread_s, self._num_unsent_tokens))
+        self._has_news.set()
 
     def _overflow_with(self, error: ClientNotReading) -> None:
         """Abort the request on the replica now; its stream ends with `error` once grpc lets it."""
@@ -113,28 +128,31 @@ class MultiplexedTokens:
         self._forget(self.request_id, True)
 
     async def __aiter__(self) -> AsyncIterator[EngineOutput]:
-        while not self._is_done:
-            await self._has_news.wait()
-            self._has_news.clear()
-            if self._overflow is not None:
-                self._is_done = True
-                raise self._overflow
-            outputs, error = self._take()
-            for output in outputs:
-                self._is_done = self._is_done or output.is_finished
-                yield output
-            if error is not None:
-                self._is_done = True
-                raise error
-            if self._failure is not None and not self._is_done:
-                raise self._failure
+        try:
+            while not self._is_done:
+                await self._has_news.wait()
+                self._has_news.clear()
+                if self._overflow is not None:
+                    self._is_done = True
+                    raise self._overflow
+                outputs, error = self._take()
+                for output in outputs:
+                    self._is_done = self._is_done or output.is_finished
+                    yield output
+                if error is not None:
+                    self._is_done = True
+                    raise error
+                if self._failure is not None and not self._is_done:
+                    raise self._failure
+        finally:
+            self._stop_unread_timer()  # an armed timer would keep the ended request alive
 
     def _take(self) -> tuple[list[EngineOutput], ServiceError | None]:
         """What arrived since the last take, coalesced, and the status the replica ended the
         request with, if it did (only ever after the outputs before it)."""
         taken, self._outputs = self._outputs, []
         self._num_unsent_tokens = 0
-        self._stop_unread_timer()
+        self._first_unread_s = None  # the armed timer, if any, finds nothing waiting or re-arms
         outputs, error = [], None
         for output in taken:
             if output.error_status:
