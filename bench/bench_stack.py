@@ -13,8 +13,9 @@ Paths (each on a fresh engine: the same weights, the same engine flags):
   grpc     inference over gRPC: `python -m llmserve.inference` (token ids in), driven by
            llmserve.tools.loadgen's workers calling GenerateTokens;
   gateway  full stack: preprocess + inference + gateway processes, driven by llmserve.tools.loadgen
-           (`llmserve bench`'s load generator) with text prompts of exactly --prompt-tokens
-           tokens (the server's prompt count is in the JSON as prompt_tokens_per_request).
+           (`llmserve bench`'s load generator) with the same prompts, sent as token ids or, with
+           --prompt-form text, as text that tokenizes to them (preprocess's whole work; the
+           server's prompt count is in the JSON as prompt_tokens_per_request).
 
 Workload: fixed --prompt-tokens, fixed --output-tokens with ignore_eos, greedy; at each of
 --streams, that many requests in flight (a new one starts as one finishes) until
@@ -27,6 +28,10 @@ at ~5 minutes in all on an H200 (model build and four engine start-ups included:
 --requests-per-stream for steadier numbers. On a CPU, compare paths with OMP_NUM_THREADS=1: the
 core loop runs torch's CPU kernels on the main thread, whose OpenMP team crawls on a small shared
 machine.
+
+--repeat K runs every cell K times on the same engine or stack (new prompts each time, the
+stream counts in turn), compares each path's repeat k with the core loop's repeat k, and adds a
+table of min/median/max over the repeats (a GPU result counts when it holds in 3 runs).
 
 Per (path, streams): output tok/s and its ratio to `core` at the same streams, TTFT p50/p99,
 ITL p50 and its ratio to `core` (llmserve.tools.loadgen.stats definitions, measured where the
@@ -135,6 +140,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     load.add_argument("--requests-per-stream", type=float, default=2.0, metavar="K",
                       help="requests per cell = this x streams, at least --min-requests (default: %(default)s)")
     load.add_argument("--min-requests", type=int, default=4, metavar="N", help="(default: %(default)s)")
+    load.add_argument("--repeat", type=int, default=1, metavar="K",
+                      help="run every cell K times on the same engine (new prompts each time), the stream counts "
+                      "in turn; with K >= 2 the report adds min/median/max per (path, streams) (default: %(default)s)")
+    load.add_argument("--prompt-form", choices=("token_ids", "text"), default="token_ids",
+                      help="how the gateway path sends prompts: token ids, or text that tokenizes to the same "
+                      "ids (preprocess tokenizes it: the served path's full work) (default: %(default)s)")
     load.add_argument("--warmup-output-tokens", type=int, default=16, metavar="N", help="(default: %(default)s)")
     load.add_argument("--client-processes", type=int, default=4, metavar="N",
                       help="loadgen worker processes for the grpc and gateway paths (default: %(default)s)")
@@ -266,10 +277,10 @@ def run_core(args, options, model_dir: Path, plans: stack_drivers.Plans, on_cell
     core = create_engine_core(engine_config(options, model_dir, ModelFiles.load(model_dir).model_name))
     on_cell("startup", None)
     stack_drivers.drive_core(core, plans.warmup.requests, max(args.streams), "warmup")
-    for streams in args.streams:
+    for repeat, cell in plans.in_order():
         window = InProcessWindow()
-        records = stack_drivers.drive_core(core, plans.cells[streams].requests, streams, f"cell{streams}")
-        on_cell(streams, window.measurement(records))
+        records = stack_drivers.drive_core(core, cell.requests, cell.streams, f"cell{cell.streams}")
+        on_cell(cell.streams, window.measurement(records), repeat)
 
 
 def run_async(args, options, model_dir: Path, plans: stack_drivers.Plans, on_cell) -> None:
@@ -281,11 +292,10 @@ def run_async(args, options, model_dir: Path, plans: stack_drivers.Plans, on_cel
         on_cell("startup", None)
         try:
             await stack_drivers.drive_async_engine(engine, plans.warmup.requests, max(args.streams), "warmup")
-            for streams in args.streams:
+            for repeat, cell in plans.in_order():
                 window = InProcessWindow()
-                records = await stack_drivers.drive_async_engine(
-                    engine, plans.cells[streams].requests, streams, f"cell{streams}")
-                on_cell(streams, window.measurement(records))
+                records = await stack_drivers.drive_async_engine(engine, cell.requests, cell.streams, f"cell{cell.streams}")
+                on_cell(cell.streams, window.measurement(records), repeat)
         finally:
             await engine.shutdown(drain_timeout_s=0.0)
 

@@ -34,6 +34,7 @@ from llmserve.v1 import common_pb2, inference_pb2, inference_pb2_grpc
 
 
 WARMUP_SEED_OFFSET = 1_000_003  # far from any cell's seed (--seed + streams)
+REPEAT_SEED_STRIDE = 100_003  # a repeat's cells: seeds this far from the previous repeat's
 
 
 @dataclass(frozen=True, slots=True)
@@ -44,21 +45,30 @@ class PlannedCell:
 
 
 class Plans:
-    """Every cell's requests and the warm-up's (max streams in flight, short outputs). A cell's
-    seed is --seed + its streams: its own prompts (no prefix-cache hits across cells), the same
-    on every path."""
+    """Every cell's requests and the warm-up's (max streams in flight, short outputs), by
+    (streams, repeat). A cell's seed is --seed + its streams + REPEAT_SEED_STRIDE x (repeat - 1):
+    its own prompts (no prefix-cache hits across cells or repeats), the same on every path. The
+    gateway path sends them as --prompt-form says (token ids, or text that tokenizes to them)."""
 
     def __init__(self, args, builder: PromptBuilder):
+        prompt_form = PromptForm(args.prompt_form)
+
         def cell(streams: int, num_requests: int, output_tokens: int, seed: int) -> PlannedCell:
             workload = WorkloadConfig(num_requests, LengthDistribution("fixed", args.prompt_tokens),
-                                      LengthDistribution("fixed", output_tokens), seed=seed,
-                                      prompt_form=PromptForm.TOKEN_IDS)  # the gateway path sends ids too
+                                      LengthDistribution("fixed", output_tokens), seed=seed, prompt_form=prompt_form)
             return PlannedCell(streams, workload, plan_requests(workload, builder))
 
         most = max(args.streams)
         self.warmup = cell(most, most, args.warmup_output_tokens, args.seed + WARMUP_SEED_OFFSET)
-        self.cells = {streams: cell(streams, max(args.min_requests, round(args.requests_per_stream * streams)),
-                                    args.output_tokens, args.seed + streams) for streams in args.streams}
+        self.cells = {
+            (streams, repeat): cell(streams, max(args.min_requests, round(args.requests_per_stream * streams)),
+                                    args.output_tokens, args.seed + streams + REPEAT_SEED_STRIDE * (repeat - 1))
+            for streams in args.streams for repeat in range(1, args.repeat + 1)
+        }
+
+    def in_order(self) -> list[tuple[int, PlannedCell]]:
+        """(repeat, cell): every stream count once per repeat, repeats one after the other."""
+        return [(repeat, planned) for (_, repeat), planned in sorted(self.cells.items(), key=lambda item: item[0][::-1])]
 
 
 def engine_request(planned: PlannedRequest, request_id: str) -> EngineRequest:

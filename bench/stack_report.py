@@ -1,10 +1,11 @@
-"""bench_stack.py's results: one row per (path, streams), ratios to the engine core loop, a
+"""bench_stack.py's results: one row per (path, streams, repeat), ratios to the engine core loop, a
 markdown table and the busiest threads on stdout, JSON (rewritten after every path), a PNG."""
 
 from __future__ import annotations
 
 import json
 import math
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -65,16 +66,16 @@ class Report:
 
     def cell_recorder(self, path: str, label: str):
         """on_cell("startup", None) once the path's engine or services are ready, then
-        on_cell(streams, measurement) per cell; each prints a progress line."""
+        on_cell(streams, measurement, repeat) per cell; each prints a progress line."""
         started = time.monotonic()
 
-        def on_cell(streams, cell: dict | None) -> None:
+        def on_cell(streams, cell: dict | None, repeat: int = 1) -> None:
             if cell is None:
                 self.startup_s[path] = significant(time.monotonic() - started, 3)
                 print(f"    ready in {self.startup_s[path]} s; warm-up", flush=True)
                 return
-            self.rows.append({"path": path, "label": label, "streams": streams, **cell})
-            print(f"    {streams:>4} streams: {cell['output_tokens_per_s']} out tok/s, "
+            self.rows.append({"path": path, "label": label, "streams": streams, "repeat": repeat, **cell})
+            print(f"    {streams:>4} streams (#{repeat}): {cell['output_tokens_per_s']} out tok/s, "
                   f"TTFT p50 {cell['ttft_p50_ms']} ms, ITL p50 {cell['itl_p50_ms']} ms, CPU% {cell['cpu_pct']}",
                   flush=True)
             self.write()
@@ -87,10 +88,11 @@ class Report:
         self.write()
 
     def with_ratios(self) -> list[dict]:
-        base = {row["streams"]: row for row in self.rows if row["path"] == BASELINE}
+        # A path's repeat k is compared with the core loop's repeat k (the same prompts).
+        base = {(row["streams"], row["repeat"]): row for row in self.rows if row["path"] == BASELINE}
         rows = []
         for row in self.rows:
-            core = base.get(row["streams"], {})
+            core = base.get((row["streams"], row["repeat"]), {})
             gateway_cores = (row["cpu_pct"].get("gateway") or 0) / 100
             rows.append({
                 **row,
@@ -102,8 +104,9 @@ class Report:
         return rows
 
     def write(self) -> None:
+        rows = self.with_ratios()
         report = {"settings": self.settings, "engine_options": self.engine_options, "startup_s": self.startup_s,
-                  "rows": self.with_ratios(), "errors": self.errors}
+                  "rows": rows, "spread": spreads(rows), "errors": self.errors}
         self.json_path.parent.mkdir(parents=True, exist_ok=True)
         self.json_path.write_text(json.dumps(report, indent=2, allow_nan=False) + "\n")
 
@@ -113,6 +116,9 @@ class Report:
         print(format_table(rows))
         print()
         print(format_threads(rows))
+        if any(row["repeat"] > 1 for row in rows):
+            print()
+            print(format_spreads(spreads(rows)))
         for path, error in self.errors.items():
             print(f"{path}: FAILED: {error}")
         self.write()
@@ -120,6 +126,43 @@ class Report:
         if plot and rows:
             written.append(write_plot(self.json_path.with_suffix(".png"), rows))
         print("wrote " + ", ".join(map(str, written)))
+
+
+# The row fields whose min/median/max over repeats the spread table gives.
+SPREAD_FIELDS = ("output_tokens_per_s", "output_ratio_vs_core", "ttft_p50_ms", "itl_p50_ms", "itl_ratio_vs_core",
+                 "gateway_tokens_per_s_per_core")
+SPREAD_CPU_ROLES = ("engine-core", "gateway")
+
+
+def spreads(rows: list[dict]) -> list[dict]:
+    """Per (path, streams): min/median/max over its repeats of SPREAD_FIELDS and of the CPU% of
+    SPREAD_CPU_ROLES (a field missing from a row, e.g. no gateway on the core path, is left out)."""
+    groups: dict[tuple[str, int], list[dict]] = {}
+    for row in rows:
+        groups.setdefault((row["path"], row["streams"]), []).append(row)
+    result = []
+    for (path, streams), group in groups.items():
+        values = {name: [row[name] for row in group] for name in SPREAD_FIELDS}
+        values.update({f"cpu_pct_{role}": [row["cpu_pct"].get(role) for row in group] for role in SPREAD_CPU_ROLES})
+        entry = {"path": path, "label": group[0]["label"], "streams": streams, "num_repeats": len(group)}
+        for name, found in values.items():
+            present = sorted(v for v in found if v is not None)
+            if present:
+                entry[name] = {"min": present[0], "median": significant(statistics.median(present)), "max": present[-1]}
+        result.append(entry)
+    return result
+
+
+def format_spreads(entries: list[dict]) -> str:
+    names = [*SPREAD_FIELDS, *(f"cpu_pct_{role}" for role in SPREAD_CPU_ROLES)]
+    header = ["path", "streams", "repeats", *(f"{name} min/med/max" for name in names)]
+    lines = ["| " + " | ".join(header) + " |", "|" + " --- |" * len(header)]
+    for entry in entries:
+        cells = [entry["label"], entry["streams"], entry["num_repeats"]]
+        cells += ["/".join(_cell(entry[name][key]) for key in ("min", "median", "max")) if name in entry else "-"
+                  for name in names]
+        lines.append("| " + " | ".join(str(c) for c in cells) + " |")
+    return "\n".join(lines)
 
 
 def _cell(value) -> str:

@@ -75,10 +75,10 @@ def run_services(path: str, args, options, model_dir: Path, plans: stack_drivers
     try:
         run(plans.warmup)
         with proc_cpu.CpuSampler(role_pids) as sampler:
-            for streams in args.streams:
-                result = run(plans.cells[streams])
+            for repeat, cell in plans.in_order():
+                result = run(cell)
                 summary = summarize(result.records, result.start_s, result.end_s)
                 time.sleep(1.5 * proc_cpu.SAMPLE_INTERVAL_S)  # a sample after the window: usage() brackets it
-                on_cell(streams, stack_report.measurement(summary, sampler.usage(result.start_s, result.end_s)))
+                on_cell(cell.streams, stack_report.measurement(summary, sampler.usage(result.start_s, result.end_s)), repeat)
     finally:
         stop_services(services)

@@ -1,7 +1,7 @@
 """EngineProcess: an EngineLoop in a process of its own, fed and drained through two pipes.
 
     server process (event loop)                           engine-core process
-    add_request/abort_request ─▶ sender thread ─pipe─▶  take_commands ─▶ EngineLoop
+    add_request/abort_request ─▶ CommandPipe ─pipe─▶  take_commands ─▶ EngineLoop
     deliver(CoreUpdate)           ◀─ loop.add_reader ◀pipe─  emit: one message per step
                                         (that step's outputs, load, cache changes, StepReport)
 
@@ -16,8 +16,9 @@ the dataclass (measured: 256 outputs, 46 µs vs 620 µs). Prefix-cache changes t
 were recorded, ints in tuples and lists (types.CacheEvent): an empty list in a step without
 any. The step's StepReport (its duration, period, batch size and tokens: four numbers) is what the server's
 metrics need beyond the outputs: every Prometheus object lives in the server process.
-Commands are pickled on a sender thread, so a full pipe (the core busy in a step) never
-blocks the event loop.
+Commands are pickled and written on the event loop by a CommandPipe (engine/command_pipe.py),
+which never blocks it: what a full pipe (the core busy in a step) does not take waits in a
+buffer flushed as room appears.
 
 The core is built in the child (weights, KV pool, CUDA graphs): the server process never
 imports torch's device state, and a CUDA context is never forked (the child is spawned).
@@ -34,16 +35,18 @@ import multiprocessing
 import pickle
 import signal
 import sys
-import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
 
 from llmserve.inference.engine.config import EngineConfig
-from llmserve.inference.engine.engine_loop import CoreUpdate, Deliver, Emit, EngineCommand, EngineLoop, Stop
+from llmserve.inference.engine.command_pipe import CommandPipe
+from llmserve.inference.engine.engine_loop import (
+    AbortRequest, AddRequest, CoreUpdate, Deliver, Emit, EngineCommand, EngineLoop, Stop,
+)
 from llmserve.engine_output import EngineOutput
 from llmserve.inference.engine.queued_client import QueuedCoreClient
-from llmserve.inference.engine.types import CacheEvent, EngineLoad, ModelInfo, StepReport
+from llmserve.inference.engine.types import CacheEvent, EngineLoad, EngineRequest, ModelInfo, StepReport
 from llmserve.observability import ObservabilityConfig
 from llmserve.server import configure_logging
 
@@ -91,7 +94,7 @@ class EngineProcess(QueuedCoreClient):
         output_writer.close()
         ready = self._wait_until_ready()
         super().__init__(ready.model_info, ready.load)
-        self._sender: threading.Thread | None = None
+        self._pipe: CommandPipe | None = None  # made by start, on the event loop
         self._is_running = False
 
     def _wait_until_ready(self) -> _Ready:
@@ -109,8 +112,7 @@ class EngineProcess(QueuedCoreClient):
     def start(self, loop: asyncio.AbstractEventLoop, deliver: Deliver) -> None:
         self._event_loop, self._deliver = loop, deliver
         loop.add_reader(self._output_reader.fileno(), self._on_readable)
-        self._sender = threading.Thread(target=self._send_commands, name="engine-commands", daemon=True)
-        self._sender.start()
+        self._pipe = CommandPipe(self._command_writer, loop)
         self._is_running = True
         log.info("engine core runs in process %d", self._process.pid)
 
@@ -121,13 +123,15 @@ class EngineProcess(QueuedCoreClient):
     async def stop(self) -> None:
         """Cancel every request in flight, then end the process and wait for it (off the event
         loop, which must keep running to receive the CANCELLED outputs)."""
-        self._commands.put(Stop())
-        await asyncio.to_thread(self._join)
+        self._pipe.send(Stop())
+        await asyncio.to_thread(self._process.join)
         self._is_running = False
 
-    def _join(self) -> None:
-        self._sender.join()
-        self._process.join()
+    def add_request(self, request: EngineRequest) -> None:
+        self._pipe.send(AddRequest(request))
+
+    def abort_request(self, request_id: str) -> None:
+        self._pipe.send(AbortRequest(request_id))
 
     def _on_readable(self) -> None:
         update = CoreUpdate([], [], [])
@@ -149,20 +153,6 @@ class EngineProcess(QueuedCoreClient):
         self._event_loop.remove_reader(self._output_reader.fileno())
         update.core_failure = "the engine-core process died"
         self._is_running = False
-
-    # --- the sender thread --------------------------------------------------------------------
-
-    def _send_commands(self) -> None:
-        """Pipe every command up to Stop, the last one the loop reads."""
-        while True:
-            command = self._commands.get()
-            try:
-                self._command_writer.send(command)
-            except (BrokenPipeError, OSError):
-                log.warning("engine-core process is gone; dropping commands")
-                return
-            if isinstance(command, Stop):
-                return
 
 
 # --- the engine-core process ----------------------------------------------------------------

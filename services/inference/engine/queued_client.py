@@ -2,9 +2,9 @@
 loop on a thread of the server process) and EngineProcess (in a process of its own).
 
 Both take commands on the event loop without waiting: add_request and abort_request put them
-on a queue that the other side drains (the engine thread itself; the process's sender thread,
-which pipes them on), and load() answers the latest snapshot the loop reported, never asking
-the core.
+on a queue that the engine thread drains (EngineProcess writes them into its pipe instead:
+engine/command_pipe.py), and load() answers the latest snapshot the loop reported, never
+asking the core.
 """
 
 from __future__ import annotations
