@@ -232,6 +232,51 @@ def test_stop_string_truncates_and_aborts_inference(gateway, inference):
     assert unary.result.finish_reason == common_pb2.FINISH_REASON_STOP
 
 
+def test_n_sequences_stream_interleaved_and_agree_with_unary(gateway, inference):
+    """sampling.n = 3: the stream carries each sequence's messages (sequence_index) and ends after
+    each one's result; Generate returns them all in `sequences` (sequence 0 also at the top)."""
+    request = prompt_params("Once upon a time", n=3, max_tokens=10, temperature=1.0, seed=7, ignore_eos=True,
+                            return_token_ids=True)
+    unary = generate(gateway, request)
+    assert [sequence.sequence_index for sequence in unary.sequences] == [0, 1, 2]
+    for sequence in unary.sequences:
+        assert sequence.result.finish_reason == common_pb2.FINISH_REASON_LENGTH
+        assert sequence.result.usage.completion_tokens == len(sequence.token_ids) == 10
+    assert (unary.text, list(unary.token_ids), unary.result) == (
+        unary.sequences[0].text, list(unary.sequences[0].token_ids), unary.sequences[0].result)
+    assert len({tuple(sequence.token_ids) for sequence in unary.sequences}) > 1  # sampled, not copies
+
+    messages = collect_stream(gateway, request)
+    for sequence in unary.sequences:
+        mine = [m for m in messages if m.sequence_index == sequence.sequence_index]
+        assert "".join(m.text for m in mine) == sequence.text
+        assert [t for m in mine for t in m.token_ids] == list(sequence.token_ids)
+        assert [m.HasField("result") for m in mine] == [False] * (len(mine) - 1) + [True]
+        assert mine[-1].result.usage.completion_tokens == 10
+    assert {m.sequence_index for m in messages} == {0, 1, 2}
+    wait_for_load(inference, lambda load: load.num_running == 0 and load.kv_blocks_used == 0)
+
+
+def test_a_stop_string_ends_every_sequence_it_matches(gateway, inference):
+    """Greedy n = 2: both sequences match the stop string at the same place; each ends with
+    STOP and the text before it, and the request is aborted on inference once."""
+    reference = generate(gateway, chat_params("Hi there", max_tokens=24, ignore_eos=True, **GREEDY))
+    middle = len(reference.text) // 2
+    stop = reference.text[middle : middle + 3]
+    expected_text = reference.text[: reference.text.index(stop)]
+    before = inference.GetLoad(inference_pb2.GetLoadRequest())
+    request = chat_params("Hi there", n=2, max_tokens=LONG_MAX_TOKENS, ignore_eos=True, stop=[stop], **GREEDY)
+    messages = collect_stream(gateway, request)
+    for index in (0, 1):
+        mine = [m for m in messages if m.sequence_index == index]
+        assert "".join(m.text for m in mine) == expected_text
+        assert mine[-1].result.finish_reason == common_pb2.FINISH_REASON_STOP
+        assert mine[-1].result.matched_stop == stop
+    wait_for_load(
+        inference, lambda load: load.num_running == 0 and load.num_aborted_total == before.num_aborted_total + 1
+    )
+
+
 def test_stop_string_absent_keeps_full_text(gateway):
     reference = generate(gateway, prompt_params("Hello", max_tokens=12, **GREEDY))
     response = generate(gateway, prompt_params("Hello", max_tokens=12, stop=["\x00never"], **GREEDY))
@@ -270,7 +315,7 @@ BAD_REQUESTS = [
     (prompt_params("Hello", temperature=-1.0), INVALID, "sampling.temperature: must be in [0, 100], got -1"),
     (prompt_params("Hello", top_p=0.0), INVALID, "sampling.top_p: must be in (0, 1], got 0"),
     (prompt_params("Hello", max_tokens=0), INVALID, "sampling.max_tokens: must be at least 1, got 0"),
-    (prompt_params("Hello", n=2), INVALID, "sampling.n: "),
+    (prompt_params("Hello", n=17), INVALID, "sampling.n: must be in [1, 16], got 17"),
     (gateway_pb2.GenerateParams(), INVALID, "input: set one of prompt, chat or prompt_token_ids"),
     (token_id_params([]), INVALID, "prompt_token_ids.token_ids: must not be empty"),
     (

@@ -201,3 +201,30 @@ def test_logprobs_come_in_each_endpoints_shape(client, model_name):
     )  # fmt: skip
     streamed_tokens = [t for c in streamed if c.choices and c.choices[0].logprobs for t in c.choices[0].logprobs.tokens]
     assert streamed_tokens == lists.tokens
+
+
+def test_n_choices_whole_and_streamed(client, model_name):
+    """n = 3: three choices (index 0-2), each ending on its own; the stream interleaves them and
+    says the same per index; usage counts every choice's tokens once the prompt."""
+    ask = dict(model=model_name, messages=QUESTION, temperature=1.0, seed=11, max_tokens=8, n=3,
+               extra_body={"ignore_eos": True})
+    whole = client.chat.completions.create(**ask)
+    assert [choice.index for choice in whole.choices] == [0, 1, 2]
+    assert all(choice.finish_reason == "length" for choice in whole.choices)
+    assert whole.usage.completion_tokens == 3 * 8
+    assert len({choice.message.content for choice in whole.choices}) > 1  # sampled, not copies
+
+    chunks = list(client.chat.completions.create(**ask, stream=True, stream_options={"include_usage": True}))
+    for choice in whole.choices:
+        mine = [c.choices[0] for c in chunks if c.choices and c.choices[0].index == choice.index]
+        assert mine[0].delta.role == "assistant"
+        assert "".join(part.delta.content or "" for part in mine) == choice.message.content
+        assert [part.finish_reason for part in mine][-1] == "length"
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 3 * 8
+
+    text = client.completions.create(model=model_name, prompt="The capital of France is", temperature=0, max_tokens=4,
+                                     n=2, logprobs=1)
+    assert [choice.index for choice in text.choices] == [0, 1]
+    assert text.choices[0].text == text.choices[1].text  # greedy: the same twice
+    for choice in text.choices:  # each choice's offsets start at 0
+        assert choice.logprobs.text_offset[0] == 0

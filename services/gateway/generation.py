@@ -77,12 +77,14 @@ class GenerationResult:
 
 @dataclass(slots=True)
 class GenerationDelta:
-    """Output of one inference message: the text it completed and the tokens behind it."""
+    """Output of one inference message for one sequence: the text it completed and the tokens
+    behind it."""
 
     text: str
     token_ids: list[int]
     logprobs: list[TokenLogprob] | None
-    result: GenerationResult | None = None  # set on the last delta
+    result: GenerationResult | None = None  # set on the sequence's last delta
+    sequence_index: int = 0  # which of the request's sampling.n sequences
 
 
 def sampling_for_inference(sampling: SamplingParams, max_tokens: int) -> SamplingParams:
@@ -94,16 +96,31 @@ def sampling_for_inference(sampling: SamplingParams, max_tokens: int) -> Samplin
 
 
 @dataclass(slots=True)
+class _SequenceState:
+    """One sequence's progress: its text so far is detokenized and checked for stop strings on
+    its own (sampling.n sequences interleave on one stream)."""
+
+    detokenizer: DetokenizerStream
+    stop_matcher: StopStringMatcher
+    num_completion_tokens: int = 0
+    last_token_ns: int = 0  # when its latest output with tokens came
+    result: GenerationResult | None = None  # set once it ended (later outputs are dropped)
+
+
+@dataclass(slots=True)
 class _RequestState:
     """Per-request progress while the inference stream is read."""
 
     prompt: PreparedPrompt
     route: RouteDecision
-    detokenizer: DetokenizerStream
-    stop_matcher: StopStringMatcher
-    num_completion_tokens: int = 0
+    sequences: list[_SequenceState]
     first_token_ns: int | None = None
-    last_token_ns: int = 0  # when the latest output with tokens came
+    num_ended: int = 0  # sequences with a result
+    num_finished_by_inference: int = 0  # sequences whose final output inference sent
+
+    @property
+    def is_done(self) -> bool:
+        return self.num_ended == len(self.sequences)
 
 
 class GenerationPipeline:
@@ -117,7 +134,8 @@ class GenerationPipeline:
     async def generate(
         self, request: GenerationRequest, time_remaining: TimeRemaining
     ) -> AsyncIterator[GenerationDelta]:
-        """Yield a delta per inference message; the last one has `result` set."""
+        """Yield a delta per inference message and sequence; each sequence's last one has
+        `result` set, and the iteration ends after the last sequence's."""
         prompt = await self._preprocess.preprocess(
             request.request_id,
             request.prompt_input,
@@ -156,63 +174,76 @@ class GenerationPipeline:
                 sampling_for_inference(request.sampling, prompt.max_tokens),
                 timeout_s=time_remaining(),
             )
-            state = _RequestState(
-                prompt=prompt,
-                route=route,
-                detokenizer=self._detokenizer.new_stream(prompt.token_ids),
-                stop_matcher=StopStringMatcher(request.sampling.stop),
-            )
-            is_finished_by_inference = False
+            state = _RequestState(prompt=prompt, route=route, sequences=[
+                _SequenceState(self._detokenizer.new_stream(prompt.token_ids), StopStringMatcher(request.sampling.stop))
+                for _ in range(request.sampling.n)
+            ])
             try:
                 async for output in stream:
-                    is_finished_by_inference = output.is_finished
+                    if output.is_finished:
+                        state.num_finished_by_inference += 1
                     if state.first_token_ns is None and output.new_token_ids:
                         dispatch.prefilled()
                     delta = self._on_output(request, state, output)
-                    if delta.result is not None:
-                        _log_finished(request.request_id, delta.result)
-                        record_finished(delta.result, is_reported_by_inference=is_finished_by_inference)
-                    yield delta
-                    if delta.result is not None:
+                    if delta is not None:
+                        yield delta
+                    if state.is_done:
+                        _record_request(request.request_id, state)
                         return
                 raise ServiceError(f"inference ended request {request.request_id} without a finish reason")
             finally:
                 # Cancel, deadline, stop string or error: inference must not keep generating.
-                if not is_finished_by_inference:
+                if state.num_finished_by_inference < len(state.sequences):
                     stream.cancel()
 
-    def _on_output(self, request: GenerationRequest, state: _RequestState, output: EngineOutput) -> GenerationDelta:
+    def _on_output(
+        self, request: GenerationRequest, state: _RequestState, output: EngineOutput
+    ) -> GenerationDelta | None:
+        """The delta of one output of one sequence; None for one whose sequence already ended
+        (a stop string matched while inference, which stops requests, not sequences, went on)."""
+        sequence = state.sequences[output.sequence_index]
+        if sequence.result is not None:
+            return None
         now_ns = time.monotonic_ns()
         if output.new_token_ids:
-            self._on_tokens(request, state, len(output.new_token_ids), now_ns)
-        text = state.detokenizer.push(output.new_token_ids)
+            self._on_tokens(request, state, sequence, len(output.new_token_ids), now_ns)
+        text = sequence.detokenizer.push(output.new_token_ids)
         if output.is_finished:
-            text += state.detokenizer.flush()
-        check = state.stop_matcher.push(text)
-        delta = GenerationDelta(text=check.text, token_ids=output.new_token_ids, logprobs=output.logprobs)
+            text += sequence.detokenizer.flush()
+        check = sequence.stop_matcher.push(text)
+        delta = GenerationDelta(text=check.text, token_ids=output.new_token_ids, logprobs=output.logprobs,
+                                sequence_index=output.sequence_index)
         if check.matched_stop is not None:
-            delta.result = self._result(request, state, output, FinishReason.STOP, check.matched_stop, now_ns)
+            delta.result = self._result(request, state, sequence, output, FinishReason.STOP, check.matched_stop, now_ns)
         elif output.is_finished:
             if output.finish_reason == FinishReason.ERROR:
                 raise ServiceError(f"inference failed on request {request.request_id}: {output.error_message}")
-            delta.text += state.stop_matcher.flush()
-            delta.result = self._result(request, state, output, output.finish_reason, None, now_ns)
+            delta.text += sequence.stop_matcher.flush()
+            delta.result = self._result(request, state, sequence, output, output.finish_reason, None, now_ns)
+        if delta.result is not None:
+            sequence.result = delta.result
+            state.num_ended += 1
         return delta
 
     @staticmethod
-    def _on_tokens(request: GenerationRequest, state: _RequestState, num_tokens: int, now_ns: int) -> None:
+    def _on_tokens(
+        request: GenerationRequest, state: _RequestState, sequence: _SequenceState, num_tokens: int, now_ns: int
+    ) -> None:
         if state.first_token_ns is None:
             state.first_token_ns = now_ns
             record_first_tokens(now_ns - request.arrival_ns, num_tokens)
-        else:
-            record_next_tokens(now_ns - state.last_token_ns, num_tokens)
-        state.last_token_ns = now_ns
-        state.num_completion_tokens += num_tokens
+        elif sequence.last_token_ns:
+            record_next_tokens(now_ns - sequence.last_token_ns, num_tokens)
+        else:  # another sequence's first tokens: counted from the request's first
+            record_next_tokens(now_ns - state.first_token_ns, num_tokens)
+        sequence.last_token_ns = now_ns
+        sequence.num_completion_tokens += num_tokens
 
     @staticmethod
     def _result(
         request: GenerationRequest,
         state: _RequestState,
+        sequence: _SequenceState,
         output: EngineOutput,
         finish_reason: FinishReason,
         matched_stop: str | None,
@@ -225,7 +256,7 @@ class GenerationPipeline:
             finish_reason=finish_reason,
             matched_stop=matched_stop,
             num_prompt_tokens=len(state.prompt.token_ids),
-            num_completion_tokens=state.num_completion_tokens,
+            num_completion_tokens=sequence.num_completion_tokens,
             num_cached_tokens=output.num_cached_tokens,
             queue_time_ns=output.queue_time_ns,
             preprocess_time_ns=state.prompt.preprocess_time_ns,
@@ -240,6 +271,16 @@ def _is_admission_refusal(error: DownstreamError) -> bool:
     """A replica's admission turned the request away (full KV pool, queue or step budget): it
     ran nothing, and another replica may have room."""
     return error.code == grpc.StatusCode.RESOURCE_EXHAUSTED
+
+
+def _record_request(request_id: str, state: _RequestState) -> None:
+    """Log and count a request once all its sequences ended: as its last sequence's result, with
+    the completion tokens of all of them."""
+    results = [sequence.result for sequence in state.sequences]
+    last = max(results, key=lambda result: result.total_time_ns)
+    summary = replace(last, num_completion_tokens=sum(result.num_completion_tokens for result in results))
+    _log_finished(request_id, summary)
+    record_finished(summary, is_reported_by_inference=state.num_finished_by_inference == len(state.sequences))
 
 
 def _log_finished(request_id: str, result: GenerationResult) -> None:

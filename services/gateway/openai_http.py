@@ -15,7 +15,8 @@ OpenAI's shape, `{"error": {"message", "type", "param", "code"}}`, with the stat
 is read, not after), 429 with `Retry-After` from admission, 503 unavailable or draining, 504 a
 deadline (none is read from an HTTP request yet). A client that disconnects cancels its handler (handler_cancellation), which closes
 its generation: the inference request is aborted and its KV blocks freed, as for a gRPC cancel.
-Logprobs come in each endpoint's shape (openai_logprobs.py). Not there yet (issue 21): n > 1,
+Logprobs come in each endpoint's shape (openai_logprobs.py). `n` > 1 answers one choice per
+sequence (`index`), streamed interleaved, with the usage of all of them. Not there yet (issue 21):
 several prompts per request, structured outputs.
 """
 
@@ -131,16 +132,15 @@ class OpenAIHttpApi:
                 return await self._whole(deltas, shape, context, outcome)
 
     async def _whole(self, deltas: AsyncIterator[GenerationDelta], shape: "_Shape", context: "_Context", outcome) -> web.Response:
-        texts: list[str] = []
-        logprobs: list[TokenLogprob] = []
-        result: GenerationResult | None = None
+        choices: dict[int, _Choice] = {}
         async for delta in deltas:
-            texts.append(delta.text)
-            logprobs.extend(delta.logprobs or ())
-            result = delta.result or result
-        assert result is not None  # the pipeline's last delta carries it
-        outcome.finish_reason = result.finish_reason
-        response = shape.whole(context, "".join(texts), result, logprobs)
+            choice = choices.setdefault(delta.sequence_index, _Choice())
+            choice.texts.append(delta.text)
+            choice.logprobs.extend(delta.logprobs or ())
+            if delta.result is not None:
+                choice.result = delta.result
+                outcome.finish_reason = delta.result.finish_reason
+        response = shape.whole(context, [choices[index] for index in sorted(choices)])
         return web.json_response(response, headers={REQUEST_ID_METADATA_KEY: context.request_id})
 
     async def _stream(
@@ -154,18 +154,22 @@ class OpenAIHttpApi:
             headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache", REQUEST_ID_METADATA_KEY: context.request_id}
         )  # fmt: skip
         await response.prepare(request)
-        await _send_event(response, shape.first_chunk(context))
+        started: set[int] = set()  # sequences whose first chunk (the role) went out
+        results: list[GenerationResult] = []
         try:
             delta: GenerationDelta | None = first
             while delta is not None:
+                if delta.sequence_index not in started:
+                    started.add(delta.sequence_index)
+                    await _send_event(response, shape.first_chunk(context, delta.sequence_index))
                 if delta.text or delta.logprobs or delta.result is not None:
-                    await _send_event(response, shape.chunk(context, delta.text, delta.result, delta.logprobs or []))
+                    await _send_event(response, shape.chunk(context, delta))
                 if delta.result is not None:
                     outcome.finish_reason = delta.result.finish_reason
-                    if include_usage:
-                        await _send_event(response, shape.usage_chunk(context, delta.result))
-                    break
+                    results.append(delta.result)
                 delta = await anext(deltas, None)
+            if include_usage:
+                await _send_event(response, shape.usage_chunk(context, results))
         except ServiceError as error:  # after the headers: an error event, as OpenAI's server sends
             await _send_event(response, _error_body(error)[1])
         await response.write(b"data: [DONE]\n\n")
@@ -231,12 +235,26 @@ class _Context:
         self.request_id, self.model, self.created = request_id, model, created
 
 
-def _usage(result: GenerationResult) -> dict:
+class _Choice:
+    """One sequence of a whole (non-streamed) answer, gathered from its deltas."""
+
+    __slots__ = ("texts", "logprobs", "result")
+
+    def __init__(self) -> None:
+        self.texts: list[str] = []
+        self.logprobs: list[TokenLogprob] = []
+        self.result: GenerationResult | None = None
+
+
+def _usage(results: list[GenerationResult]) -> dict:
+    """The request's usage: the prompt once, the completion tokens of every sequence."""
+    first = results[0]
+    completion_tokens = sum(result.num_completion_tokens for result in results)
     return {
-        "prompt_tokens": result.num_prompt_tokens,
-        "completion_tokens": result.num_completion_tokens,
-        "total_tokens": result.num_prompt_tokens + result.num_completion_tokens,
-        "prompt_tokens_details": {"cached_tokens": result.num_cached_tokens},
+        "prompt_tokens": first.num_prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "total_tokens": first.num_prompt_tokens + completion_tokens,
+        "prompt_tokens_details": {"cached_tokens": first.num_cached_tokens},
     }
 
 
@@ -258,43 +276,52 @@ class _Shape:
     def _base(self, context: _Context, kind: str) -> dict:
         return {"id": f"{self.id_prefix}-{context.request_id}", "object": kind, "created": context.created, "model": context.model}
 
-    def whole(self, context: _Context, text: str, result: GenerationResult, logprobs: list[TokenLogprob]) -> dict:
-        choice = self._whole_choice(text, result, self._logprobs(logprobs))
-        return {**self._base(context, self.object_whole), "choices": [choice], "usage": _usage(result)}
+    def whole(self, context: _Context, choices: list[_Choice]) -> dict:
+        """The answer: one choice per sequence, in index order (each has its result)."""
+        whole_choices = [
+            self._whole_choice(index, "".join(choice.texts), choice.result, self._logprobs(index, choice.logprobs))
+            for index, choice in enumerate(choices)
+        ]
+        usage = _usage([choice.result for choice in choices])
+        return {**self._base(context, self.object_whole), "choices": whole_choices, "usage": usage}
 
-    def first_chunk(self, context: _Context) -> dict:
-        return {**self._base(context, self.object_chunk), "choices": [self._chunk_choice("", None, None, first=True)]}
+    def first_chunk(self, context: _Context, index: int) -> dict:
+        return {**self._base(context, self.object_chunk), "choices": [self._chunk_choice(index, "", None, None, first=True)]}
 
-    def chunk(self, context: _Context, text: str, result: GenerationResult | None, logprobs: list[TokenLogprob]) -> dict:
-        choice = self._chunk_choice(text, result, self._logprobs(logprobs), first=False)
+    def chunk(self, context: _Context, delta: GenerationDelta) -> dict:
+        logprobs = self._logprobs(delta.sequence_index, delta.logprobs or [])
+        choice = self._chunk_choice(delta.sequence_index, delta.text, delta.result, logprobs, first=False)
         return {**self._base(context, self.object_chunk), "choices": [choice]}
 
-    def usage_chunk(self, context: _Context, result: GenerationResult) -> dict:
-        return {**self._base(context, self.object_chunk), "choices": [], "usage": _usage(result)}
+    def usage_chunk(self, context: _Context, results: list[GenerationResult]) -> dict:
+        return {**self._base(context, self.object_chunk), "choices": [], "usage": _usage(results)}
 
-    def _logprobs(self, items: list[TokenLogprob]) -> dict | None:
+    def _logprobs(self, index: int, items: list[TokenLogprob]) -> dict | None:
+        """Choice `index`'s logprobs for `items`, or None when the request asked for none."""
         raise NotImplementedError
 
-    def _whole_choice(self, text: str, result: GenerationResult, logprobs: dict | None) -> dict:
+    def _whole_choice(self, index: int, text: str, result: GenerationResult, logprobs: dict | None) -> dict:
         raise NotImplementedError
 
-    def _chunk_choice(self, text: str, result: GenerationResult | None, logprobs: dict | None, *, first: bool) -> dict:
+    def _chunk_choice(self, index: int, text: str, result: GenerationResult | None, logprobs: dict | None, *,
+                      first: bool) -> dict:
         raise NotImplementedError
 
 
 class _ChatShape(_Shape):
     object_whole, object_chunk, id_prefix = "chat.completion", "chat.completion.chunk", "chatcmpl"
 
-    def _logprobs(self, items: list[TokenLogprob]) -> dict | None:
+    def _logprobs(self, index: int, items: list[TokenLogprob]) -> dict | None:
         return chat_logprobs(items, self._token_text) if self._wants_logprobs else None
 
-    def _whole_choice(self, text: str, result: GenerationResult, logprobs: dict | None) -> dict:
+    def _whole_choice(self, index: int, text: str, result: GenerationResult, logprobs: dict | None) -> dict:
         message = {"role": "assistant", "content": text}
-        return {"index": 0, "message": message, "logprobs": logprobs, "finish_reason": _finish_reason(result)}
+        return {"index": index, "message": message, "logprobs": logprobs, "finish_reason": _finish_reason(result)}
 
-    def _chunk_choice(self, text: str, result: GenerationResult | None, logprobs: dict | None, *, first: bool) -> dict:
+    def _chunk_choice(self, index: int, text: str, result: GenerationResult | None, logprobs: dict | None, *,
+                      first: bool) -> dict:
         delta = {"role": "assistant", "content": ""} if first else ({"content": text} if text else {})
-        return {"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": _finish_reason(result)}
+        return {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": _finish_reason(result)}
 
 
 class _CompletionShape(_Shape):
@@ -302,16 +329,19 @@ class _CompletionShape(_Shape):
 
     def __init__(self, token_text: TokenText, *, wants_logprobs: bool):
         super().__init__(token_text, wants_logprobs=wants_logprobs)
-        self._completion_logprobs = CompletionLogprobs(token_text)
+        self._completion_logprobs: dict[int, CompletionLogprobs] = {}  # per choice: its text_offset runs on
 
-    def _logprobs(self, items: list[TokenLogprob]) -> dict | None:
-        return self._completion_logprobs.of(items) if self._wants_logprobs else None
+    def _logprobs(self, index: int, items: list[TokenLogprob]) -> dict | None:
+        if not self._wants_logprobs:
+            return None
+        return self._completion_logprobs.setdefault(index, CompletionLogprobs(self._token_text)).of(items)
 
-    def _whole_choice(self, text: str, result: GenerationResult, logprobs: dict | None) -> dict:
-        return {"index": 0, "text": text, "logprobs": logprobs, "finish_reason": _finish_reason(result)}
+    def _whole_choice(self, index: int, text: str, result: GenerationResult, logprobs: dict | None) -> dict:
+        return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": _finish_reason(result)}
 
-    def _chunk_choice(self, text: str, result: GenerationResult | None, logprobs: dict | None, *, first: bool) -> dict:
-        return {"index": 0, "text": text, "logprobs": logprobs, "finish_reason": _finish_reason(result)}
+    def _chunk_choice(self, index: int, text: str, result: GenerationResult | None, logprobs: dict | None, *,
+                      first: bool) -> dict:
+        return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": _finish_reason(result)}
 
 
 class HttpServer:

@@ -58,10 +58,15 @@ class MultiplexedTokens:
     arrived since the previous one, merged), `cancel` to stop it; `bounds` say when its client
     counts as not reading."""
 
-    def __init__(self, request_id: str, forget: Forget, bounds: SlowReaderBounds = SlowReaderBounds()):
+    def __init__(self, request_id: str, forget: Forget, bounds: SlowReaderBounds = SlowReaderBounds(),
+                 *, num_sequences: int = 1):
         self.request_id = request_id
         self._forget = forget
         self._bounds = bounds
+        # The request ends with its last sequence's final output (sampling.n of them).
+        self._num_sequences = num_sequences
+        self._num_finished_pushed = 0
+        self._num_finished_taken = 0
         self._outputs: list[inference_pb2.RequestOutput] = []  # arrived, not yet taken
         self._num_unsent_tokens = 0
         # loop.time() when the oldest output still waiting arrived (None: none waits). A timer
@@ -75,10 +80,14 @@ class MultiplexedTokens:
         self._has_news = asyncio.Event()
         self._is_done = False
 
-    def push(self, output: inference_pb2.RequestOutput) -> None:
-        """An output arrived (on the reader task); over the bound, abort the request."""
+    def push(self, output: inference_pb2.RequestOutput) -> bool:
+        """An output arrived (on the reader task); over the bound, abort the request. True when
+        it is the request's last (an error, or the final output of its last sequence)."""
+        if output.error_status or output.output.finish_reason:
+            self._num_finished_pushed += 1
+        is_last = bool(output.error_status) or self._num_finished_pushed >= self._num_sequences
         if self._overflow is not None:
-            return
+            return is_last
         if self._first_unread_s is None and self._bounds.max_unread_s > 0:
             self._first_unread_s = self._arm_unread_timer()
         self._outputs.append(output)
@@ -86,6 +95,7 @@ class MultiplexedTokens:
         if 0 < self._bounds.max_unsent_tokens < self._num_unsent_tokens:
             self._overflow_with(ClientNotReading.too_many_tokens(self._num_unsent_tokens, self._bounds.max_unsent_tokens))
         self._has_news.set()
+        return is_last
 
     def fail(self, error: ServiceError) -> None:
         self._failure = error
@@ -137,7 +147,9 @@ class MultiplexedTokens:
                     raise self._overflow
                 outputs, error = self._take()
                 for output in outputs:
-                    self._is_done = self._is_done or output.is_finished
+                    if output.is_finished:
+                        self._num_finished_taken += 1
+                        self._is_done = self._num_finished_taken >= self._num_sequences
                     yield output
                 if error is not None:
                     self._is_done = True
@@ -197,7 +209,8 @@ class ReplicaStream:
 
     def generate(self, request: inference_pb2.GenerateTokensRequest) -> MultiplexedTokens:
         connection = self._open_connection()
-        tokens = MultiplexedTokens(request.request_id, connection.forget, self._bounds)
+        num_sequences = request.sampling.n if request.sampling.HasField("n") else 1
+        tokens = MultiplexedTokens(request.request_id, connection.forget, self._bounds, num_sequences=num_sequences)
         connection.requests[request.request_id] = tokens
         connection.commands.put_nowait(inference_pb2.MultiplexRequest(generate=request))
         return tokens
@@ -244,12 +257,9 @@ class ReplicaStream:
             async for response in connection.call:
                 self.last_response_s = time.monotonic()
                 for output in response.outputs:
-                    is_last = bool(output.error_status or output.output.finish_reason)
-                    tokens = connection.requests.pop(output.request_id, None) if is_last else (
-                        connection.requests.get(output.request_id)
-                    )
-                    if tokens is not None:
-                        tokens.push(output)
+                    tokens = connection.requests.get(output.request_id)
+                    if tokens is not None and tokens.push(output):
+                        del connection.requests[output.request_id]
         except grpc.aio.AioRpcError as error:
             failure = error_from_rpc("inference", error)
             if error.code() != grpc.StatusCode.CANCELLED:

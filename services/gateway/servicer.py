@@ -64,8 +64,9 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
         return self._model_name
 
     async def GenerateStream(self, request: gateway_pb2.GenerateStreamRequest, context: grpc.aio.ServicerContext):
-        """Each message carries every token made since the last one was sent (the pipeline reads
-        its replica's buffer only when the previous message is written: replica_stream.py)."""
+        """Each message carries every token of one sequence made since the last one was sent (the
+        pipeline reads its replica's buffer only when the previous message is written:
+        replica_stream.py); with sampling.n > 1 the sequences' messages interleave."""
         params = request.params
         with tracked_request(context) as outcome:
             generation = await self._start(params, context)
@@ -80,19 +81,28 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
         params = request.params
         with tracked_request(context) as outcome:
             generation = await self._start(params, context)
-            response = gateway_pb2.GenerateResponse(request_id=generation.request_id)
-            text_parts: list[str] = []
+            sequences = [gateway_pb2.GeneratedSequence(sequence_index=i) for i in range(generation.sampling.n)]
+            text_parts: list[list[str]] = [[] for _ in sequences]
             async with aclosing(self._generate(generation, context)) as deltas:
                 async for delta in deltas:
-                    text_parts.append(delta.text)
+                    sequence = sequences[delta.sequence_index]
+                    text_parts[delta.sequence_index].append(delta.text)
                     if params.return_token_ids:
-                        response.token_ids.extend(delta.token_ids)
+                        sequence.token_ids.extend(delta.token_ids)
                     if delta.logprobs:
-                        response.logprobs.extend(logprobs_to_pb(delta.logprobs))
+                        sequence.logprobs.extend(logprobs_to_pb(delta.logprobs))
                     if delta.result is not None:
                         outcome.finish_reason = delta.result.finish_reason
-                        response.result.CopyFrom(_result_to_pb(delta.result))
-        response.text = "".join(text_parts)
+                        sequence.result.CopyFrom(_result_to_pb(delta.result))
+        for sequence, parts in zip(sequences, text_parts):
+            sequence.text = "".join(parts)
+        first = sequences[0]
+        response = gateway_pb2.GenerateResponse(
+            request_id=generation.request_id, text=first.text, token_ids=first.token_ids, logprobs=first.logprobs,
+            result=first.result,
+        )
+        if len(sequences) > 1:
+            response.sequences.extend(sequences)
         return response
 
     async def ListModels(self, request: gateway_pb2.ListModelsRequest, context: grpc.aio.ServicerContext):
@@ -132,10 +142,6 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
             raise NotFound(f"model: unknown model {quoted(request.model)}; this gateway serves {self._model_name!r}")
         check_cache_salt(request.cache_salt)
         sampling = sampling_from_pb(request.sampling)
-        if sampling.n != 1:
-            raise InvalidArgument(
-                "sampling.n", f"the gateway returns one sequence per request: must be 1, got {sampling.n}"
-            )
         if sampling.max_tokens is None:
             _check_min_tokens_fit(sampling.min_tokens, self._model.max_context_tokens)
         return GenerationRequest(
@@ -220,7 +226,7 @@ def _result_to_pb(result: GenerationResult) -> gateway_pb2.GenerationResult:
 def _stream_response_to_pb(
     request_id: str, delta: GenerationDelta, return_token_ids: bool
 ) -> gateway_pb2.GenerateStreamResponse:
-    response = gateway_pb2.GenerateStreamResponse(request_id=request_id, text=delta.text)
+    response = gateway_pb2.GenerateStreamResponse(request_id=request_id, text=delta.text, sequence_index=delta.sequence_index)
     if return_token_ids:
         response.token_ids.extend(delta.token_ids)
     if delta.logprobs:
