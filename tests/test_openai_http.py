@@ -144,6 +144,13 @@ def test_a_client_that_leaves_mid_stream_frees_its_kv_blocks(client, model_name,
         inference = inference_pb2_grpc.InferenceServiceStub(channel)
         assert inference.GetLoad(inference_pb2.GetLoadRequest()).kv_blocks_used > 0  # still generating
         stream.close()
+    assert_pool_frees(stack)
+
+
+def assert_pool_frees(stack) -> None:
+    """The replica's KV pool is empty, and nothing runs, within POOL_FREE_WITHIN_S."""
+    with grpc.insecure_channel(stack["inference"].address) as channel:
+        inference = inference_pb2_grpc.InferenceServiceStub(channel)
         deadline = time.monotonic() + POOL_FREE_WITHIN_S
         while (load := inference.GetLoad(inference_pb2.GetLoadRequest())).kv_blocks_used:
             assert time.monotonic() < deadline, load
@@ -228,3 +235,32 @@ def test_n_choices_whole_and_streamed(client, model_name):
     assert text.choices[0].text == text.choices[1].text  # greedy: the same twice
     for choice in text.choices:  # each choice's offsets start at 0
         assert choice.logprobs.text_offset[0] == 0
+
+
+def test_several_prompts_are_answered_as_one(client, model_name, stack):
+    """A completions prompt list: prompt i's sequence j is choice i x n + j, each what that
+    prompt alone answers; usage counts every prompt; streamed, the same per index."""
+    prompts = ["The capital of France is", "Once upon a time"]
+    ask = dict(model=model_name, temperature=0, max_tokens=4, extra_body={"ignore_eos": True})
+    alone = [client.completions.create(prompt=prompt, **ask) for prompt in prompts]
+    whole = client.completions.create(prompt=prompts, n=2, **ask)
+    assert [choice.index for choice in whole.choices] == [0, 1, 2, 3]
+    assert [choice.text for choice in whole.choices] == [alone[0].choices[0].text] * 2 + [alone[1].choices[0].text] * 2
+    assert whole.usage.prompt_tokens == sum(a.usage.prompt_tokens for a in alone)
+    assert whole.usage.completion_tokens == 4 * 4
+
+    chunks = list(client.completions.create(prompt=prompts, n=2, stream=True, stream_options={"include_usage": True}, **ask))
+    for choice in whole.choices:
+        assert "".join(c.choices[0].text for c in chunks if c.choices and c.choices[0].index == choice.index) == choice.text
+    assert chunks[-1].usage.prompt_tokens == whole.usage.prompt_tokens
+
+    with pytest.raises(openai.BadRequestError) as error:
+        client.completions.create(prompt=["fine", [1, 10**9]], **ask)
+    assert "vocabulary" in str(error.value)
+    with pytest.raises(openai.BadRequestError) as error:  # one bad prompt ends the others too
+        client.completions.create(prompt=["Hello", ""], model=model_name, max_tokens=2000, extra_body={"ignore_eos": True})
+    assert "must not be empty" in str(error.value)
+    assert_pool_frees(stack)
+    with pytest.raises(openai.BadRequestError) as error:
+        client.completions.create(prompt=["x"] * 33, **ask)
+    assert error.value.body["param"] == "prompt" and "at most 32 prompts" in error.value.body["message"]

@@ -16,8 +16,9 @@ is read, not after), 429 with `Retry-After` from admission, 503 unavailable or d
 deadline (none is read from an HTTP request yet). A client that disconnects cancels its handler (handler_cancellation), which closes
 its generation: the inference request is aborted and its KV blocks freed, as for a gRPC cancel.
 Logprobs come in each endpoint's shape (openai_logprobs.py). `n` > 1 answers one choice per
-sequence (`index`), streamed interleaved, with the usage of all of them. Not there yet (issue 21):
-several prompts per request, structured outputs.
+sequence (`index`), streamed interleaved, with the usage of all of them; a completions `prompt`
+list (at most 32) runs each prompt as a request of its own, answered as one (merged_deltas.py).
+Not there yet (issue 21): structured outputs.
 """
 
 from __future__ import annotations
@@ -37,6 +38,7 @@ from llmserve.errors import InvalidArgument, ServiceError, Unavailable
 from llmserve.gateway.detokenizer import Detokenizer
 from llmserve.gateway.generation import GenerationDelta, GenerationResult
 from llmserve.gateway.openai_logprobs import CompletionLogprobs, TokenText, chat_logprobs
+from llmserve.gateway.merged_deltas import merged_deltas
 from llmserve.gateway.metrics import tracked_request
 from llmserve.gateway.openai_params import chat_params, completion_params, openai_param
 from llmserve.gateway.request_id import REQUEST_ID_METADATA_KEY, new_request_id
@@ -89,7 +91,7 @@ class OpenAIHttpApi:
     # --- endpoints ---------------------------------------------------------------------------
 
     async def _chat_completions(self, request: web.Request) -> web.StreamResponse:
-        return await self._generate(request, chat_params, _ChatShape)
+        return await self._generate(request, lambda body: [chat_params(body)], _ChatShape)
 
     async def _completions(self, request: web.Request) -> web.StreamResponse:
         return await self._generate(request, completion_params, _CompletionShape)
@@ -121,11 +123,19 @@ class OpenAIHttpApi:
         if not isinstance(stream, bool):
             raise InvalidArgument("stream", "must be a boolean")
         include_usage = stream and bool((body.get("stream_options") or {}).get("include_usage"))
-        generation = self._servicer.request_from_params(to_params(body), request_id, arrival_ns)
-        shape = shape_type(self._token_text, wants_logprobs=generation.sampling.logprobs is not None)
+        # Several prompts: a request each (the first under the answer's id), answered as one.
+        generations = [
+            self._servicer.request_from_params(params, request_id if index == 0 else f"{request_id}-{index}", arrival_ns)
+            for index, params in enumerate(to_params(body))
+        ]
+        sampling = generations[0].sampling
+        shape = shape_type(self._token_text, wants_logprobs=sampling.logprobs is not None, n=sampling.n)
         context = _Context(request_id, self._servicer.model_name, int(time.time()))
         with tracked_request(_NoDeadline()) as outcome:
-            deltas = self._servicer.pipeline.generate(generation, _NoDeadline.time_remaining)
+            deltas = merged_deltas(
+                [self._servicer.pipeline.generate(generation, _NoDeadline.time_remaining) for generation in generations],
+                sampling.n,
+            )
             async with aclosing(deltas):
                 if stream:
                     return await self._stream(request, deltas, shape, context, include_usage, outcome)
@@ -155,7 +165,7 @@ class OpenAIHttpApi:
         )  # fmt: skip
         await response.prepare(request)
         started: set[int] = set()  # sequences whose first chunk (the role) went out
-        results: list[GenerationResult] = []
+        results: dict[int, GenerationResult] = {}  # by choice index
         try:
             delta: GenerationDelta | None = first
             while delta is not None:
@@ -166,10 +176,10 @@ class OpenAIHttpApi:
                     await _send_event(response, shape.chunk(context, delta))
                 if delta.result is not None:
                     outcome.finish_reason = delta.result.finish_reason
-                    results.append(delta.result)
+                    results[delta.sequence_index] = delta.result
                 delta = await anext(deltas, None)
             if include_usage:
-                await _send_event(response, shape.usage_chunk(context, results))
+                await _send_event(response, shape.usage_chunk(context, [results[index] for index in sorted(results)]))
         except ServiceError as error:  # after the headers: an error event, as OpenAI's server sends
             await _send_event(response, _error_body(error)[1])
         await response.write(b"data: [DONE]\n\n")
@@ -246,15 +256,17 @@ class _Choice:
         self.result: GenerationResult | None = None
 
 
-def _usage(results: list[GenerationResult]) -> dict:
-    """The request's usage: the prompt once, the completion tokens of every sequence."""
-    first = results[0]
+def _usage(results: list[GenerationResult], n: int) -> dict:
+    """The request's usage: each prompt once (the results come n per prompt, in choice order),
+    the completion tokens of every sequence."""
+    per_prompt = results[::n]
+    prompt_tokens = sum(result.num_prompt_tokens for result in per_prompt)
     completion_tokens = sum(result.num_completion_tokens for result in results)
     return {
-        "prompt_tokens": first.num_prompt_tokens,
+        "prompt_tokens": prompt_tokens,
         "completion_tokens": completion_tokens,
-        "total_tokens": first.num_prompt_tokens + completion_tokens,
-        "prompt_tokens_details": {"cached_tokens": first.num_cached_tokens},
+        "total_tokens": prompt_tokens + completion_tokens,
+        "prompt_tokens_details": {"cached_tokens": sum(result.num_cached_tokens for result in per_prompt)},
     }
 
 
@@ -269,9 +281,10 @@ class _Shape:
     object_chunk: str
     id_prefix: str
 
-    def __init__(self, token_text: TokenText, *, wants_logprobs: bool):
+    def __init__(self, token_text: TokenText, *, wants_logprobs: bool, n: int):
         self._token_text = token_text
         self._wants_logprobs = wants_logprobs
+        self._n = n  # sequences per prompt: choice i x n + j is prompt i's sequence j
 
     def _base(self, context: _Context, kind: str) -> dict:
         return {"id": f"{self.id_prefix}-{context.request_id}", "object": kind, "created": context.created, "model": context.model}
@@ -282,7 +295,7 @@ class _Shape:
             self._whole_choice(index, "".join(choice.texts), choice.result, self._logprobs(index, choice.logprobs))
             for index, choice in enumerate(choices)
         ]
-        usage = _usage([choice.result for choice in choices])
+        usage = _usage([choice.result for choice in choices], self._n)
         return {**self._base(context, self.object_whole), "choices": whole_choices, "usage": usage}
 
     def first_chunk(self, context: _Context, index: int) -> dict:
@@ -294,7 +307,7 @@ class _Shape:
         return {**self._base(context, self.object_chunk), "choices": [choice]}
 
     def usage_chunk(self, context: _Context, results: list[GenerationResult]) -> dict:
-        return {**self._base(context, self.object_chunk), "choices": [], "usage": _usage(results)}
+        return {**self._base(context, self.object_chunk), "choices": [], "usage": _usage(results, self._n)}
 
     def _logprobs(self, index: int, items: list[TokenLogprob]) -> dict | None:
         """Choice `index`'s logprobs for `items`, or None when the request asked for none."""
@@ -327,8 +340,8 @@ class _ChatShape(_Shape):
 class _CompletionShape(_Shape):
     object_whole, object_chunk, id_prefix = "text_completion", "text_completion", "cmpl"
 
-    def __init__(self, token_text: TokenText, *, wants_logprobs: bool):
-        super().__init__(token_text, wants_logprobs=wants_logprobs)
+    def __init__(self, token_text: TokenText, *, wants_logprobs: bool, n: int):
+        super().__init__(token_text, wants_logprobs=wants_logprobs, n=n)
         self._completion_logprobs: dict[int, CompletionLogprobs] = {}  # per choice: its text_offset runs on
 
     def _logprobs(self, index: int, items: list[TokenLogprob]) -> dict | None:

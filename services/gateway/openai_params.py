@@ -21,6 +21,10 @@ CHAT_ROLES = {"system": "system", "developer": "system", "user": "user", "assist
 _NUMBERS = (int, float)
 
 
+# Prompts one completions request may carry (each a request of its own, run at once).
+MAX_PROMPTS_PER_REQUEST = 32
+
+
 def chat_params(body: dict[str, Any]) -> gateway_pb2.GenerateParams:
     """POST /v1/chat/completions' body."""
     params = _common_params(body)
@@ -41,24 +45,46 @@ def chat_params(body: dict[str, Any]) -> gateway_pb2.GenerateParams:
     return params
 
 
-def completion_params(body: dict[str, Any]) -> gateway_pb2.GenerateParams:
-    """POST /v1/completions' body: one prompt, as a string or token ids (or a list of one)."""
+def completion_params(body: dict[str, Any]) -> list[gateway_pb2.GenerateParams]:
+    """POST /v1/completions' body: its prompts (a string, token ids, or a list of either, at
+    most MAX_PROMPTS_PER_REQUEST), each as the GenerateParams of a request of its own."""
+    prompts = _prompts(body.get("prompt"))
+    template = _completion_template(body)
+    requests = []
+    for index, prompt in enumerate(prompts):
+        params = gateway_pb2.GenerateParams()
+        params.CopyFrom(template)
+        field = "prompt" if len(prompts) == 1 else f"prompt[{index}]"
+        if isinstance(prompt, str):
+            params.prompt = prompt
+        else:
+            if any(t < 0 for t in prompt):
+                raise InvalidArgument(field, "token ids must be >= 0")
+            if any(t >= 1 << 32 for t in prompt):
+                raise InvalidArgument(field, "token ids must be below 2^32")
+            params.prompt_token_ids.token_ids.extend(prompt)
+        requests.append(params)
+    return requests
+
+
+def _prompts(prompt: Any) -> list[str | list[int]]:
+    """The prompts of a completions body: a string or token ids alone, or a list of those."""
+    if isinstance(prompt, str) or _is_token_ids(prompt):
+        return [prompt]
+    if isinstance(prompt, list) and prompt and all(isinstance(p, str) or _is_token_ids(p) for p in prompt):
+        if len(prompt) > MAX_PROMPTS_PER_REQUEST:
+            raise InvalidArgument("prompt", f"at most {MAX_PROMPTS_PER_REQUEST} prompts per request, got {len(prompt)}")
+        return prompt
+    raise InvalidArgument("prompt", "must be a string, a list of token ids, or a list of those")
+
+
+def _is_token_ids(value: Any) -> bool:
+    return isinstance(value, list) and bool(value) and all(isinstance(t, int) and not isinstance(t, bool) for t in value)
+
+
+def _completion_template(body: dict[str, Any]) -> gateway_pb2.GenerateParams:
+    """Every field of a completions body but the prompt."""
     params = _common_params(body)
-    prompt = body.get("prompt")
-    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
-        prompt = prompt[0]
-    if isinstance(prompt, str):
-        params.prompt = prompt
-    elif isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
-        if any(t < 0 for t in prompt):
-            raise InvalidArgument("prompt", "token ids must be >= 0")
-        if any(t >= 1 << 32 for t in prompt):
-            raise InvalidArgument("prompt", "token ids must be below 2^32")
-        params.prompt_token_ids.token_ids.extend(prompt)
-    elif isinstance(prompt, list) and len(prompt) > 1:
-        raise InvalidArgument("prompt", f"one prompt per request here, got {len(prompt)}")
-    else:
-        raise InvalidArgument("prompt", "must be a string, a list of token ids, or a list of one of those")
     max_tokens = _optional(body, "max_tokens", int)
     if max_tokens is not None:
         _assign(params.sampling, "max_tokens", max_tokens)
