@@ -86,6 +86,8 @@ def _schema_problem(schema: str) -> str | None:
         parsed = json.loads(schema)
     except ValueError as error:
         return f"not valid JSON: {_first_line(str(error))}"
+    except RecursionError:  # ~1,000 levels fit in the size cap; the library takes far fewer
+        return "nested too deeply"
     if not isinstance(parsed, dict):
         return f"must be a JSON object (a JSON Schema), got {type(parsed).__name__}"
     library = _grammar_library()
@@ -95,7 +97,7 @@ def _schema_problem(schema: str) -> str | None:
         is_error, messages = library.LLMatcher.validate_grammar_with_warnings(
             library.LLMatcher.grammar_from_json_schema(parsed, overrides=GRAMMAR_OPTIONS), None
         )
-    except ValueError as error:
+    except Exception as error:  # noqa: BLE001 - whatever the library raises on a schema, it is the schema's
         return f"invalid or unsupported: {_first_line(str(error))}"
     if is_error:
         return f"invalid or unsupported: {_first_line(messages[0] if messages else 'refused by the grammar library')}"

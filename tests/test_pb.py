@@ -77,6 +77,7 @@ def test_a_response_format_round_trips(response_format):
         (common_pb2.SamplingParams(response_format=common_pb2.ResponseFormat()), "sampling.response_format", "json_object or json_schema"),
         (common_pb2.SamplingParams(response_format=_schema_format("{nope")), "sampling.response_format.json_schema.schema", "not valid JSON"),
         (common_pb2.SamplingParams(response_format=_schema_format("[]")), "sampling.response_format.json_schema.schema", "got list"),
+        (common_pb2.SamplingParams(response_format=_schema_format("[" * 5000)), "sampling.response_format.json_schema.schema", "nested too deeply"),
         (common_pb2.SamplingParams(response_format=_schema_format(" " * (MAX_SCHEMA_BYTES + 1))),
          "sampling.response_format.json_schema.schema", f"{MAX_SCHEMA_BYTES + 1} bytes exceeds the limit of {MAX_SCHEMA_BYTES}"),
         (common_pb2.SamplingParams(response_format=_schema_format("{}", name="x" * 65)), "sampling.response_format.json_schema.name", "'xxxx"),

@@ -155,3 +155,24 @@ def test_structured_outputs_on_cuda_match_the_cpu(tiny_model_dirs):
         assert_valid(engine, result.token_ids[0])
         assert result.token_ids == cpu[rid].token_ids
     assert_pool_full(engine)
+
+
+def test_a_replica_refuses_a_response_format_it_cannot_decode(tiny_model_dirs, monkeypatch):
+    """At the inference edge (wire.request_from_pb): another backend than torch, or no grammar
+    library, is INVALID_ARGUMENT naming sampling.response_format, before the engine sees it."""
+    import dataclasses
+
+    from llmserve import pb, response_format
+    from llmserve.errors import InvalidArgument
+    from llmserve.inference import wire
+    from llmserve.v1 import inference_pb2
+
+    info = make_engine(tiny_model_dirs["llama"]).model_info
+    sampling = SamplingParams(max_tokens=4, response_format=ResponseFormat())
+    pb_request = inference_pb2.GenerateTokensRequest(request_id="r", prompt_token_ids=[5, 6], sampling=pb.sampling_to_pb(sampling))
+    assert wire.request_from_pb(pb_request, info, arrival_ns=0).sampling == sampling
+    with pytest.raises(InvalidArgument, match="^sampling.response_format: structured outputs need the torch backend; this replica runs hf"):
+        wire.request_from_pb(pb_request, dataclasses.replace(info, backend="hf"), arrival_ns=0)
+    monkeypatch.setattr(response_format, "_grammar_library", lambda: None)
+    with pytest.raises(InvalidArgument, match=r"^sampling.response_format: .*pip install 'llmserve\[structured\]'"):
+        wire.request_from_pb(pb_request, info, arrival_ns=0)
