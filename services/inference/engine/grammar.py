@@ -82,7 +82,7 @@ class Grammars:
         self._tokenizer_path = tokenizer_path  # the model's tokenizer.json
         self._vocab_size = vocab_size  # the model's logits width, the mask's
         self._eos_token_ids = list(eos_token_ids)  # what the grammar allows once it is complete
-        self._library: Any = None
+        self._library: Any = None  # llguidance, once loaded
         self._tokenizer: Any = None  # llguidance.LLTokenizer, built on first use
         self._executor: Any = None  # llguidance.LLExecutor: the threads that fill masks
         self._templates: OrderedDict[tuple[str, str | None], Any] = OrderedDict()
@@ -112,9 +112,11 @@ class Grammars:
         step in flight before sampling constrained rows), which follow that step's copy of the
         buffer to the device."""
         started = time.perf_counter()
-        rows = self._rows(len(matchers))
-        self._library.torch.fill_next_token_bitmask_par(
-            self._executor, [(m._matcher, row) for row, m in enumerate(matchers)], rows
+        rows = self._rows(len(matchers))  # contiguous int32 on the host: what the call writes into
+        # llguidance.torch.fill_next_token_bitmask_par's one call, without importing that module
+        # (it decorates its helpers with torch.compile, which loads dynamo for nothing here).
+        self._executor.unsafe_compute_mask_ptr(
+            [(m._matcher, row) for row, m in enumerate(matchers)], rows.data_ptr(), rows.shape[1] * 4, rows.shape[0]
         )
         self.stats.mask_fill_s += time.perf_counter() - started
         return rows
@@ -140,8 +142,6 @@ class Grammars:
         if self._tokenizer is not None:
             return
         library = formats.require_grammar_library()
-        import llguidance.torch  # noqa: F401  (the bitmask helpers: a submodule, imported on its own)
-
         self._tokenizer = library.LLTokenizer(
             self._tokenizer_path.read_text(), n_vocab=self._vocab_size, eos_token=self._eos_token_ids
         )
