@@ -158,8 +158,8 @@ def test_structured_outputs_on_cuda_match_the_cpu(tiny_model_dirs):
 
 
 def test_a_replica_refuses_a_response_format_it_cannot_decode(tiny_model_dirs, monkeypatch):
-    """At the inference edge (wire.request_from_pb): another backend than torch, or no grammar
-    library, is INVALID_ARGUMENT naming sampling.response_format, before the engine sees it."""
+    """At the inference edge (wire.request_from_pb): trtllm, or no grammar library, is
+    INVALID_ARGUMENT naming sampling.response_format, before the engine sees it."""
     import dataclasses
 
     from llmserve import pb, response_format
@@ -171,8 +171,29 @@ def test_a_replica_refuses_a_response_format_it_cannot_decode(tiny_model_dirs, m
     sampling = SamplingParams(max_tokens=4, response_format=ResponseFormat())
     pb_request = inference_pb2.GenerateTokensRequest(request_id="r", prompt_token_ids=[5, 6], sampling=pb.sampling_to_pb(sampling))
     assert wire.request_from_pb(pb_request, info, arrival_ns=0).sampling == sampling
-    with pytest.raises(InvalidArgument, match="^sampling.response_format: structured outputs need the torch backend; this replica runs hf"):
-        wire.request_from_pb(pb_request, dataclasses.replace(info, backend="hf"), arrival_ns=0)
+    with pytest.raises(InvalidArgument, match="^sampling.response_format: structured outputs need the torch or hf backend; this replica runs trtllm"):
+        wire.request_from_pb(pb_request, dataclasses.replace(info, backend="trtllm"), arrival_ns=0)
     monkeypatch.setattr(response_format, "_grammar_library", lambda: None)
     with pytest.raises(InvalidArgument, match=r"^sampling.response_format: .*pip install 'llmserve\[structured\]'"):
         wire.request_from_pb(pb_request, info, arrival_ns=0)
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+def test_the_hf_backend_decodes_the_same_structured_outputs(arch, tiny_model_dirs):
+    """The oracle: transformers' model under the same sampler and grammar gives the same tokens."""
+    from llmserve.inference.engine.config import EngineConfig
+    from llmserve.inference.engine.hf_engine import HFEngineCore
+
+    model_dir = tiny_model_dirs[arch]
+    structured = lambda: [  # noqa: E731
+        request("greedy", make_prompt(11, seed=21), constrained()),
+        request("seeded", make_prompt(13, seed=22), constrained(temperature=0.8, seed=5)),
+    ]
+    ours = run(make_engine(model_dir), structured())
+    hf = HFEngineCore(EngineConfig(model_path=model_dir, model_name="tiny", backend="hf"))
+    theirs = run(hf, structured())
+    assert {rid: r.token_ids for rid, r in theirs.items()} == {rid: r.token_ids for rid, r in ours.items()}
+    for result in theirs.values():
+        for index, token_ids in result.token_ids.items():
+            assert result.finals[index].finish_reason is FinishReason.STOP
+            assert_valid(make_engine(model_dir), token_ids)

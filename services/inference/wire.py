@@ -111,9 +111,12 @@ def _check_logprobs(logprobs: int | None, info: ModelInfo) -> None:
 
 
 def _check_structured_output(info: ModelInfo) -> None:
-    """Only the torch engine constrains decoding, and only with the grammar library installed."""
-    if info.backend != "torch":
-        raise InvalidArgument(RESPONSE_FORMAT_FIELD, f"structured outputs need the torch backend; this replica runs {info.backend}")
+    """Our engines (torch, and hf through the same sampler) constrain decoding, with the grammar
+    library installed; TensorRT-LLM's is not ours."""
+    if info.backend not in ("torch", "hf"):
+        raise InvalidArgument(
+            RESPONSE_FORMAT_FIELD, f"structured outputs need the torch or hf backend; this replica runs {info.backend}"
+        )
     require_grammar_library()
 
 

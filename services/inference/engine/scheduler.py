@@ -196,8 +196,9 @@ class Scheduler:
     def update_from_output(self, launch: LaunchedBatch, token_ids: list[int]) -> list[NewToken]:
         """The tokens `launch` sampled (row i: launch.sampling_seqs[i]), now on the host: each
         replaces its placeholder (and advances the sequence's grammar matcher, if it has one),
-        and the stop rules finish sequences (their blocks return to the pool at once). A token of a sequence finished before (aborted, or stopped by its
-        token the step before) is discarded."""
+        and the stop rules finish sequences (their blocks return to the pool at once). A token
+        of a sequence finished before (aborted, or stopped by its token the step before) is
+        discarded."""
         assert launch is self._unprocessed_launch, "tokens come for the launch recorded last"
         self._unprocessed_launch = None
         now_ns = time.monotonic_ns()
