@@ -18,6 +18,7 @@ LLGUIDANCE_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key
 
 class Xgrammar:
     name = "xgrammar"
+    modules = ("xgrammar",)  # imported before setup is timed
 
     def __init__(self, hf_tokenizer, vocab_size: int, eos_token_ids: list[int]):
         import xgrammar
@@ -51,14 +52,15 @@ class Xgrammar:
 
 class Llguidance:
     name = "llguidance"
+    modules = ("llguidance", "llguidance.torch")
 
     def __init__(self, hf_tokenizer, vocab_size: int, eos_token_ids: list[int]):
         import llguidance
-        import llguidance.hf
         import llguidance.torch
 
         self._ll = llguidance
-        self._tokenizer = llguidance.hf.from_tokenizer(hf_tokenizer, n_vocab=vocab_size, eos_token=eos_token_ids[0])
+        # As the engine builds it (engine/grammar.py): from the tokenizer.json text.
+        self._tokenizer = llguidance.LLTokenizer(hf_tokenizer.backend_tokenizer.to_str(), n_vocab=vocab_size, eos_token=eos_token_ids)
         self._executor = llguidance.LLExecutor()
 
     def compile(self, schema: dict | None) -> Any:
@@ -91,6 +93,7 @@ class OutlinesCore:
     recursion, so `json_object` is a regex of bounded nesting (its build_regex_from_schema's)."""
 
     name = "outlines-core"
+    modules = ("outlines_core",)
 
     def __init__(self, hf_tokenizer, vocab_size: int, eos_token_ids: list[int]):
         import outlines_core

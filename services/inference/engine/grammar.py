@@ -12,12 +12,12 @@ imported on the first request that asks for a response format: it is an optional
                    in one call (llguidance's thread pool), then one masking of all those rows'
                    disallowed tokens to -inf on the device.
 
-Costs (measured, docs/benchmarks.md "Structured outputs"): the tokenizer view 0.7 s (SmolLM2,
-49k tokens) to 2.2 s (Qwen3, 152k), once per engine, holding the GIL (a thread would not keep
-the step loop going), so the first structured request stalls the engine that long, once;
-compiling a new format 2-7 ms, done in add_request (short enough not to need a waiting state);
-a cached one is a 10 µs copy; a mask row 20-90 µs (one core), a 64-row step 1.5-4 ms on two
-shared cores, spread over llguidance's threads elsewhere.
+Costs (measured on the 2-core development machine, docs/benchmarks.md "Structured outputs"):
+the tokenizer view 0.3 s (SmolLM2, 49k tokens) to 1.1 s (Qwen3, 152k), once per engine, holding
+the GIL (a thread would not keep the step loop going), so the first structured request stalls
+the engine that long, once; compiling a new format ~1-3 ms, done in add_request (short enough
+not to need a waiting state); a cached one is a 10 µs copy; a mask row ~40 µs, 64 rows 1.4-2.3
+ms on two cores, spread over llguidance's threads (more cores, less time).
 """
 
 from __future__ import annotations
@@ -156,8 +156,20 @@ def constrain(logits: torch.Tensor, rows: list[int], matchers: list[GrammarMatch
     device = logits.device
     bitmask = bitmask.to(device, non_blocking=True)
     vocab_size = logits.shape[1]
-    shifts = torch.arange(32, device=device, dtype=torch.int32)
-    allowed = ((bitmask[:, :, None] >> shifts) & 1).bool().flatten(1)[:, :vocab_size]  # [num_rows, vocab]
+    allowed = ((bitmask[:, :, None] >> _bit_shifts(device)) & 1).bool().flatten(1)[:, :vocab_size]  # [num_rows, vocab]
+    if len(rows) == logits.shape[0]:  # every row constrained (a batch of structured requests)
+        return logits.masked_fill(~allowed, float("-inf"))
     index = device_tensor(rows, device)
     masked = logits[index].masked_fill(~allowed, float("-inf"))
     return logits.index_put((index,), masked)
+
+
+_BIT_SHIFTS: dict[torch.device, torch.Tensor] = {}
+
+
+def _bit_shifts(device: torch.device) -> torch.Tensor:
+    """[32] int32: 0..31, one tensor per device (made once: a step's masking allocates less)."""
+    shifts = _BIT_SHIFTS.get(device)
+    if shifts is None:
+        shifts = _BIT_SHIFTS[device] = torch.arange(32, device=device, dtype=torch.int32)
+    return shifts
