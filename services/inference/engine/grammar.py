@@ -90,8 +90,9 @@ class Grammars:
         self.stats = GrammarStats()
 
     def matcher(self, response_format: ResponseFormat) -> GrammarMatcher:
-        """A new sequence's matcher. Raises InvalidArgument when the library is missing or the
-        format does not compile (the servicer checked both: an invariant here)."""
+        """A new sequence's matcher. Raises InvalidArgument when the library is missing and
+        ValueError when the format does not compile for this tokenizer (the servicer checked
+        both, so either fails only this request: EngineLoop aborts it with ERROR)."""
         key = (response_format.kind, response_format.json_schema)
         template = self._templates.get(key)
         if template is not None:
