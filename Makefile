@@ -23,7 +23,7 @@ $(VENV)/.installed: pyproject.toml
 	$(PY) -m pip install -q torch==$(TORCH_VERSION)
 	# llmserve/v1 (generated, see `protos`) is a declared package: it must exist to install.
 	mkdir -p $(PROTO_OUT) && touch $(PROTO_OUT)/__init__.py
-	$(PY) -m pip install -q --no-build-isolation -e '.[dev,redis,bench]'
+	$(PY) -m pip install -q --no-build-isolation -e '.[dev,redis,bench,structured]'
 	touch $@
 
 setup: $(VENV)/.installed protos node-client redis-server  ## Create .venv with everything installed and protos built

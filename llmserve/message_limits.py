@@ -7,10 +7,13 @@ the client gets RESOURCE_EXHAUSTED "request: N bytes exceeds the limit of LIMIT 
                        framing) or the context as token ids, whichever is larger, + slack;
   inference:           the context as token ids and one block hash per block, + slack.
 
-The slack covers every other field: request id, model name, sampling with its stop strings.
+The slack covers every other field: request id, model name, sampling with its stop strings
+and a response format's schema (at most MAX_SCHEMA_BYTES, on top of the rest).
 """
 
 from __future__ import annotations
+
+from llmserve.response_format import MAX_SCHEMA_BYTES
 
 # The most bytes one uint32 takes as a protobuf varint (ids of a large vocabulary, or any id a
 # client sends before it is checked against the vocabulary).
@@ -18,7 +21,7 @@ MAX_TOKEN_ID_BYTES = 5
 # The most bytes one uint64 block hash takes as a varint (hashes use all 64 bits).
 MAX_BLOCK_HASH_BYTES = 10
 # Room for a request's fields besides its prompt; stop strings beyond this are refused.
-REQUEST_SLACK_BYTES = 64 * 1024
+REQUEST_SLACK_BYTES = 64 * 1024 + MAX_SCHEMA_BYTES
 
 
 def prompt_request_bytes(max_prompt_bytes: int, max_context_tokens: int) -> int:

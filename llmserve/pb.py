@@ -13,7 +13,9 @@ from llmserve.block_hash import HashNamespace
 from llmserve.engine_output import EngineOutput
 from llmserve.errors import InvalidArgument
 from llmserve.prompt_input import Chat, PromptInput, PromptTokenIds
-from llmserve.sampling import ChatMessage, FinishReason, SamplingParams, TokenLogprob, TopLogprob
+from llmserve.response_format import FIELD as RESPONSE_FORMAT_FIELD
+from llmserve.response_format import check_response_format
+from llmserve.sampling import ChatMessage, FinishReason, ResponseFormat, SamplingParams, TokenLogprob, TopLogprob
 from llmserve.v1 import common_pb2, inference_pb2
 
 MAX_LOGPROBS = 20
@@ -88,6 +90,11 @@ def sampling_from_pb(pb: common_pb2.SamplingParams) -> SamplingParams:
         )
     min_tokens = pb.min_tokens if pb.HasField("min_tokens") else 0
     check_min_tokens(min_tokens, max_tokens)
+    response_format = response_format_from_pb(pb.response_format) if pb.HasField("response_format") else None
+    if response_format is not None and min_tokens:
+        raise InvalidArgument(
+            "sampling.min_tokens", "cannot be combined with response_format: the grammar decides where the output ends"
+        )
     return SamplingParams(
         max_tokens=max_tokens,
         temperature=temperature,
@@ -104,6 +111,28 @@ def sampling_from_pb(pb: common_pb2.SamplingParams) -> SamplingParams:
         frequency_penalty=frequency_penalty,
         logprobs=pb.logprobs if pb.HasField("logprobs") else None,
         n=n,
+        response_format=response_format,
+    )
+
+
+def response_format_from_pb(pb: common_pb2.ResponseFormat) -> ResponseFormat:
+    """Validated (llmserve.response_format.check_response_format)."""
+    which = pb.WhichOneof("format")
+    if which is None:
+        raise InvalidArgument(RESPONSE_FORMAT_FIELD, "set json_object or json_schema (or leave response_format unset for text)")
+    if which == "json_object":
+        response_format = ResponseFormat()
+    else:
+        response_format = ResponseFormat(json_schema=pb.json_schema.schema, name=pb.json_schema.name)
+    check_response_format(response_format)
+    return response_format
+
+
+def response_format_to_pb(response_format: ResponseFormat) -> common_pb2.ResponseFormat:
+    if response_format.json_schema is None:
+        return common_pb2.ResponseFormat(json_object=common_pb2.JsonObjectFormat())
+    return common_pb2.ResponseFormat(
+        json_schema=common_pb2.JsonSchemaFormat(name=response_format.name, schema=response_format.json_schema)
     )
 
 
@@ -138,6 +167,8 @@ def sampling_to_pb(params: SamplingParams) -> common_pb2.SamplingParams:
         pb.seed = params.seed
     if params.logprobs is not None:
         pb.logprobs = params.logprobs
+    if params.response_format is not None:
+        pb.response_format.CopyFrom(response_format_to_pb(params.response_format))
     return pb
 
 

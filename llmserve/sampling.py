@@ -22,6 +22,21 @@ class FinishReason(enum.Enum):
 
 
 @dataclass(frozen=True, slots=True)
+class ResponseFormat:
+    """Structured output: the engine masks every token its grammar does not allow, so the output
+    is JSON (llmserve.response_format validates it at the edge; engine/grammar.py decodes it).
+    `json_schema` None: any JSON object (OpenAI's json_object); else the JSON Schema's text,
+    which the output validates against."""
+
+    json_schema: str | None = None
+    name: str = ""  # the schema's name, as the client gave it (OpenAI's json_schema.name)
+
+    @property
+    def kind(self) -> str:
+        return "json_object" if self.json_schema is None else "json_schema"
+
+
+@dataclass(frozen=True, slots=True)
 class SamplingParams:
     """Sampling settings with every default resolved. temperature == 0 means greedy.
 
@@ -45,6 +60,7 @@ class SamplingParams:
     frequency_penalty: float = 0.0
     logprobs: int | None = None  # None = none; k = chosen token plus k alternatives
     n: int = 1
+    response_format: ResponseFormat | None = None  # None: free text
 
     @property
     def is_greedy(self) -> bool:

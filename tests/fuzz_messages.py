@@ -320,6 +320,14 @@ _HINTS: dict[str, Callable[[Caps], st.SearchStrategy]] = {
 _SHORT_TEXT = st.text(st.characters(codec="utf-8", exclude_categories=("Cs", "Cc")), min_size=1, max_size=24)
 
 
+_RESPONSE_FORMATS = (
+    common_pb2.ResponseFormat(json_object=common_pb2.JsonObjectFormat()),
+    common_pb2.ResponseFormat(
+        json_schema=common_pb2.JsonSchemaFormat(name="fuzz", schema='{"type": "object", "properties": {"a": {"type": "integer"}}}')
+    ),
+)
+
+
 @st.composite
 def _sampling(draw, caps: Caps, max_n: int = 1):
     sampling = common_pb2.SamplingParams()
@@ -334,6 +342,8 @@ def _sampling(draw, caps: Caps, max_n: int = 1):
         sampling.n = draw(st.integers(1, max_n))
     sampling.stop.extend(draw(st.lists(_SHORT_TEXT, max_size=2)))
     sampling.ignore_eos = draw(st.booleans())
+    if draw(st.integers(0, 5)) == 0:  # now and then the grammar path: compile, masks, its end
+        sampling.response_format.CopyFrom(draw(st.sampled_from(_RESPONSE_FORMATS)))
     return sampling
 
 

@@ -9,6 +9,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 REPO_ROOT = Path(__file__).resolve().parent.parent
 
 
@@ -154,3 +156,18 @@ def test_bench_routing_compares_policies_on_cpu(tmp_path):
     assert all(0 < row["cached_over_ideal"] <= 1.0 for row in rows.values())
     for row in rows.values():  # sampled only while half the clients' turns are in flight: maybe never here
         assert row["mean_load_per_replica"] is None or len(row["mean_load_per_replica"]) == 3
+
+
+def test_bench_grammar_measures_the_libraries_and_the_engine_on_cpu(tiny_model_dir, tmp_path):
+    """Library mode on the tiny tokenizer, whichever of the three libraries are installed (llguidance
+    is, with the `structured` extra): every schema's instance walks through its mask. Engine mode:
+    both runs make the same number of tokens."""
+    pytest.importorskip("llguidance")
+    libraries = run_bench("bench_grammar.py", ["--tokenizers", str(tiny_model_dir), "--compile-repeats", "1", "--steps", "2",
+                                               "--libraries", "llguidance", "--out-dir", str(tmp_path / "libraries")],
+                          tmp_path / "libraries")  # fmt: skip
+    [llguidance] = libraries["libraries"]
+    assert all("error" not in schema for schema in llguidance["schemas"].values()), llguidance
+    engine = run_bench("bench_grammar.py", ["--engine", "--smoke", "--out-dir", str(tmp_path / "engine")], tmp_path / "engine")
+    unconstrained, constrained = engine["engine"]
+    assert unconstrained["num_output_tokens"] == constrained["num_output_tokens"] > 0

@@ -16,7 +16,8 @@ from llmserve.pb import (
     sampling_from_pb,
     sampling_to_pb,
 )
-from llmserve.sampling import ChatMessage, FinishReason, SamplingParams, TokenLogprob, TopLogprob
+from llmserve.response_format import MAX_SCHEMA_BYTES
+from llmserve.sampling import ChatMessage, FinishReason, ResponseFormat, SamplingParams, TokenLogprob, TopLogprob
 from llmserve.v1 import common_pb2
 
 
@@ -34,6 +35,10 @@ def test_explicit_zeros_are_kept():
     assert params.seed == 0 and params.logprobs == 0
 
 
+def _schema_format(schema: str, name: str = "") -> common_pb2.ResponseFormat:
+    return common_pb2.ResponseFormat(json_schema=common_pb2.JsonSchemaFormat(name=name, schema=schema))
+
+
 def test_sampling_round_trip():
     params = SamplingParams(
         max_tokens=9, temperature=0.7, top_p=0.9, top_k=40, min_p=0.05, seed=123,
@@ -45,6 +50,13 @@ def test_sampling_round_trip():
     assert back.n == 2 and back.logprobs == 3 and back.ignore_eos and back.top_k == 40
     for name in ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty"):
         assert getattr(back, name) == pytest.approx(getattr(params, name), rel=1e-6)
+    assert back.response_format is None
+
+
+@pytest.mark.parametrize("response_format", [ResponseFormat(), ResponseFormat(json_schema='{"type": "object"}', name="thing-1")])
+def test_a_response_format_round_trips(response_format):
+    params = SamplingParams(max_tokens=9, response_format=response_format)
+    assert sampling_from_pb(sampling_to_pb(params)) == params
 
 
 @pytest.mark.parametrize(
@@ -62,6 +74,15 @@ def test_sampling_round_trip():
         (common_pb2.SamplingParams(n=0), "sampling.n", "got 0"),
         (common_pb2.SamplingParams(stop=[""]), "sampling.stop[0]", "1 to 256 characters, got 0"),
         (common_pb2.SamplingParams(stop=["x"] * 17), "sampling.stop", "at most 16 strings, got 17"),
+        (common_pb2.SamplingParams(response_format=common_pb2.ResponseFormat()), "sampling.response_format", "json_object or json_schema"),
+        (common_pb2.SamplingParams(response_format=_schema_format("{nope")), "sampling.response_format.json_schema.schema", "not valid JSON"),
+        (common_pb2.SamplingParams(response_format=_schema_format("[]")), "sampling.response_format.json_schema.schema", "got list"),
+        (common_pb2.SamplingParams(response_format=_schema_format("[" * 5000)), "sampling.response_format.json_schema.schema", "nested too deeply"),
+        (common_pb2.SamplingParams(response_format=_schema_format(" " * (MAX_SCHEMA_BYTES + 1))),
+         "sampling.response_format.json_schema.schema", f"{MAX_SCHEMA_BYTES + 1} bytes exceeds the limit of {MAX_SCHEMA_BYTES}"),
+        (common_pb2.SamplingParams(response_format=_schema_format("{}", name="x" * 65)), "sampling.response_format.json_schema.name", "'xxxx"),
+        (common_pb2.SamplingParams(min_tokens=1, response_format=common_pb2.ResponseFormat(json_object=common_pb2.JsonObjectFormat())),
+         "sampling.min_tokens", "cannot be combined with response_format"),
     ],
 )
 def test_invalid_sampling_names_field_and_limit(pb, field, fragment):

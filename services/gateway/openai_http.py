@@ -18,7 +18,8 @@ its generation: the inference request is aborted and its KV blocks freed, as for
 Logprobs come in each endpoint's shape (openai_logprobs.py). `n` > 1 answers one choice per
 sequence (`index`), streamed interleaved, with the usage of all of them; a completions `prompt`
 list (at most 32) runs each prompt as a request of its own, answered as one (merged_deltas.py).
-Not there yet (issue 21): structured outputs.
+`response_format` (json_object, json_schema) constrains decoding in the engine (openai_params.py
+reads it into the same SamplingParams field gRPC clients set).
 """
 
 from __future__ import annotations

@@ -5,14 +5,21 @@ checked where gRPC's are (llmserve.pb.sampling_from_pb), and a field those check
 ("sampling.top_p") is reported under its OpenAI name ("top_p", `openai_param`).
 
 Unknown fields are ignored, as OpenAI's server does; a known field of the wrong type is refused
-with its name. Our own options ride in the body beside OpenAI's, as vLLM's extra-body fields do:
+with its name. `response_format` becomes SamplingParams.response_format: {"type": "text"} (free
+text, as without it), {"type": "json_object"}, or {"type": "json_schema", "json_schema": {"name",
+"schema", "strict"}}, the schema sent on as JSON text and checked with gRPC's
+(llmserve.response_format); `strict` is read but changes nothing: every schema is enforced.
+
+Our own options ride in the body beside OpenAI's, as vLLM's extra-body fields do:
 `ignore_eos`, `min_tokens`, `cache_salt`, `top_k`, `min_p`, `repetition_penalty`.
 """
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
+from llmserve.client_text import quoted
 from llmserve.errors import InvalidArgument
 from llmserve.v1 import common_pb2, gateway_pb2
 
@@ -124,9 +131,26 @@ def _common_params(body: dict[str, Any]) -> gateway_pb2.GenerateParams:
     elif stop is not None:
         raise InvalidArgument("stop", "must be a string or a list of strings")
     params.cache_salt = _optional(body, "cache_salt", str) or ""
-    if _optional(body, "response_format", dict) not in (None, {"type": "text"}):
-        raise InvalidArgument("response_format", "structured outputs are not supported yet: only {\"type\": \"text\"}")
+    response_format = _response_format(_optional(body, "response_format", dict))
+    if response_format is not None:
+        sampling.response_format.CopyFrom(response_format)
     return params
+
+
+def _response_format(value: dict[str, Any] | None) -> common_pb2.ResponseFormat | None:
+    """OpenAI's response_format as ours; None for text. Only the shape is checked here."""
+    kind = None if value is None else value.get("type")
+    if kind in (None, "text"):
+        return None
+    if kind == "json_object":
+        return common_pb2.ResponseFormat(json_object=common_pb2.JsonObjectFormat())
+    if kind != "json_schema":
+        raise InvalidArgument("response_format.type", f"must be text, json_object or json_schema, got {quoted(str(kind))}")
+    spec = _required(value, "json_schema", dict, field="response_format.json_schema")
+    name = _optional(spec, "name", str, field="response_format.json_schema.name") or ""
+    _optional(spec, "strict", bool, field="response_format.json_schema.strict")
+    schema = _required(spec, "schema", dict, field="response_format.json_schema.schema")
+    return common_pb2.ResponseFormat(json_schema=common_pb2.JsonSchemaFormat(name=name, schema=json.dumps(schema)))
 
 
 def _assign(message: Any, name: str, value: int, *, param: str | None = None) -> None:
@@ -162,21 +186,22 @@ def _content(content: Any, field: str) -> str:
     raise InvalidArgument(field, "must be a string or a list of text parts")
 
 
-def _optional(body: dict[str, Any], name: str, kind: type | tuple[type, ...]) -> Any:
+def _optional(body: dict[str, Any], name: str, kind: type | tuple[type, ...], *, field: str | None = None) -> Any:
+    """body[name] when set and of `kind`; `field`: the name errors give it (default `name`)."""
     value = body.get(name)
     if value is None:
         return None
     # bool is an int in Python, never in JSON's sense of a number.
     if not isinstance(value, kind) or (isinstance(value, bool) and kind is not bool):
         expected = kind.__name__ if isinstance(kind, type) else "number"
-        raise InvalidArgument(name, f"must be a {_JSON_TYPES.get(expected, expected)}, got {type(value).__name__}")
+        raise InvalidArgument(field or name, f"must be a {_JSON_TYPES.get(expected, expected)}, got {type(value).__name__}")
     return value
 
 
-def _required(body: dict[str, Any], name: str, kind: type) -> Any:
+def _required(body: dict[str, Any], name: str, kind: type, *, field: str | None = None) -> Any:
     if body.get(name) is None:
-        raise InvalidArgument(name, "is required")
-    return _optional(body, name, kind)
+        raise InvalidArgument(field or name, "is required")
+    return _optional(body, name, kind, field=field)
 
 
 _JSON_TYPES = {"int": "integer", "float": "number", "str": "string", "bool": "boolean", "dict": "object", "list": "array"}

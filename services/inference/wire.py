@@ -13,6 +13,8 @@ from llmserve.block_hash import HASH_VERSION
 from llmserve.errors import DeadlineExceeded, InvalidArgument
 from llmserve.block_hash import check_cache_salt
 from llmserve.request_context import check_request_id
+from llmserve.response_format import FIELD as RESPONSE_FORMAT_FIELD
+from llmserve.response_format import require_grammar_library
 from llmserve.engine_output import EngineOutput
 from llmserve.sampling import FinishReason
 from llmserve.inference.engine.types import EngineRequest, ModelInfo
@@ -52,6 +54,8 @@ def request_from_pb(
                 f"sampling.stop_token_ids[{i}]", f"token id {token_id} is not below the vocab size {info.vocab_size}"
             )
     _check_block_hashes(pb_request, len(prompt_token_ids), info)
+    if sampling.response_format is not None:
+        _check_structured_output(info)
     return EngineRequest(
         request_id=pb_request.request_id,
         prompt_token_ids=prompt_token_ids,
@@ -104,6 +108,16 @@ def _check_logprobs(logprobs: int | None, info: ModelInfo) -> None:
     may be below pb.MAX_LOGPROBS)."""
     if logprobs is not None and logprobs > info.vocab_size:
         raise InvalidArgument("sampling.logprobs", f"{logprobs} exceeds the vocab size {info.vocab_size}")
+
+
+def _check_structured_output(info: ModelInfo) -> None:
+    """Our engines (torch, and hf through the same sampler) constrain decoding, with the grammar
+    library installed; TensorRT-LLM's is not ours."""
+    if info.backend not in ("torch", "hf"):
+        raise InvalidArgument(
+            RESPONSE_FORMAT_FIELD, f"structured outputs need the torch or hf backend; this replica runs {info.backend}"
+        )
+    require_grammar_library()
 
 
 def _check_block_hashes(

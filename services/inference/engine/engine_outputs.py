@@ -16,6 +16,7 @@ def token_output(token: NewToken, logprob: TokenLogprob | None, now_ns: int) -> 
         token.finish_reason, token.stop_token_id,
     )
     if token.finish_reason is not None:
+        output.error_message = seq.error_message
         _fill_final(output, seq, now_ns)
     return output
 

@@ -8,8 +8,10 @@ request's one random stream in turn. Priority is ignored. No prefix cache, so no
 (take_kv_events is always empty): routing sees this backend's load only.
 
 Tokens are chosen by the torch engine's Sampler on a batch of one, so both backends process
-logits the same way (penalties, min_tokens, temperature, logprobs, truncation: see sampler.py);
-what this backend checks independently is the model and its KV cache.
+logits the same way (penalties, min_tokens, temperature, logprobs, truncation, a response
+format's grammar mask: see sampler.py and grammar.py); what this backend checks independently is
+the model and its KV cache. A sequence with a response format gets its grammar matcher from the
+same compiled-grammar cache as the torch engine's, and stop rule 4 (engine/stop.py) ends it.
 """
 
 from __future__ import annotations
@@ -23,14 +25,15 @@ from typing import Any
 import torch
 
 from llmserve.inference.engine.config import EngineConfig
+from llmserve.inference.engine.grammar import Grammars
 from llmserve.inference.engine.hf_model import HFModel
 from llmserve.inference.engine.sampler import Sampler
 from llmserve.inference.engine.sequence import Sequence
-from llmserve.inference.engine.stop import finish_at_token, stop_token_ids
+from llmserve.inference.engine.stop import finish_at_token, finish_by_grammar, stop_token_ids
 from llmserve.engine_output import EngineOutput
 from llmserve.inference.engine.types import CacheEvent, EngineLoad, EngineRequest, ModelInfo, StepFailed
 from llmserve.model_files import ModelFiles
-from llmserve.sampling import TokenLogprob
+from llmserve.sampling import FinishReason, TokenLogprob
 
 log = logging.getLogger(__name__)
 
@@ -63,6 +66,7 @@ class HFEngineCore:
         )
         self._eos_token_ids = frozenset(files.eos_token_ids)
         self._sampler = Sampler(files.eos_token_ids)
+        self._grammars = Grammars(files.path / "tokenizer.json", self._model.vocab_size, files.eos_token_ids)
         self._waiting: deque[_Request] = deque()
         self._running: _Running | None = None
         self._num_requests_added = 0  # seeds requests that bring none: config.seed + this
@@ -78,6 +82,8 @@ class HFEngineCore:
         self._num_requests_added += 1
         generator = torch.Generator(device=self._model.device)
         generator.manual_seed(seed)
+        if request.sampling.response_format is not None:  # compiled (and cached) now: a failure fails this request only
+            self._grammars.matcher(request.sampling.response_format)
         self._waiting.append(_Request(request=request, generator=generator))
 
     def abort_request(self, request_id: str) -> bool:
@@ -132,7 +138,7 @@ class HFEngineCore:
             return False
         request = self._waiting.popleft()
         request.first_scheduled_ns = time.monotonic_ns()
-        self._running = _Running(owner=request, sequence=_new_sequence(request, 0))
+        self._running = _Running(owner=request, sequence=self._new_sequence(request, 0))
         return True
 
     def _generate_token(self, running: _Running) -> tuple[int, TokenLogprob | None]:
@@ -161,7 +167,11 @@ class HFEngineCore:
             token_id, sequence.num_completion_tokens, sequence.num_tokens, sequence.sampling,
             stop_token_ids(sequence.sampling, self._eos_token_ids), self.model_info.max_context_tokens,
         )
+        if finish[0] is None and sequence.grammar is not None:
+            finish = (finish_by_grammar(sequence.grammar, token_id), None)
         output = EngineOutput.for_token(sequence.request_id, sequence.sequence_index, token_id, logprob, finish)
+        if finish[0] is FinishReason.ERROR:
+            output.error_message = f"the response format's grammar refused token {token_id}"
         if output.is_finished:
             _fill_final(output, running, now_ns)
             self._advance(running)
@@ -171,12 +181,17 @@ class HFEngineCore:
         """Start the request's next sequence, or retire the request."""
         next_index = finished.sequence.sequence_index + 1
         if next_index < finished.sequence.sampling.n:
-            self._running = _Running(owner=finished.owner, sequence=_new_sequence(finished.owner, next_index))
+            self._running = _Running(owner=finished.owner, sequence=self._new_sequence(finished.owner, next_index))
             return
         self._running = None
 
+    def _new_sequence(self, owner: _Request, index: int) -> Sequence:
+        request = owner.request
+        response_format = request.sampling.response_format
+        return _sequence(owner, index, None if response_format is None else self._grammars.matcher(response_format))
 
-def _new_sequence(owner: _Request, index: int) -> Sequence:
+
+def _sequence(owner: _Request, index: int, grammar) -> Sequence:
     request = owner.request
     return Sequence(
         seq_id=index,  # unused here: only the torch engine's scheduler orders by it
@@ -187,6 +202,7 @@ def _new_sequence(owner: _Request, index: int) -> Sequence:
         sampling=request.sampling,
         arrival_ns=request.arrival_ns,
         rng=owner.generator,
+        grammar=grammar,
     )
 
 

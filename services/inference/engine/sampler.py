@@ -1,6 +1,10 @@
 """Turn a batch of logits into one token per sequence, on the logits' device.
 
 Per row, in order (the same as the hf backend, so both backends agree):
+  0. structured output (a sequence with a grammar matcher, engine/grammar.py): every token its
+     grammar does not allow -> -inf, for all such rows at once (one bitmask filled on the host,
+     one masking on the device); the steps below see only allowed tokens, so the greedy pick,
+     the draw and the logprobs are those of the constrained distribution;
   1. repetition penalty over prompt + output tokens (divide positive logits, multiply negative);
   2. frequency and presence penalties over output tokens;
   3. while fewer than min_tokens were generated: EOS (unless ignore_eos) and stop ids -> -inf;
@@ -26,6 +30,7 @@ from dataclasses import dataclass
 import torch
 
 from llmserve.inference.models.transfers import device_tensor
+from llmserve.inference.engine.grammar import constrain
 from llmserve.inference.engine.sequence import Sequence
 from llmserve.inference.engine.stop import stop_token_ids
 from llmserve.sampling import SamplingParams, TokenLogprob, TopLogprob
@@ -97,7 +102,9 @@ class Sampler:
     @torch.inference_mode()
     def launch(self, logits: torch.Tensor, seqs: list[Sequence]) -> LaunchedSample:
         """logits [num_seqs, vocab] float32, row i for seqs[i] (whose last token was just
-        computed; penalties read the token history, which must be known on the host)."""
+        computed; penalties and grammars read the token history, which must be known on the
+        host: reads_host_tokens)."""
+        logits = _apply_grammars(logits, seqs)
         if all(seq.is_plain_greedy for seq in seqs):  # the common batch: one argmax, no other work
             return LaunchedSample(logits.argmax(dim=-1), None)
         logits = _apply_penalties(logits, seqs)
@@ -149,6 +156,20 @@ def is_plain_greedy(sampling: SamplingParams) -> bool:
 def needs_token_history(sampling: SamplingParams) -> bool:
     """Sampling that reads the sequence's earlier tokens on the host: the penalties."""
     return sampling.repetition_penalty != 1.0 or sampling.frequency_penalty != 0.0 or sampling.presence_penalty != 0.0
+
+
+def reads_host_tokens(seq: Sequence) -> bool:
+    """Sampling this sequence needs its latest token on the host: its penalties count it, or its
+    grammar matcher must have accepted it before the mask of the next token can be filled."""
+    return seq.grammar is not None or needs_token_history(seq.sampling)
+
+
+def _apply_grammars(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
+    """Step 0. A sequence finished since it was scheduled (its token is discarded) is left as it is."""
+    rows = [i for i, seq in enumerate(seqs) if seq.grammar is not None and not seq.is_finished]
+    if not rows:
+        return logits
+    return constrain(logits, rows, [seqs[i].grammar for i in rows])
 
 
 def _apply_penalties(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:

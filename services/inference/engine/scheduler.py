@@ -44,7 +44,7 @@ from llmserve.buckets import BucketConfig
 from llmserve.inference.engine.block_manager import BlockManager
 from llmserve.inference.engine.sequence import PLACEHOLDER_TOKEN, Sequence, SequenceStatus
 from llmserve.inference.engine.step_output import LaunchedBatch, NewToken
-from llmserve.inference.engine.stop import finish_at_token, reaches_length_limit, stop_token_ids
+from llmserve.inference.engine.stop import finish_at_token, finish_by_grammar, reaches_length_limit, stop_token_ids
 from llmserve.inference.engine.waiting_queue import WaitingQueue, queue_key
 from llmserve.sampling import FinishReason
 
@@ -195,9 +195,10 @@ class Scheduler:
 
     def update_from_output(self, launch: LaunchedBatch, token_ids: list[int]) -> list[NewToken]:
         """The tokens `launch` sampled (row i: launch.sampling_seqs[i]), now on the host: each
-        replaces its placeholder, and the stop rules finish sequences (their blocks return to
-        the pool at once). A token of a sequence finished before (aborted, or stopped by its
-        token the step before) is discarded."""
+        replaces its placeholder (and advances the sequence's grammar matcher, if it has one),
+        and the stop rules finish sequences (their blocks return to the pool at once). A token
+        of a sequence finished before (aborted, or stopped by its token the step before) is
+        discarded."""
         assert launch is self._unprocessed_launch, "tokens come for the launch recorded last"
         self._unprocessed_launch = None
         now_ns = time.monotonic_ns()
@@ -219,6 +220,10 @@ class Scheduler:
                 token_id, num_tokens - seq.num_prompt_tokens, num_tokens, seq.sampling,
                 stop_token_ids(seq.sampling, eos_token_ids), max_seq_tokens,
             )
+            if finish_reason is None and seq.grammar is not None:
+                finish_reason = finish_by_grammar(seq.grammar, token_id)
+                if finish_reason is FinishReason.ERROR:
+                    seq.error_message = f"the response format's grammar refused token {token_id}"
             if finish_reason is not None:
                 self._finish(seq, finish_reason)
             new_tokens.append(NewToken(seq, row, token_id, finish_reason, stop_token_id))

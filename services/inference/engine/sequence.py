@@ -16,12 +16,13 @@ Invariants:
   the first num_registered_blocks blocks are full, computed and known to the prefix cache.
 
 Who writes which field (one writer each; the others only read):
-  SequenceFactory, at construction only: the identity, prompt, sampling, random-stream and
-    is_plain_greedy fields, and a forked sibling's copies of its parent's (prompt, block hashes, hash seed,
+  SequenceFactory, at construction only: the identity, prompt, sampling, random-stream,
+    grammar and is_plain_greedy fields, and a forked sibling's copies of its parent's (prompt, block hashes, hash seed,
     num_cached_tokens, was_admitted, first_scheduled_ns);
   Sequence.block_hash: block_hashes (extended lazily from token_ids);
   BlockManager: block_ids, num_registered_blocks (the block table and its prefix-cache progress);
-  Scheduler: everything else - status, num_computed_tokens, num_cached_tokens, was_admitted,
+  Scheduler: the grammar matcher's state (it accepts each token as the token replaces its
+    placeholder), and everything else - status, num_computed_tokens, num_cached_tokens, was_admitted,
     token_ids after construction (placeholders and their values), placeholder_row,
     is_finishing, first_scheduled_ns, first_token_ns, finish_reason, error_message.
 """
@@ -67,6 +68,9 @@ class Sequence:
     num_cached_tokens: int = 0  # prompt tokens the prefix cache served at first admission
     was_admitted: bool = False
     rng: Any = None  # the sampler's per-sequence random stream (a torch.Generator)
+    # Structured output: an engine/grammar.GrammarMatcher that has seen exactly the known output
+    # tokens (the sampler masks what it does not allow); None: free text.
+    grammar: Any = None
     is_plain_greedy: bool = False  # sampler.is_plain_greedy(sampling): the sampler's fast path
     # Row of the last token in the sampled tokens of the launched, not yet processed step;
     # -1 when it has no placeholder.

@@ -5,6 +5,9 @@ BlockManager.fork, and sample their first token from the parent's logits row).
 Each sequence samples from its own torch.Generator on the engine's device: the request's seed,
 or one derived from the engine seed per request; siblings derive theirs from the parent's.
 
+A request with a response format gets a grammar matcher (engine/grammar.py), compiled once per
+format and copied per sequence; a forked sibling copies its parent's, which has seen no output yet.
+
 Block hashes: a request's own (from preprocess) when cut and defined like ours, else computed
 lazily (Sequence.block_hash) from the engine's namespace seed for the request's cache salt.
 """
@@ -18,6 +21,7 @@ import torch
 
 from llmserve.block_hash import HashNamespace
 from llmserve.inference.engine.config import EngineConfig
+from llmserve.inference.engine.grammar import Grammars
 from llmserve.inference.models.transfers import device_tensor
 from llmserve.inference.engine.sampler import is_plain_greedy
 from llmserve.inference.engine.sequence import Sequence
@@ -25,8 +29,11 @@ from llmserve.inference.engine.types import EngineRequest
 
 
 class SequenceFactory:
-    def __init__(self, config: EngineConfig, device: torch.device, hash_namespace: HashNamespace):
+    def __init__(
+        self, config: EngineConfig, device: torch.device, hash_namespace: HashNamespace, grammars: Grammars
+    ):
         self._engine_seed = config.seed
+        self._grammars = grammars
         self._block_size = config.block_size_tokens
         self._hash_namespace = hash_namespace
         self._device = device
@@ -52,6 +59,7 @@ class SequenceFactory:
             hash_seed=self._hash_namespace.seed(request.cache_salt),
             rng=self._generator(seed),
             is_plain_greedy=is_plain_greedy(request.sampling),
+            grammar=self._grammar(request),
         )
 
     def fork_siblings(
@@ -86,7 +94,12 @@ class SequenceFactory:
             rng=self._generator(_derived_seed(parent.rng.initial_seed(), index)),
             first_scheduled_ns=parent.first_scheduled_ns,
             is_plain_greedy=parent.is_plain_greedy,
+            grammar=None if parent.grammar is None else parent.grammar.fork(),
         )
+
+    def _grammar(self, request: EngineRequest):
+        response_format = request.sampling.response_format
+        return None if response_format is None else self._grammars.matcher(response_format)
 
     def _generator(self, seed: int) -> torch.Generator:
         generator = torch.Generator(device=self._device)

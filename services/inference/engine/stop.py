@@ -5,7 +5,11 @@ Checked after each new token, in this order:
      the request's stop_token_ids, or EOS unless ignore_eos; never before min_tokens (the
      samplers mask stop tokens until then);
   2. max_tokens generated -> LENGTH;
-  3. the sequence at its length limit (the context, or the whole KV pool if smaller) -> LENGTH.
+  3. the sequence at its length limit (the context, or the whole KV pool if smaller) -> LENGTH;
+  4. a structured output's grammar (engine/grammar.py) is done, nothing but the end can follow
+     (the JSON object closed) -> STOP, without waiting for an EOS token (whatever ignore_eos
+     says: the grammar allows nothing more); a token the grammar refuses -> ERROR (the sampler's
+     mask makes it impossible: an invariant that ends one sequence, not the engine).
 Stop strings are the gateway's (it sees text; the engine sees ids).
 """
 
@@ -43,3 +47,11 @@ def finish_at_token(
 def reaches_length_limit(num_completion_tokens: int, num_tokens: int, sampling: SamplingParams, max_seq_tokens: int) -> bool:
     """The LENGTH rule: max_tokens generated, or the sequence at its length limit."""
     return num_completion_tokens >= sampling.max_tokens or num_tokens >= max_seq_tokens
+
+
+def finish_by_grammar(grammar, token_id: int) -> FinishReason | None:
+    """Rule 4, for a sequence that rules 1-3 left running: `grammar` (a GrammarMatcher)
+    accepts the token, and says whether it is done."""
+    if not grammar.accept(token_id):
+        return FinishReason.ERROR
+    return FinishReason.STOP if grammar.is_done else None

@@ -23,6 +23,15 @@ which is discarded; a sequence whose placeholder ends it by length is not schedu
 (`Sequence.is_finishing`). Penalties read the token history on the host, so a step that
 samples with them processes the step before it first. Off: launch and process in one call.
 
+Structured outputs (engine/grammar.py) need the same: the mask of a constrained row's next token
+depends on the token before, which step N+1 is launched without. Of the two ways to get it,
+holding such sequences back a step (scheduling them every other step) or filling their masks
+after the sync, this engine does the second: `_launch` queues step N+1's forward first, then
+processes step N (its tokens reach the host, every matcher accepts its token), then fills the
+masks and queues the sampling. The forward, the step's bulk, still overlaps the host's work on
+step N and the mask fill; only the sampling waits for them, and a constrained stream keeps
+decoding every step.
+
 Stop conditions: engine/stop.py, applied by the Scheduler (`max_seq_tokens` is the context
 limit, or the whole KV pool if smaller). Timings per step: engine/step_stats.py.
 """
@@ -41,8 +50,9 @@ from llmserve.inference.engine.batch_inputs import build_step_inputs
 from llmserve.inference.engine.block_manager import BlockManager
 from llmserve.inference.engine.config import EngineConfig
 from llmserve.inference.engine.engine_outputs import error_outputs, token_output
+from llmserve.inference.engine.grammar import Grammars, GrammarStats
 from llmserve.inference.engine.model_runner import ModelRunner
-from llmserve.inference.engine.sampler import LaunchedSample, Sampler, SamplerOutput, needs_token_history
+from llmserve.inference.engine.sampler import LaunchedSample, Sampler, SamplerOutput, reads_host_tokens
 from llmserve.inference.engine.scheduler import ScheduledBatch, Scheduler, SchedulerConfig
 from llmserve.inference.engine.sequence_factory import SequenceFactory
 from llmserve.inference.engine.step_output import LaunchedBatch
@@ -101,7 +111,8 @@ class TorchEngineCore:
         self.model_info = ModelInfo.describe(
             config, files, vocab_size=self.runner.vocab_size, backend="torch", device=str(self.runner.device)
         )
-        self._sequences = SequenceFactory(config, self.runner.device, self.model_info.hash_namespace)
+        self._grammars = Grammars(files.path / "tokenizer.json", self.runner.vocab_size, files.eos_token_ids)
+        self._sequences = SequenceFactory(config, self.runner.device, self.model_info.hash_namespace, self._grammars)
         self.step_stats = step_stats
         self._launched: _LaunchedStep | None = None  # async scheduling: launched, not processed
         self._scheduled_batch = (0, 0)
@@ -160,19 +171,24 @@ class TorchEngineCore:
     def take_kv_events(self) -> list[CacheEvent]:
         return self.block_manager.take_events()
 
+    def grammar_stats(self) -> GrammarStats:
+        """Structured outputs' compile and mask-fill totals (bench/bench_grammar.py reads them)."""
+        return self._grammars.stats
+
     # --- execute and update ------------------------------------------------------------------
 
     def _launch(self, batch: ScheduledBatch, timer: StepTimer | Untimed) -> tuple[_LaunchedStep, list[EngineOutput]]:
-        """Queue the batch's forward and sampling on the device. Sampling with penalties reads
-        the token history on the host, so then the step in flight is processed first: its
-        outputs come back with the launch."""
+        """Queue the batch's forward and sampling on the device. Sampling with penalties or a
+        grammar reads the token history on the host (reads_host_tokens), so then the step in
+        flight is processed first, after the forward is queued: its outputs come back with the
+        launch."""
         outputs: list[EngineOutput] = []
         timer.gpu_begin()
         launched_tokens = self._launched.sampled.token_ids if self._launched is not None else None
         step_inputs = timer.measure("inputs_s", build_step_inputs, batch, self.runner.block_size)
         logits = timer.measure("execute_launch_s", self.runner.execute, batch, step_inputs, launched_tokens)
         seqs, forks, logits = self._sequences.fork_siblings(batch.sampling_seqs(), logits)
-        if self._launched is not None and any(needs_token_history(seq.sampling) for seq in seqs):
+        if self._launched is not None and any(reads_host_tokens(seq) for seq in seqs):
             outputs = self._process(self._take_launched(), timer)
         sampled = timer.measure("sampler_launch_s", self.sampler.launch, logits, seqs)
         timer.gpu_end()
