@@ -132,3 +132,13 @@ def test_bench_routing_compares_policies_on_cpu(tmp_path):
     assert all(0 < row["cached_over_ideal"] <= 1.0 for row in rows.values())
     for row in rows.values():  # sampled only while half the clients' turns are in flight: maybe never here
         assert row["mean_load_per_replica"] is None or len(row["mean_load_per_replica"]) == 3
+
+
+def test_bench_http_server_streams_every_chunk_from_each_installed_server(tmp_path):
+    report = run_bench("bench_http_server.py", ["--requests", "8", "--concurrency", "4", "--chunks", "8", "--rounds", "1",
+                                                "--out-dir", str(tmp_path)], tmp_path)
+    measured = {row["server"] for row in report["servers"]}
+    assert "aiohttp" in measured and measured | set(report["not_installed"]) == {"aiohttp", "uvicorn", "granian-embed", "granian"}
+    for row in report["servers"]:
+        assert row["num_streams"] == 8 and row["num_bad_streams"] == 0
+        assert row["chunks_per_s"] > 0 and row["first_chunk_p50_ms"] > 0
