@@ -16,8 +16,9 @@ Every request streams (Server-Sent Events) with `stream_options.include_usage`, 
   - prompt, completion and cached tokens from the usage chunk: a stream without one is an error
     (NO_USAGE), never a count guessed from the chunks;
   - an HTTP error as `HTTP_<status>` with the body's message, an error event inside a 200 stream
-    (what OpenAI's server sends after the headers) as `STREAM_ERROR`, the client's own deadline
-    (--timeout-s over the whole request) as DEADLINE_EXCEEDED, as in the gRPC mode.
+    (what OpenAI's server sends after the headers) as `STREAM_ERROR`, an event that is not such
+    JSON as `BAD_RESPONSE`, the client's own deadline (--timeout-s over the whole request) as
+    DEADLINE_EXCEEDED, as in the gRPC mode.
 
 aiohttp's client (already a dependency, for the gateway's server): one session per client process,
 its connection pool sized to the process's requests in flight, so each stream keeps one
@@ -50,7 +51,7 @@ def connect(plan: ClientPlan) -> aiohttp.ClientSession:
     connector = aiohttp.TCPConnector(limit=plan.max_in_flight, limit_per_host=plan.max_in_flight)
     # A deadline over the whole request, as gRPC's is; no read timeout of its own beside it.
     timeout = aiohttp.ClientTimeout(total=plan.timeout_s)
-    return aiohttp.ClientSession(plan.address.rstrip("/") + "/", connector=connector, timeout=timeout)
+    return aiohttp.ClientSession(connector=connector, timeout=timeout)
 
 
 def served_model(base_url: str) -> str:
@@ -89,7 +90,7 @@ async def send_one(session: aiohttp.ClientSession, planned: PlannedRequest, plan
     path, body = request_body(planned, plan, conversation)
     record.start_s = time.monotonic()
     try:
-        async with session.post(path, json=body) as response:
+        async with session.post(f"{plan.address.rstrip('/')}/{path}", json=body) as response:
             if response.status != 200:
                 record.status, record.error = f"HTTP_{response.status}", _error_message(await response.text())
             else:
@@ -99,6 +100,8 @@ async def send_one(session: aiohttp.ClientSession, planned: PlannedRequest, plan
         record.status, record.error = "DEADLINE_EXCEEDED", f"no complete answer within {plan.timeout_s} s"
     except aiohttp.ClientError as error:
         record.status, record.error = "CONNECTION_ERROR", f"{type(error).__name__}: {error}"
+    except (ValueError, KeyError, TypeError) as error:  # an event that is not the JSON OpenAI sends
+        record.status, record.error = "BAD_RESPONSE", f"{type(error).__name__}: {str(error)[:300]}"
     record.end_s = time.monotonic()
     return record
 
