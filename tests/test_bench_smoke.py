@@ -171,3 +171,13 @@ def test_bench_grammar_measures_the_libraries_and_the_engine_on_cpu(tiny_model_d
     engine = run_bench("bench_grammar.py", ["--engine", "--smoke", "--out-dir", str(tmp_path / "engine")], tmp_path / "engine")
     unconstrained, constrained = engine["engine"]
     assert unconstrained["num_output_tokens"] == constrained["num_output_tokens"] > 0
+
+
+def test_bench_http_server_streams_every_chunk_from_each_installed_server(tmp_path):
+    report = run_bench("bench_http_server.py", ["--requests", "8", "--concurrency", "4", "--chunks", "8", "--rounds", "1",
+                                                "--out-dir", str(tmp_path)], tmp_path)
+    measured = {row["server"] for row in report["servers"]}
+    assert "aiohttp" in measured and measured | set(report["not_installed"]) == {"aiohttp", "uvicorn", "granian-embed", "granian"}
+    for row in report["servers"]:
+        assert row["num_streams"] == 8 and row["num_bad_streams"] == 0
+        assert row["chunks_per_s"] > 0 and row["first_chunk_p50_ms"] > 0

@@ -8,17 +8,15 @@ model, and gets what the Python client gets.
 from __future__ import annotations
 
 import json
-import shutil
 import subprocess
-from pathlib import Path
 
 import grpc
 import pytest
 
 from llmserve.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc, preprocess_pb2, preprocess_pb2_grpc
+from tests.node_env import NODE_DIR, node_with
 from tests.procs import stack_fixture
 
-NODE_DIR = Path(__file__).resolve().parent / "node"
 NODE_TIMEOUT_S = 120
 MAX_TOKENS = 12
 PROMPT = "The capital of France is"
@@ -26,12 +24,7 @@ PROMPT = "The capital of France is"
 
 @pytest.fixture(scope="module")
 def node() -> str:
-    node = shutil.which("node")
-    if node is None:
-        pytest.skip("node is not installed")
-    if not (NODE_DIR / "node_modules" / "@grpc" / "grpc-js").is_dir():
-        pytest.fail(f"the Node client's packages are missing: run `make setup` (npm ci in {NODE_DIR})")
-    return node
+    return node_with("@grpc/grpc-js")
 
 
 services = stack_fixture()

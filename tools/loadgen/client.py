@@ -12,7 +12,9 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Awaitable, Callable
+from contextlib import AbstractAsyncContextManager
 from dataclasses import dataclass, field
+from typing import Any
 
 import grpc
 
@@ -37,7 +39,7 @@ class RequestRecord:
     message_num_tokens: list[int] = field(default_factory=list)  # tokens in that message
     num_completion_tokens: int = 0
     num_cached_tokens: int = 0
-    status: str = "OK"  # a grpc.StatusCode name
+    status: str = "OK"  # a grpc.StatusCode name; over HTTP also HTTP_<status> (openai_client.py)
     error: str = ""
     # The answer, kept only in multi-turn runs (the next turn's prompt includes it).
     answer_text: str = ""
@@ -56,17 +58,20 @@ class RequestRecord:
 class ClientPlan:
     """A client's share of the run."""
 
-    address: str
+    address: str  # gRPC HOST:PORT, or the OpenAI base URL (http://HOST:PORT/v1) with openai_client's connect
     requests: tuple[PlannedRequest, ...]
     workload: WorkloadConfig
     max_in_flight: int
     timeout_s: float
     ignore_eos: bool
     model: str = ""
-    # Sends one request (the conversation's next turn) on the channel and records it. None: the
-    # gateway's GenerateStream (send_one); bench/bench_stack.py sends to an inference replica. A
-    # module-level function: the plan is pickled into a spawned client, which imports it by name.
-    send: Callable[[grpc.aio.Channel, PlannedRequest, "ClientPlan", Conversation], Awaitable[RequestRecord]] | None = None
+    # Sends one request (the conversation's next turn) on the connection and records it. None: the
+    # gateway's GenerateStream (send_one); bench/bench_stack.py sends to an inference replica,
+    # openai_client.send_one to the OpenAI HTTP API. Module-level functions: the plan is pickled
+    # into a spawned client, which imports them by name.
+    send: Callable[[Any, PlannedRequest, "ClientPlan", Conversation], Awaitable[RequestRecord]] | None = None
+    # Opens the connection `send` uses, once per client process. None: a gRPC channel (grpc_channel).
+    connect: Callable[["ClientPlan"], AbstractAsyncContextManager[Any]] | None = None
 
 
 def build_request(planned: PlannedRequest, workload: WorkloadConfig, ignore_eos: bool, model: str,
@@ -123,10 +128,8 @@ async def run_plan(plan: ClientPlan, start_at_s: float, on_done=None) -> list[Re
     """Send every request of the plan (closed loop, or at its send time), at most
     `max_in_flight` at once, a conversation's turns one after the other (a failed turn ends its
     conversation: the later turns are recorded as not sent); `on_done(record)` after each."""
-    options = [("grpc.max_send_message_length", _MAX_MESSAGE_BYTES),
-               ("grpc.max_receive_message_length", _MAX_MESSAGE_BYTES)]
     send = plan.send or send_one
-    async with grpc.aio.insecure_channel(plan.address, options=options) as channel:
+    async with (plan.connect or grpc_channel)(plan) as channel:
         in_flight = asyncio.Semaphore(plan.max_in_flight)
 
         async def converse(turns: list[PlannedRequest]) -> list[RequestRecord]:
@@ -151,6 +154,12 @@ async def run_plan(plan: ClientPlan, start_at_s: float, on_done=None) -> list[Re
             conversations.setdefault(planned.conversation, []).append(planned)
         done = await asyncio.gather(*(converse(turns) for turns in conversations.values()))
         return [record for records in done for record in records]
+
+
+def grpc_channel(plan: ClientPlan) -> grpc.aio.Channel:
+    options = [("grpc.max_send_message_length", _MAX_MESSAGE_BYTES),
+               ("grpc.max_receive_message_length", _MAX_MESSAGE_BYTES)]
+    return grpc.aio.insecure_channel(plan.address, options=options)
 
 
 def _not_sent(planned: PlannedRequest, failed: RequestRecord) -> RequestRecord:

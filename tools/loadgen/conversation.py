@@ -37,18 +37,27 @@ class Conversation:
     def fill_prompt(self, params: gateway_pb2.GenerateParams, planned: PlannedRequest, form: PromptForm) -> None:
         """Set the prompt of `planned` (this conversation's next turn) on `params`."""
         if form is PromptForm.CHAT:
-            if self.system_text:
-                params.chat.messages.add(role="system", content=self.system_text)
-            for exchange in self.exchanges:
-                params.chat.messages.add(role="user", content=exchange.user_text)
-                params.chat.messages.add(role="assistant", content=exchange.answer_text)
-            params.chat.messages.add(role="user", content=planned.suffix_text)
+            for role, content in self.chat_messages(planned):
+                params.chat.messages.add(role=role, content=content)
         elif form is PromptForm.TOKEN_IDS:
-            ids = params.prompt_token_ids.token_ids
-            for exchange in self.exchanges:
-                ids.extend(exchange.user_token_ids)
-                ids.extend(exchange.answer_token_ids)
-            ids.extend(planned.prompt_token_ids)
+            params.prompt_token_ids.token_ids.extend(self.prompt_token_ids(planned))
         else:
-            history = "".join(e.user_text + e.answer_text for e in self.exchanges)
-            params.prompt = self.system_text + history + planned.suffix_text
+            params.prompt = self.prompt_text(planned)
+
+    def chat_messages(self, planned: PlannedRequest) -> list[tuple[str, str]]:
+        """(role, content) of every turn so far and the new user message, the prefix as the system turn."""
+        messages = [("system", self.system_text)] if self.system_text else []
+        for exchange in self.exchanges:
+            messages += [("user", exchange.user_text), ("assistant", exchange.answer_text)]
+        return [*messages, ("user", planned.suffix_text)]
+
+    def prompt_token_ids(self, planned: PlannedRequest) -> list[int]:
+        ids: list[int] = []
+        for exchange in self.exchanges:
+            ids += exchange.user_token_ids
+            ids += exchange.answer_token_ids
+        return [*ids, *planned.prompt_token_ids]
+
+    def prompt_text(self, planned: PlannedRequest) -> str:
+        history = "".join(e.user_text + e.answer_text for e in self.exchanges)
+        return self.system_text + history + planned.suffix_text

@@ -95,5 +95,19 @@ def write_plots(out_dir: Path, stem: str, records: list[RequestRecord], timeline
     return [latency_path, throughput_path]
 
 
-def print_table(summary: dict, out: IO[str]) -> None:
+def client_usage(cpu_s: float, summary: dict) -> dict:
+    """The client processes' CPU over the run: a client near one core per process is what a run
+    measured, not the server."""
+    num_tokens = summary["num_completion_tokens"]
+    return {
+        "cpu_s": cpu_s,
+        "cpu_cores": cpu_s / summary["duration_s"],  # mean cores busy over the run
+        "cpu_us_per_output_token": cpu_s * 1e6 / num_tokens if num_tokens else math.nan,
+    }
+
+
+def print_table(summary: dict, out: IO[str], client: dict | None = None) -> None:
     print(format_table(summary), file=out)
+    if client is not None:
+        print(f"client       {client['cpu_s']:.2f} s CPU ({client['cpu_cores']:.2f} cores busy), "
+              f"{client['cpu_us_per_output_token']:.1f} us per output token", file=out)

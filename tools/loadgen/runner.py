@@ -38,6 +38,7 @@ class RunConfig:
     model: str = ""
     show_progress: bool = True
     send: Callable | None = None  # ClientPlan.send: None sends to the gateway
+    connect: Callable | None = None  # ClientPlan.connect: None opens a gRPC channel
 
 
 @dataclass(frozen=True, slots=True)
@@ -45,6 +46,9 @@ class RunResult:
     records: list[RequestRecord]
     start_s: float  # when sending began, on the records' clock
     end_s: float  # when the last request ended
+    # CPU (user + system, every thread) the client processes spent sending and reading, summed:
+    # what shows whether the client, not the server, was the bottleneck.
+    client_cpu_s: float = 0.0
 
 
 def client_plans(planned: list[PlannedRequest], workload: WorkloadConfig, config: RunConfig) -> list[ClientPlan]:
@@ -56,7 +60,7 @@ def client_plans(planned: list[PlannedRequest], workload: WorkloadConfig, config
         share = tuple(p for p in planned if p.conversation % num_client_processes == k)
         max_in_flight = config.concurrency // num_client_processes + (1 if k < config.concurrency % num_client_processes else 0)
         plans.append(ClientPlan(config.address, share, workload, max_in_flight, config.timeout_s,
-                                config.ignore_eos, config.model, config.send))
+                                config.ignore_eos, config.model, config.send, config.connect))
     return plans
 
 
@@ -78,7 +82,7 @@ def run_workload(planned: list[PlannedRequest], workload: WorkloadConfig, config
 
 
 def _collect(clients, events, start_at, num_requests: int, show_progress: bool) -> RunResult:
-    num_ready, records, num_finished_clients = 0, [], 0
+    num_ready, records, num_finished_clients, client_cpu_s = 0, [], 0, 0.0
     bar = tqdm(total=num_requests, unit="req", desc="bench", disable=not show_progress, dynamic_ncols=True)
     errors = 0
     with bar:
@@ -97,13 +101,14 @@ def _collect(clients, events, start_at, num_requests: int, show_progress: bool) 
                 bar.update(1)
                 bar.set_postfix(errors=errors, refresh=False)
             elif kind == "records":
-                records.extend(payload)
+                records.extend(payload[0])
+                client_cpu_s += payload[1]
                 num_finished_clients += 1
             elif kind == "failed":
                 raise RuntimeError(f"a load-generator client process failed: {payload}")
     records.sort(key=lambda record: record.index)
     end_s = max((record.end_s for record in records), default=start_at.value)
-    return RunResult(records, start_at.value, end_s)
+    return RunResult(records, start_at.value, end_s, client_cpu_s)
 
 
 def _check_alive(clients) -> None:
@@ -117,7 +122,8 @@ def _client_main(plan: ClientPlan, start_at, events) -> None:
         events.put(("ready", None))
         while start_at.value == 0.0:
             time.sleep(0.005)
+        cpu_before_s = time.process_time()  # after the imports and the spawn: the run's own CPU
         records = asyncio.run(run_plan(plan, start_at.value, lambda r: events.put(("done", r.status))))
-        events.put(("records", records))
+        events.put(("records", (records, time.process_time() - cpu_before_s)))
     except BaseException as exc:  # noqa: BLE001 — reported to the coordinator, which raises
         events.put(("failed", f"{type(exc).__name__}: {exc}"))
