@@ -31,7 +31,6 @@ import argparse
 import asyncio
 import json
 import shlex
-import socket
 import statistics
 import tempfile
 import time
@@ -44,6 +43,7 @@ from google.rpc import error_details_pb2, status_pb2
 from prometheus_client.parser import text_string_to_metric_families
 
 import bench_stack
+import stack_services
 from llmserve.tools.service_process import start_service, stop_service
 from llmserve.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc
 
@@ -127,12 +127,6 @@ class ConfigResult:
     @property
     def num_refused(self) -> int:
         return sum(self.refused_by_status.values())
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def start_stack(args, model_dir: Path, inference_flags: list[str], log_dir: Path, metrics_port: int) -> dict:
@@ -272,7 +266,7 @@ def summarize(config: str, outcomes: list[Outcome], busy_fraction: float) -> Con
 
 
 def run_config(config: str, args, model_dir: Path, log_dir: Path) -> ConfigResult:
-    metrics_port = free_port()
+    metrics_port = stack_services.free_port()
     print(f"[{config}] starting the stack", flush=True)
     services = start_stack(args, model_dir, CONFIGS[config], log_dir / config, metrics_port)
     try:

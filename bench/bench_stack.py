@@ -12,6 +12,9 @@ Paths (each on a fresh engine: the same weights, the same engine flags):
            (engine thread + event loop), one asyncio task per stream;
   grpc     inference over gRPC: `python -m llmserve.inference` (token ids in), driven by
            llmserve.tools.loadgen's workers calling GenerateTokens;
+  http     the same stack driven through the gateway's OpenAI HTTP API (`llmserve bench
+           --http`'s driver: /v1/completions, SSE, usage), the same prompts (text or token ids);
+           opt-in (not in the default --paths);
   gateway  full stack: preprocess + inference + gateway processes, driven by llmserve.tools.loadgen
            (`llmserve bench`'s load generator) with the same prompts, sent as token ids or, with
            --prompt-form text, as text that tokenizes to them (preprocess's whole work; the
@@ -90,7 +93,9 @@ PATHS = {
     "async": "AsyncEngine in process",
     "grpc": "inference over gRPC",
     "gateway": "gateway (full stack)",
+    "http": "gateway over OpenAI HTTP",
 }
+DEFAULT_PATHS = ("core", "async", "grpc", "gateway")
 SHAPES = {
     "qwen2.5-1.5b": dict(  # Qwen/Qwen2.5-1.5B's config.json
         hidden_size=1536, intermediate_size=8960, num_hidden_layers=28, num_attention_heads=12,
@@ -133,8 +138,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     load = parser.add_argument_group("workload")
     load.add_argument("--streams", default="1,64,256", metavar="N,N,...",
                       help="concurrent streams of each cell (default: %(default)s)")
-    load.add_argument("--paths", default=",".join(PATHS), metavar="PATH,...",
-                      help=f"which paths, in order (default: {','.join(PATHS)})")
+    load.add_argument("--paths", default=",".join(DEFAULT_PATHS), metavar="PATH,...",
+                      help=f"which paths, in order, of {', '.join(PATHS)} (default: {','.join(DEFAULT_PATHS)})")
     load.add_argument("--prompt-tokens", type=int, default=512, metavar="N", help="(default: %(default)s)")
     load.add_argument("--output-tokens", type=int, default=512, metavar="N", help="(default: %(default)s)")
     load.add_argument("--requests-per-stream", type=float, default=2.0, metavar="K",

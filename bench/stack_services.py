@@ -1,13 +1,14 @@
 """The service paths of bench_stack.py (`grpc`: the inference service; `gateway`: preprocess,
-inference and the gateway): start the processes as the tests do (llmserve.tools.service_process: port 0,
-wait for SERVING, SIGTERM at the end), drive them with llmserve.tools.loadgen's spawned workers, and
-sample the CPU of every process (the bench process and its workers, each service) over each
-cell's window.
+inference and the gateway; `http`: the same stack driven through the gateway's OpenAI HTTP API):
+start the processes as the tests do (llmserve.tools.service_process: port 0, wait for SERVING,
+SIGTERM at the end), drive them with llmserve.tools.loadgen's spawned workers, and sample the CPU
+of every process (the bench process and its workers, each service) over each cell's window.
 """
 
 from __future__ import annotations
 
 import os
+import socket
 import time
 from pathlib import Path
 
@@ -16,27 +17,39 @@ import stack_drivers
 import stack_report
 from llmserve.inference.engine_flags import engine_argv
 from llmserve.tools.launcher import PREPROCESS_ENGINE_OPTIONS
+from llmserve.tools.loadgen import openai_client
 from llmserve.tools.loadgen.runner import RunConfig, run_workload
 from llmserve.tools.loadgen.stats import summarize
 from llmserve.tools.service_process import start_service, stop_service
 
+STACK_PATHS = ("gateway", "http")  # the paths that run the whole stack
 
-def start_services(path: str, args, options, model_dir: Path, log_dir: Path) -> dict:
-    """The services of a path, started in order; role → ServiceProcess."""
+
+def free_port() -> int:
+    """A port free on loopback now (for a server whose flag takes a port, not 0)."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def start_services(path: str, args, options, model_dir: Path, log_dir: Path, http_port: int | None = None) -> dict:
+    """The services of a path, started in order; role → ServiceProcess. `http_port`: the
+    gateway's OpenAI HTTP API there (the http path)."""
     model = ["--model", str(model_dir)]
     started: dict = {}
     try:
-        if path == "gateway":
+        if path in STACK_PATHS:
             shared = engine_argv(options, PREPROCESS_ENGINE_OPTIONS)  # block size and context, as `serve` does
             started["preprocess"] = start_service("preprocess", [*model, *shared], log_dir,
                                                   timeout_s=args.startup_timeout_s)
         started["inference"] = start_service(
             "inference", [*model, *engine_argv(options), *args.inference_arg], log_dir,
             timeout_s=args.startup_timeout_s)
-        if path == "gateway":
+        if path in STACK_PATHS:
+            http = ["--http-port", str(http_port)] if http_port is not None else []
             started["gateway"] = start_service(
                 "gateway", [*model, "--preprocess", started["preprocess"].address, "--inference",
-                            started["inference"].address, *args.gateway_arg],
+                            started["inference"].address, *http, *args.gateway_arg],
                 log_dir, timeout_s=args.startup_timeout_s)
     except BaseException:
         stop_services(started)
@@ -50,7 +63,8 @@ def stop_services(services: dict) -> None:
 
 
 def run_services(path: str, args, options, model_dir: Path, plans: stack_drivers.Plans, on_cell, log_dir: Path) -> None:
-    services = start_services(path, args, options, model_dir, log_dir)
+    http_port = free_port() if path == "http" else None
+    services = start_services(path, args, options, model_dir, log_dir, http_port)
     on_cell("startup", None)
     service_pids = {role: [service.process.pid] for role, service in services.items()}
     server_pids = {pid for pids in service_pids.values() for pid in pids}
@@ -64,12 +78,18 @@ def run_services(path: str, args, options, model_dir: Path, plans: stack_drivers
             roles["gateway"] = [*roles["gateway"], *proc_cpu.child_pids(roles["gateway"][0])]
         return roles
 
-    front = services["gateway" if path == "gateway" else "inference"]
-    send = stack_drivers.send_to_inference if path == "grpc" else None
+    front = services["gateway" if path in STACK_PATHS else "inference"]
+    driver: dict = {"address": front.address}
+    if path == "grpc":
+        driver["send"] = stack_drivers.send_to_inference
+    elif path == "http":
+        base_url = f"http://127.0.0.1:{http_port}/v1"
+        driver = {"address": base_url, "send": openai_client.send_one, "connect": openai_client.connect,
+                  "model": openai_client.served_model(base_url)}
 
     def run(cell: stack_drivers.PlannedCell):
-        config = RunConfig(address=front.address, concurrency=cell.streams, num_client_processes=args.client_processes,
-                           show_progress=False, send=send)
+        config = RunConfig(concurrency=cell.streams, num_client_processes=args.client_processes, show_progress=False,
+                           **driver)
         return run_workload(cell.requests, cell.workload, config)
 
     try:

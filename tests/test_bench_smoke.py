@@ -111,24 +111,25 @@ def test_bench_stack_measures_every_path_on_cpu(tmp_path):
 
 def test_bench_stack_repeats_cells_and_sends_text_prompts(tmp_path):
     """--repeat 2: every cell twice (new prompts), each compared with the core loop's same repeat,
-    and min/median/max per (path, streams); --prompt-form text: the gateway path's prompts are
-    text that preprocess tokenizes to the core loop's prompt lengths."""
-    report = run_bench("bench_stack.py", ["--smoke", "--paths", "core,gateway", "--repeat", "2", "--prompt-form", "text",
+    and min/median/max per (path, streams); --prompt-form text: the gateway paths' prompts (gRPC
+    and the OpenAI HTTP API) are text that preprocess tokenizes to the core loop's prompt lengths."""
+    paths = ("core", "gateway", "http")
+    report = run_bench("bench_stack.py", ["--smoke", "--paths", ",".join(paths), "--repeat", "2", "--prompt-form", "text",
                                           "--out-dir", str(tmp_path)], tmp_path)
     assert report["errors"] == {}
     rows = {(row["path"], row["streams"], row["repeat"]): row for row in report["rows"]}
-    assert set(rows) == {(path, streams, repeat) for path in ("core", "gateway") for streams in (1, 4) for repeat in (1, 2)}
+    assert set(rows) == {(path, streams, repeat) for path in paths for streams in (1, 4) for repeat in (1, 2)}
     for (path, streams, repeat), row in rows.items():
         assert row["num_succeeded"] == row["num_requests"], row["first_errors"]
         assert row["prompt_tokens_per_request"] == rows[("core", streams, repeat)]["prompt_tokens_per_request"]
         assert row["output_ratio_vs_core"] > 0
     spreads = {(entry["path"], entry["streams"]): entry for entry in report["spread"]}
-    assert set(spreads) == {(path, streams) for path in ("core", "gateway") for streams in (1, 4)}
+    assert set(spreads) == {(path, streams) for path in paths for streams in (1, 4)}
     for (path, streams), entry in spreads.items():
         assert entry["num_repeats"] == 2
         tok_s = sorted(rows[(path, streams, repeat)]["output_tokens_per_s"] for repeat in (1, 2))
         assert (entry["output_tokens_per_s"]["min"], entry["output_tokens_per_s"]["max"]) == tuple(tok_s)
-        assert ("cpu_pct_gateway" in entry) == (path == "gateway")
+        assert ("cpu_pct_gateway" in entry) == (path != "core")
 
 
 def test_bench_preprocess_flood_on_the_tiny_model(tiny_model_dir, tmp_path):
