@@ -29,7 +29,7 @@ from pathlib import Path
 
 import torch
 
-from llmserve.inference.engine.config import EngineConfig
+from llmserve.inference.engine.config import EngineConfig, default_dtype
 from llmserve.inference.engine.cores import create_engine_core
 from llmserve.inference.engine.engine_process import _to_wire
 from llmserve.inference.engine.step_stats import HOST_PARTS, StepStatsLog
@@ -59,7 +59,8 @@ def main() -> None:
     model_dir = args.model or build_tiny_model(Path(tempfile.mkdtemp(prefix="host-step-")), "llama")
     context = args.prompt_tokens + args.output_tokens + 16
     core = create_engine_core(EngineConfig(
-        model_path=model_dir, model_name="bench", device=args.device, max_num_seqs=args.streams,
+        model_path=model_dir, model_name="bench", device=args.device, dtype=default_dtype(args.device),
+        max_num_seqs=args.streams,
         max_batched_tokens=max(2048, args.streams * args.prompt_tokens), max_context_tokens=context,
         num_kv_blocks=args.streams * (context // 16 + 2),
     ))  # fmt: skip
