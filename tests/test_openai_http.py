@@ -264,3 +264,22 @@ def test_several_prompts_are_answered_as_one(client, model_name, stack):
     with pytest.raises(openai.BadRequestError) as error:
         client.completions.create(prompt=["x"] * 33, **ask)
     assert error.value.body["param"] == "prompt" and "at most 32 prompts" in error.value.body["message"]
+
+
+def test_a_request_past_its_deadline_is_a_504_and_frees_its_blocks(client, model_name, stack):
+    """x-request-timeout-ms goes down as a gRPC client's deadline does: a request that cannot
+    finish in time ends with 504 (refused by admission's estimate, or ended by the engine), and
+    its KV blocks are freed; a bad value is a 400 naming the header; a deadline that is met
+    changes nothing (Envoy's header too)."""
+    with pytest.raises(openai.APIStatusError) as error:
+        client.chat.completions.create(model=model_name, messages=QUESTION, max_tokens=2000, extra_body={"ignore_eos": True},
+                                       extra_headers={"x-request-timeout-ms": "500"})
+    assert error.value.status_code == 504 and error.value.body["code"] == "deadline_exceeded"
+    assert_pool_frees(stack)
+    with pytest.raises(openai.BadRequestError) as error:
+        client.chat.completions.create(model=model_name, messages=QUESTION, max_tokens=2,
+                                       extra_headers={"x-request-timeout-ms": "soon"})
+    assert error.value.body["param"] == "x-request-timeout-ms"
+    answer = client.chat.completions.create(model=model_name, messages=QUESTION, max_tokens=4, temperature=0,
+                                            extra_headers={"x-envoy-expected-rq-timeout-ms": "120000"})
+    assert answer.choices[0].finish_reason in ("stop", "length") and answer.choices[0].message.content

@@ -12,8 +12,10 @@ the same validation, GenerationPipeline, routing, admission and metrics as gRPC.
 Every answer carries `x-request-id` (the id the gateway logs the request under). Errors are
 OpenAI's shape, `{"error": {"message", "type", "param", "code"}}`, with the status clients expect:
 400 a bad field (named in `param`), 404 an unknown model, 413 a body over the limit (refused as it
-is read, not after), 429 with `Retry-After` from admission, 503 unavailable or draining, 504 a
-deadline (none is read from an HTTP request yet). A client that disconnects cancels its handler (handler_cancellation), which closes
+is read, not after), 429 with `Retry-After` from admission, 503 unavailable or draining, 504 past
+the deadline a request may carry in milliseconds (`x-request-timeout-ms`, or Envoy's
+`x-envoy-expected-rq-timeout-ms`): it goes down to preprocess, admission and the engine as a
+gRPC client's does. A client that disconnects cancels its handler (handler_cancellation), which closes
 its generation: the inference request is aborted and its KV blocks freed, as for a gRPC cancel.
 Logprobs come in each endpoint's shape (openai_logprobs.py). `n` > 1 answers one choice per
 sequence (`index`), streamed interleaved, with the usage of all of them; a completions `prompt`
@@ -35,6 +37,7 @@ from typing import Any, AsyncIterator, Callable
 import grpc
 from aiohttp import web
 
+from llmserve.client_text import quoted
 from llmserve.errors import InvalidArgument, ServiceError, Unavailable
 from llmserve.gateway.detokenizer import Detokenizer
 from llmserve.gateway.generation import GenerationDelta, GenerationResult
@@ -61,12 +64,32 @@ _HTTP_STATUS = {
 _FINISH_REASONS = {FinishReason.STOP: "stop", FinishReason.LENGTH: "length"}
 
 
-class _NoDeadline:
-    """An HTTP request has no gRPC deadline (tracked_request and the pipeline ask for one)."""
+# Where an HTTP request says how long it may take (no OpenAI field does): our own header, and the
+# one Envoy sets on the requests it routes (its route timeout), so a proxy's deadline carries on.
+DEADLINE_HEADERS = ("x-request-timeout-ms", "x-envoy-expected-rq-timeout-ms")
+MAX_DEADLINE_MS = 24 * 3600 * 1000
 
-    @staticmethod
-    def time_remaining() -> None:
-        return None
+
+class _HttpDeadline:
+    """An HTTP request's deadline, asked for as a gRPC context's (tracked_request, the pipeline,
+    which passes it to preprocess and to inference's admission and engine); None: no deadline."""
+
+    def __init__(self, timeout_s: float | None):
+        self._deadline_s = None if timeout_s is None else time.monotonic() + timeout_s
+
+    def time_remaining(self) -> float | None:
+        return None if self._deadline_s is None else self._deadline_s - time.monotonic()
+
+
+def _deadline_of(request: web.Request) -> _HttpDeadline:
+    for name in DEADLINE_HEADERS:
+        value = request.headers.get(name)
+        if value is None:
+            continue
+        if not value.strip().isdigit() or not 0 < int(value) <= MAX_DEADLINE_MS:
+            raise InvalidArgument(name, f"must be milliseconds in [1, {MAX_DEADLINE_MS}], got {quoted(value)}")
+        return _HttpDeadline(int(value) / 1000)
+    return _HttpDeadline(None)
 
 
 class OpenAIHttpApi:
@@ -132,9 +155,10 @@ class OpenAIHttpApi:
         sampling = generations[0].sampling
         shape = shape_type(self._token_text, wants_logprobs=sampling.logprobs is not None, n=sampling.n)
         context = _Context(request_id, self._servicer.model_name, int(time.time()))
-        with tracked_request(_NoDeadline()) as outcome:
+        deadline = _deadline_of(request)
+        with tracked_request(deadline) as outcome:
             deltas = merged_deltas(
-                [self._servicer.pipeline.generate(generation, _NoDeadline.time_remaining) for generation in generations],
+                [self._servicer.pipeline.generate(generation, deadline.time_remaining) for generation in generations],
                 sampling.n,
             )
             async with aclosing(deltas):
