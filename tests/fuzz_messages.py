@@ -418,6 +418,11 @@ def _detokenize(draw, caps: Caps):
     return request
 
 
+def _preprocess_stream(caps: Caps):
+    return st.builds(preprocess_pb2.PreprocessStreamRequest, request=_preprocess(caps),
+                     timeout_ms=st.one_of(st.just(0), st.integers(1, 60_000)))
+
+
 def _multiplex(caps: Caps):
     abort = st.sampled_from(REQUEST_IDS).map(lambda i: inference_pb2.MultiplexRequest(abort=inference_pb2.AbortRequest(request_id=i)))
     return st.one_of(_generate_tokens(caps).map(lambda g: inference_pb2.MultiplexRequest(generate=g)), abort)
@@ -441,6 +446,7 @@ _VALID: dict[str, Callable[[Caps], st.SearchStrategy[Message]]] = {
     "llmserve.v1.DetokenizeRequest": _detokenize,
     "llmserve.v1.GenerateTokensRequest": _generate_tokens,
     "llmserve.v1.MultiplexRequest": _multiplex,
+    "llmserve.v1.PreprocessStreamRequest": _preprocess_stream,
     "llmserve.v1.AbortRequest": lambda caps: st.builds(inference_pb2.AbortRequest, request_id=st.sampled_from(REQUEST_IDS)),
     "llmserve.v1.WatchKvEventsRequest": _watch_kv_events,
 }

@@ -242,8 +242,10 @@ def check_outcome(method: Method, case: Case, outcome: Outcome) -> None:
         method.name, outcome.code, outcome.message, outcome.status, outcome.status_problem,
         outcome.is_cancelled_by_client,
     )
-    if method.is_client_streaming:
+    if method.request_type is inference_pb2.MultiplexRequest:
         check_multiplex_outputs(method, case, outcome)
+    elif method.request_type is preprocess_pb2.PreprocessStreamRequest:
+        check_preprocess_stream_answers(method, case, outcome)
     elif outcome.code == grpc.StatusCode.OK:
         broken = contract_violation(parsed(case.requests[0], method.request_type))
         assert broken is None, f"{method.name}: OK for a request the contract refuses ({broken})"
@@ -324,6 +326,24 @@ def check_multiplex_outputs(method: Method, case: Case, outcome: Outcome) -> Non
         is_unique = sum(other.request_id == request.request_id for other in started) == 1
         if broken is not None and is_unique:
             assert ended[request.request_id], f"{method.name}: served a request the contract refuses ({broken})"
+
+
+def check_preprocess_stream_answers(method: Method, case: Case, outcome: Outcome) -> None:
+    """Each refusal on the stream is a precise status; when the stream ended OK (read to its end),
+    every request sent on it was answered, once per message."""
+    for answer in outcome.responses:
+        if answer.HasField("error_status"):
+            status = status_pb2.Status.FromString(answer.error_status)
+            check_status(f"{method.name} request {answer.request_id[:40]!r}", _CODES[status.code], status.message,
+                         status, None, False)
+    if outcome.code != grpc.StatusCode.OK or outcome.is_cancelled_by_client:
+        return
+    sent = [parsed(data, method.request_type) for data in case.requests]
+    assert None not in sent, f"{method.name}: the stream ended OK after a message that cannot be read; {case!r}"
+    assert len(outcome.responses) == len(sent), (
+        f"{method.name}: {len(sent)} requests, {len(outcome.responses)} answers; {case!r}"
+    )
+    assert sorted(a.request_id for a in outcome.responses) == sorted(m.request.request_id for m in sent), case
 
 
 def summary_of(responses: list[inference_pb2.MultiplexResponse]) -> list[str]:

@@ -96,10 +96,13 @@ async def call_hop(service: str, rpc, request, client_fields: Mapping[str, str] 
         raise error_from_rpc(service, error, client_fields) from None
 
 
-def error_from_status(service: str, status: status_pb2.Status) -> ServiceError:
-    """Map a status a hop sent as data (a refused request on a Multiplex stream), as above."""
+def error_from_status(
+    service: str, status: status_pb2.Status, client_fields: Mapping[str, str] | None = None
+) -> ServiceError:
+    """Map a status a hop sent as data (a refused request on a Multiplex or PreprocessStream
+    stream), as above."""
     code = _STATUS_CODES.get(status.code, grpc.StatusCode.UNKNOWN)
-    return _client_error(service, code, status.message, status, {})
+    return _client_error(service, code, status.message, status, client_fields or {})
 
 
 _STATUS_CODES = {code.value[0]: code for code in grpc.StatusCode}

@@ -2,23 +2,29 @@
 
 Protobuf stops here: callers pass and receive the dataclasses below. Every call takes the time
 left on the client's deadline (`timeout_s`, None = no deadline) so a deadline set at the gateway
-bounds the whole chain; a gRPC error becomes a ServiceError (`hop_errors.call_hop`).
+bounds the whole chain; a gRPC error becomes a ServiceError (`hop_errors`). Preprocess goes over
+one PreprocessStream call per server (preprocess_stream.py), unary where the server lacks it.
 """
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, field
 
 import grpc
 
 from llmserve.gateway.block_layout import BlockLayout
 from llmserve.gateway.health import wait_until_serving
+from llmserve.errors import ServiceError
 from llmserve.gateway.hop_errors import call_hop
+from llmserve.gateway.preprocess_stream import PreprocessStreamClient
 from llmserve.gateway.request_id import request_metadata
 from llmserve.pb import set_prompt_input_pb
 from llmserve.prompt_input import PromptInput
 from llmserve.server import CHANNEL_OPTIONS
 from llmserve.v1 import preprocess_pb2, preprocess_pb2_grpc
+
+log = logging.getLogger(__name__)
 
 # Preprocess fields that the gateway's clients know under another name: a field violation from
 # preprocess is re-labelled so that the error names the field the client actually set.
@@ -65,6 +71,7 @@ class PreprocessClient:
         self.address = address
         self._channel = grpc.aio.insecure_channel(address, options=_CHANNEL_OPTIONS)
         self._stub = preprocess_pb2_grpc.PreprocessServiceStub(self._channel)
+        self._stream = PreprocessStreamClient(self._stub, _PREPROCESS_FIELDS_AS_CLIENT_FIELDS)
 
     async def wait_until_serving(self, timeout_s: float) -> None:
         await wait_until_serving(self._channel, f"preprocess at {self.address}", timeout_s)
@@ -91,10 +98,19 @@ class PreprocessClient:
         """Template, tokenize, validate and hash for `cache_salt` ("" = none); preprocess
         resolves `max_tokens` (None: unset)."""
         request = _request_to_pb(request_id, prompt_input, max_tokens, cache_salt)
-        response = await call_hop(
-            "preprocess", self._stub.Preprocess, request, _PREPROCESS_FIELDS_AS_CLIENT_FIELDS,
-            timeout=timeout_s, metadata=request_metadata(request_id),
-        )
+        response = None
+        if not self._stream.is_unsupported:
+            try:
+                response = await self._stream.preprocess(request, timeout_s)
+            except ServiceError:
+                if not self._stream.is_unsupported:
+                    raise
+                log.info("preprocess at %s has no PreprocessStream: unary calls from now on", self.address)
+        if response is None:
+            response = await call_hop(
+                "preprocess", self._stub.Preprocess, request, _PREPROCESS_FIELDS_AS_CLIENT_FIELDS,
+                timeout=timeout_s, metadata=request_metadata(request_id),
+            )
         return PreparedPrompt(
             token_ids=list(response.token_ids),
             block_hashes=list(response.block_hashes),
@@ -106,4 +122,5 @@ class PreprocessClient:
         )
 
     async def close(self) -> None:
+        await self._stream.close()
         await self._channel.close()

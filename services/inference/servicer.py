@@ -19,13 +19,13 @@ RESOURCE_EXHAUSTED when the subscriber fell too far behind.
 
 from __future__ import annotations
 
-import asyncio
 import time
 from contextlib import aclosing
 from typing import AsyncIterator
 
 import grpc
 
+from llmserve.bidi_stream import served
 from llmserve.block_hash import HASH_VERSION
 from llmserve.errors import InvalidArgument
 from llmserve.inference.async_engine import AsyncEngine
@@ -71,14 +71,8 @@ class InferenceServicer(inference_pb2_grpc.InferenceServiceServicer):
         self, request_iterator: AsyncIterator[inference_pb2.MultiplexRequest], context: grpc.aio.ServicerContext
     ) -> AsyncIterator[inference_pb2.MultiplexResponse]:
         stream = MultiplexedStream(self._engine)
-        reader = asyncio.create_task(stream.read_commands(request_iterator))
-        try:
-            async for response in stream.responses():
-                yield response
-            await reader  # it ended when the gateway ended its side: surface any other failure
-        finally:
-            reader.cancel()
-            stream.close()
+        async for response in served(stream.read_commands(request_iterator), stream.responses(), stream.close):
+            yield response
 
     async def Abort(
         self, request: inference_pb2.AbortRequest, context: grpc.aio.ServicerContext

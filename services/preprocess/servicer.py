@@ -11,14 +11,17 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import AsyncIterator
 
 import grpc
 
+from llmserve.bidi_stream import served
 from llmserve.buckets import LengthBucket
 from llmserve.errors import ServiceError
 from llmserve.pb import model_info_to_pb, prompt_input_from_pb
 from llmserve.preprocess import metrics
 from llmserve.preprocess.pipeline import PreprocessPipeline
+from llmserve.preprocess.preprocess_stream import PreprocessStream
 from llmserve.block_hash import check_cache_salt
 from llmserve.request_context import bind_request_id, check_request_id
 from llmserve.v1 import common_pb2, preprocess_pb2, preprocess_pb2_grpc
@@ -40,6 +43,17 @@ class PreprocessServicer(preprocess_pb2_grpc.PreprocessServiceServicer):
     async def Preprocess(
         self, request: preprocess_pb2.PreprocessRequest, context: grpc.aio.ServicerContext
     ) -> preprocess_pb2.PreprocessResponse:
+        return await self.preprocess(request)
+
+    async def PreprocessStream(
+        self, request_iterator: AsyncIterator[preprocess_pb2.PreprocessStreamRequest], context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[preprocess_pb2.PreprocessStreamResponse]:
+        stream = PreprocessStream(self.preprocess)
+        async for answer in served(stream.read(request_iterator), stream.answers(), stream.close):
+            yield answer
+
+    async def preprocess(self, request: preprocess_pb2.PreprocessRequest) -> preprocess_pb2.PreprocessResponse:
+        """One request, for either RPC: its response, or the ServiceError it is refused with."""
         start_ns = time.perf_counter_ns()
         if request.request_id:
             bind_request_id(request.request_id)
