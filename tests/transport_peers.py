@@ -48,17 +48,22 @@ def segments_of(pids: list[int]) -> list[str]:
     return sorted(name for name in os.listdir(SHM_DIR) if name.startswith(prefixes))
 
 
-def wait_until_gone(path: str) -> bool:
+def wait_until(condition: Callable[[], bool]) -> bool:
+    """Whether `condition` came true within GONE_TIMEOUT_S (a hang guard, not a timing)."""
     deadline = time.monotonic() + GONE_TIMEOUT_S
-    while Path(path).exists():
+    while not condition():
         if time.monotonic() > deadline:
             return False
         time.sleep(0.01)
     return True
 
 
+def wait_until_gone(path: str) -> bool:
+    return wait_until(lambda: not Path(path).exists())
+
+
 def is_running(pid: int) -> bool:
-    """Alive and not a zombie (an orphan's zombie waits for whoever reaps it here)."""
+    """Alive and not a zombie (an orphan's zombie waits for whoever reaps orphans here)."""
     try:
         status = Path(f"/proc/{pid}/status").read_text()
     except FileNotFoundError:

@@ -34,8 +34,9 @@ DTYPES: dict[str, torch.dtype] = {
 }
 
 
-def dtype_name(dtype: torch.dtype) -> str:
-    name = str(dtype).removeprefix("torch.")
+def dtype_name(dtype: torch.dtype | str) -> str:
+    """The wire name of `dtype` (a torch dtype or its name), checked."""
+    name = dtype if isinstance(dtype, str) else str(dtype).removeprefix("torch.")
     if name not in DTYPES:
         raise ValueError(f"dtype {dtype} cannot cross the transport (one of: {', '.join(DTYPES)})")
     return name
@@ -60,7 +61,7 @@ class TensorRef:
 
     @property
     def torch_dtype(self) -> torch.dtype:
-        return DTYPES[self.dtype]
+        return DTYPES[dtype_name(self.dtype)]
 
     @property
     def num_elements(self) -> int:

@@ -12,8 +12,8 @@ and then read by TensorRef.
 
 Lifetimes. The producer owns every region: it alone unlinks a segment (close/free, or this
 process's reaper if it dies: shm_reaper.py) and frees device memory. The memory a TensorRef
-names must stay unchanged until its consumer has read it; when that is, is the protocol's above
-(an acknowledgement, a pinned KV block). A region must outlive its consumers' use of it: free it
+names must stay unchanged until its consumer has read it; when that is, the protocol above
+decides (an acknowledgement, a pinned KV block). A region must outlive its consumers' use of it: free it
 after withdrawing their offers.
 """
 
@@ -52,9 +52,8 @@ class Region:
     def ref(
         self, offset_bytes: int, shape: tuple[int, ...], dtype: torch.dtype | str, strides: tuple[int, ...] | None = None
     ) -> TensorRef:
-        name = dtype if isinstance(dtype, str) else dtype_name(dtype)
         strides = tuple(strides) if strides is not None else None
-        return TensorRef(self.region_id, offset_bytes, tuple(shape), name, strides)
+        return TensorRef(self.region_id, offset_bytes, tuple(shape), dtype_name(dtype), strides)
 
     def ref_of(self, tensor: torch.Tensor) -> TensorRef:
         """The ref of `tensor`, a view into this region (a KV pool's block: `pool[:, :, i:i+1]`)."""
@@ -137,7 +136,8 @@ class TensorProducer:
             region.event.record()
 
     def free(self, region: Region) -> None:
-        """Unlink its segment / drop its device memory; withdraws its offers first."""
+        """Unlink its segment and let go of its memory (freed once the caller's own views of it
+        are gone too); withdraws its offers first."""
         for offer in [offer for offer in self._cuda_offers if offer.region_id == region.region_id]:
             self.withdraw(offer)
         if region.segment is not None:
