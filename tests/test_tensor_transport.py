@@ -6,14 +6,17 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import inspect
 import os
 import subprocess
 import sys
 
 import pytest
 import torch
+from torch.multiprocessing.reductions import rebuild_cuda_tensor
 
 from llmserve.tensor_transport import TensorConsumer, TensorProducer, TransportPath, choose_path, local_identity
+from llmserve.tensor_transport.cuda_ipc import CudaExport
 from llmserve.tensor_transport.identity import CPU, SHM_DIR, PeerIdentity
 from llmserve.tensor_transport.views import to_bytes
 from tests.transport_peers import (
@@ -234,6 +237,16 @@ def test_a_producer_that_exits_without_closing_leaves_nothing():
 
 
 # --- CUDA IPC (the H200) ---------------------------------------------------------------------
+
+
+def test_torch_s_cuda_export_has_the_arguments_we_read():
+    """cuda_ipc.py reads torch's export by argument name (the counter file for the reaper, the
+    device to rebuild on): this fails on the CPU, in CI, if torch renames them."""
+    names = list(inspect.signature(rebuild_cuda_tensor).parameters)
+    assert {"storage_device", "ref_counter_handle", "ref_counter_offset"} <= set(names)
+    export = CudaExport(tuple(b"/torch_12_34" if name == "ref_counter_handle" else 0 for name in names))
+    assert export.ref_counter_name == "torch_12_34"
+
 
 
 @pytest.mark.gpu
