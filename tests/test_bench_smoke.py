@@ -182,3 +182,14 @@ def test_bench_http_server_streams_every_chunk_from_each_installed_server(tmp_pa
     for row in report["servers"]:
         assert row["num_streams"] == 8 and row["num_bad_streams"] == 0
         assert row["chunks_per_s"] > 0 and row["first_chunk_p50_ms"] > 0
+
+
+def test_bench_transport_measures_every_cpu_path(tmp_path):
+    report = run_bench("bench_transport.py", ["--sizes", "4KiB,64KiB", "--repeats", "3", "--results-dir", str(tmp_path)],
+                       tmp_path)
+    assert set(report["cells"]) == {"shm", "shm-staged", "grpc"}
+    for by_size in report["cells"].values():
+        assert set(by_size) == {str(4 << 10), str(64 << 10)}
+        for cell in by_size.values():
+            assert cell["repeats"] == 3 and 0 < cell["min_ms"] <= cell["median_ms"] <= cell["max_ms"]
+    assert report["ping_ms"]["repeats"] == 2 * 3  # pooled over the two paths that use the pipe
