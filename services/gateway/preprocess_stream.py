@@ -23,6 +23,7 @@ from typing import Mapping
 import grpc
 from google.rpc import status_pb2
 
+from llmserve.bidi_stream import write_queued
 from llmserve.errors import DeadlineExceeded, ServiceError, Unavailable
 from llmserve.gateway.hop_errors import error_from_rpc, error_from_status
 from llmserve.request_context import context_without_request
@@ -81,17 +82,10 @@ class PreprocessStreamClient:
             loop = asyncio.get_running_loop()
             # Opened by whichever request came first, the call serves them all: its lines must
             # not carry that first request's id.
-            for work in (self._write(call), self._read(call)):
+            for work in (write_queued(call.call, call.commands, "PreprocessStream"), self._read(call)):
                 call.tasks.append(loop.create_task(work, context=context_without_request()))
             self._call = call
         return self._call
-
-    async def _write(self, call: _Call) -> None:
-        try:
-            while True:
-                await call.call.write(await call.commands.get())
-        except (grpc.aio.AioRpcError, grpc.aio.UsageError, asyncio.InvalidStateError) as error:
-            log.debug("PreprocessStream write ended: %s", error)
 
     async def _read(self, call: _Call) -> None:
         failure: ServiceError = Unavailable("preprocess ended the stream")

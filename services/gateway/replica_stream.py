@@ -37,6 +37,7 @@ from typing import AsyncIterator
 import grpc
 from google.rpc import status_pb2
 
+from llmserve.bidi_stream import write_queued
 from llmserve.engine_output import EngineOutput, coalesced
 from llmserve.errors import ServiceError, Unavailable
 from llmserve.gateway.hop_errors import error_from_rpc, error_from_status
@@ -231,7 +232,7 @@ class ReplicaStream:
     def _open_connection(self) -> _Connection:
         if self._connection is None or self._connection.is_broken:
             connection = _Connection(call=self._stub.Multiplex())
-            connection.writer = self._spawn(self._write(connection))
+            connection.writer = self._spawn(write_queued(connection.call, connection.commands, "Multiplex"))
             self._spawn(self._read(connection))
             self._connection = connection
         return self._connection
@@ -243,13 +244,6 @@ class ReplicaStream:
         self._tasks.add(task)  # kept so it is not garbage-collected mid-flight
         task.add_done_callback(self._tasks.discard)
         return task
-
-    async def _write(self, connection: _Connection) -> None:
-        try:
-            while True:
-                await connection.call.write(await connection.commands.get())
-        except (grpc.aio.AioRpcError, grpc.aio.UsageError, asyncio.InvalidStateError) as error:
-            log.debug("Multiplex write ended: %s", error)
 
     async def _read(self, connection: _Connection) -> None:
         failure: ServiceError = Unavailable("inference ended the multiplexed stream")

@@ -23,7 +23,8 @@ import time
 from typing import AsyncIterator
 
 from llmserve.client_text import quoted
-from llmserve.errors import ServiceError, check_decoded, rich_status_for
+from llmserve.bidi_stream import read_requests
+from llmserve.errors import ServiceError, rich_status_for
 from llmserve.inference.async_engine import AsyncEngine
 from llmserve.inference.output_stream import OutputStream
 from llmserve.inference.wire import deadline_ns, request_from_pb, split_at_deadline
@@ -46,19 +47,19 @@ class MultiplexedStream:
     async def read_commands(self, commands: AsyncIterator[inference_pb2.MultiplexRequest]) -> None:
         """Apply every command the gateway sends, until it ends its side of the stream."""
         try:
-            async for command in commands:
-                check_decoded(command)  # an unparsable or oversized command ends the stream
-                if command.HasField("generate"):
-                    with serving_request(command.generate.request_id):
-                        self._start(command.generate)
-                elif command.HasField("abort"):
-                    with serving_request(command.abort.request_id):
-                        self._outputs.abort(command.abort.request_id)
-        except ServiceError as error:
-            self._bad_command = error  # responses() raises it: the stream ends now, not after its requests
+            # responses() raises a bad command's error: the stream ends now, not after its requests
+            self._bad_command = await read_requests(commands, self._apply)
         finally:
             self._is_reading = False
             self._outputs.wake()
+
+    def _apply(self, command: inference_pb2.MultiplexRequest) -> None:
+        if command.HasField("generate"):
+            with serving_request(command.generate.request_id):
+                self._start(command.generate)
+        elif command.HasField("abort"):
+            with serving_request(command.abort.request_id):
+                self._outputs.abort(command.abort.request_id)
 
     async def responses(self) -> AsyncIterator[inference_pb2.MultiplexResponse]:
         """Everything produced since the previous message, until the gateway has ended its side

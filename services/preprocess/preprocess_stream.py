@@ -18,7 +18,8 @@ import logging
 from collections.abc import AsyncIterator, Awaitable, Callable
 
 from llmserve.client_text import quoted
-from llmserve.errors import DeadlineExceeded, InvalidArgument, ServiceError, check_decoded, rich_status_for
+from llmserve.bidi_stream import read_requests
+from llmserve.errors import DeadlineExceeded, InvalidArgument, ServiceError, rich_status_for
 from llmserve.request_context import bind_request_id, context_without_request
 from llmserve.v1 import preprocess_pb2
 
@@ -42,11 +43,7 @@ class PreprocessStream:
     async def read(self, requests: AsyncIterator[preprocess_pb2.PreprocessStreamRequest]) -> None:
         """Start every request the caller sends, until it ends its side of the stream."""
         try:
-            async for message in requests:
-                check_decoded(message)  # an unparsable or oversized message ends the stream
-                self._start(message)
-        except ServiceError as error:
-            self._bad_message = error
+            self._bad_message = await read_requests(requests, self._start)
         finally:
             self._is_reading = False
             self._answers.put_nowait(_WAKE)
