@@ -163,7 +163,7 @@ def run_engine_process(
 ) -> None:
     """The process's main: build the core, then run the loop until Stop (or the server process
     goes away)."""
-    _exit_with_parent()
+    exit_with_parent()
     configure_logging("engine-core", log_level, observability)
     from llmserve.inference.engine.cores import create_engine_core  # the child's imports, not the server's
 
@@ -224,7 +224,7 @@ def _picklable(exc: BaseException) -> BaseException:
     return exc
 
 
-def _exit_with_parent() -> None:
+def exit_with_parent() -> None:
     """SIGTERM when the server process dies, even by SIGKILL: a GPU must not stay held."""
     if sys.platform == "linux":
         ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
