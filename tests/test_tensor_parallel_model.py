@@ -20,7 +20,7 @@ from llmserve.inference.engine.kv_cache import KVCache, KVCacheSpec
 from llmserve.inference.models.attention_backend import create_attention_backend
 from llmserve.inference.models.decoder_config import DecoderConfig, RopeConfig
 from llmserve.inference.models.loader import load_model
-from llmserve.inference.models.rank_group import SINGLE_RANK, RankGroup, Rendezvous
+from llmserve.inference.models.rank_group import SINGLE_RANK, RankGroup
 from llmserve.inference.models.step_inputs import StepInputs
 from llmserve.inference.models.tensor_parallel import TensorParallel, check_splittable
 from llmserve.model_files import ModelFiles
@@ -69,8 +69,8 @@ def _decode(position: int) -> StepInputs:
     )  # fmt: skip
 
 
-def _rank_main(rendezvous: Rendezvous, rank: int, model_dirs: dict[str, Path], results) -> None:
-    group = RankGroup.join(rendezvous, rank, torch.device("cpu"))
+def _rank_main(store_path: str, world_size: int, rank: int, model_dirs: dict[str, Path], results) -> None:
+    group = RankGroup.join(store_path, world_size, rank, torch.device("cpu"))
     try:
         results.put((rank, {arch: [t.numpy() for t in step_logits(d, group)] for arch, d in model_dirs.items()}))
     finally:
@@ -81,8 +81,11 @@ def split_logits(model_dirs: dict[str, Path], world_size: int, tmp_path: Path) -
     """Every rank's logits (rank -> architecture -> per step), from `world_size` gloo processes."""
     context = multiprocessing.get_context("spawn")
     results = context.Queue()
-    rendezvous = Rendezvous(str(tmp_path / f"rendezvous-{world_size}"), world_size)
-    ranks = [context.Process(target=_rank_main, args=(rendezvous, r, model_dirs, results)) for r in range(world_size)]
+    store_path = str(tmp_path / f"rendezvous-{world_size}")
+    ranks = [
+        context.Process(target=_rank_main, args=(store_path, world_size, r, model_dirs, results))
+        for r in range(world_size)
+    ]
     for process in ranks:
         process.start()
     try:

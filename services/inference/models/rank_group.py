@@ -1,7 +1,7 @@
 """RankGroup: the processes of one tensor-parallel engine and the collectives they run together.
 
-One process per rank, joined through a file rendezvous (`Rendezvous`: a path on the host's
-disk, so no port to pick and race for). Two torch.distributed groups over the same ranks:
+One process per rank, joined through a file rendezvous (a path on the host's disk that does
+not exist before the first join: no port to pick and race for; engine/rank_processes.py makes it). Two torch.distributed groups over the same ranks:
 
   device group  the model's collectives on its tensors (the all-reduce after o_proj and
                 down_proj, the embedding's all-reduce, the logits' all-gather): NCCL on CUDA,
@@ -18,7 +18,6 @@ and the runner have one code path whether or not they are split.
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
 from datetime import timedelta
 
 import torch
@@ -29,14 +28,6 @@ log = logging.getLogger(__name__)
 # process ending (engine_process.py watches every rank), not by this timeout; it only bounds a
 # rank that hangs.
 COLLECTIVE_TIMEOUT = timedelta(minutes=10)
-
-
-@dataclass(frozen=True, slots=True)
-class Rendezvous:
-    """Where the ranks of one engine meet: `store_path` must not exist before the first join."""
-
-    store_path: str
-    world_size: int
 
 
 class RankGroup:
@@ -50,21 +41,24 @@ class RankGroup:
         self._backend = backend
 
     @classmethod
-    def join(cls, rendezvous: Rendezvous, rank: int, device: torch.device) -> "RankGroup":
-        """Block until every rank has joined; NCCL for a CUDA device, gloo otherwise."""
+    def join(cls, store_path: str, world_size: int, rank: int, device: torch.device) -> "RankGroup":
+        """Block until all `world_size` ranks have joined at `store_path`; NCCL for a CUDA
+        device, gloo otherwise."""
         import torch.distributed as dist
 
         backend = "nccl" if device.type == "cuda" else "gloo"
         if device.type == "cuda":
+            if device.index is not None and device.index >= torch.cuda.device_count():
+                raise ValueError(f"rank {rank} of {world_size} needs {device}: {torch.cuda.device_count()} GPUs visible")
             torch.cuda.set_device(device)
         dist.init_process_group(
-            backend, init_method=f"file://{rendezvous.store_path}", rank=rank,
-            world_size=rendezvous.world_size, timeout=COLLECTIVE_TIMEOUT,
+            backend, init_method=f"file://{store_path}", rank=rank, world_size=world_size,
+            timeout=COLLECTIVE_TIMEOUT,
         )  # fmt: skip
         device_group = dist.group.WORLD
         host_group = dist.new_group(backend="gloo", timeout=COLLECTIVE_TIMEOUT) if backend == "nccl" else device_group
-        log.info("rank %d of %d joined (%s)", rank, rendezvous.world_size, backend)
-        return cls(rank, rendezvous.world_size, device_group, host_group, backend)
+        log.info("rank %d of %d joined (%s)", rank, world_size, backend)
+        return cls(rank, world_size, device_group, host_group, backend)
 
     @property
     def is_leader(self) -> bool:
