@@ -18,11 +18,11 @@ import torch
 
 from llmserve.inference.engine.kv_cache import KVCache, KVCacheSpec
 from llmserve.inference.models.attention_backend import create_attention_backend
-from llmserve.inference.models.decoder_config import DecoderConfig, RopeConfig
+from llmserve.inference.models.decoder_config import DecoderConfig, RopeConfig, check_splittable
 from llmserve.inference.models.loader import load_model
 from llmserve.inference.models.rank_group import SINGLE_RANK, RankGroup
 from llmserve.inference.models.step_inputs import StepInputs
-from llmserve.inference.models.tensor_parallel import TensorParallel, check_splittable
+from llmserve.inference.models.tensor_parallel import TensorParallel
 from llmserve.model_files import ModelFiles
 from llmserve.tools.tiny_model import ARCHITECTURES
 

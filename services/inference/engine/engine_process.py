@@ -196,6 +196,7 @@ class EngineProcess(QueuedCoreClient):
         log.error("%s: the engine stops", failure)
         self._process.kill()
         self._end_ranks()
+        self._event_loop.run_in_executor(None, self._process.join)  # reap it off the loop
         self._deliver(CoreUpdate([], [], [], core_failure=failure))
 
     def _stop_watching_ranks(self) -> None:

@@ -19,6 +19,7 @@ enforce_eager; other steps run eagerly.
 from __future__ import annotations
 
 import logging
+import os
 from collections.abc import Iterable
 
 import torch
@@ -44,6 +45,8 @@ from llmserve.inference.engine.step_broadcast import StepBroadcast
 from llmserve.model_files import ModelFiles
 
 log = logging.getLogger(__name__)
+
+RANKS_OUT_OF_STEP_EXIT_CODE = 70  # rank 0 of a split engine, after a step that failed
 
 
 class ModelRunner:
@@ -118,9 +121,17 @@ class ModelRunner:
         step's sampled ids (on the device), where the placeholder input tokens of this batch are
         read from. Queues the work; does not wait. Split over ranks, the other ranks get the
         step first and run it alongside."""
-        if self._step_broadcast is not None:
+        if self._step_broadcast is None:
+            return self.execute_step(batch.block_copies, step, launched_tokens)
+        try:
             self._step_broadcast.send(batch.block_copies, step, launched_tokens)
-        return self.execute_step(batch.block_copies, step, launched_tokens)
+            return self.execute_step(batch.block_copies, step, launched_tokens)
+        except Exception:  # noqa: BLE001
+            # The other ranks wait in a collective this rank will never join (or one of them
+            # is gone): no later step can run. Ending the process ends the engine, and the
+            # server, which watches every rank, fails its requests saying which rank died.
+            log.critical("a tensor-parallel step failed on rank 0: the ranks are out of step", exc_info=True)
+            os._exit(RANKS_OUT_OF_STEP_EXIT_CODE)
 
     @torch.inference_mode()
     def execute_step(

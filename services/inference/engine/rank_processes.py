@@ -10,6 +10,7 @@ rendezvous in a directory of their own, removed when they are ended.
 from __future__ import annotations
 
 import logging
+import multiprocessing.connection
 import shutil
 import tempfile
 from multiprocessing.context import SpawnContext
@@ -38,7 +39,8 @@ class RankProcesses:
         }
         for process in self._processes.values():
             process.start()
-        log.info("tensor-parallel ranks 1-%d run in processes %s", self.world_size - 1, self.pids)
+        for rank, process in self._processes.items():
+            log.info("tensor-parallel rank %d runs in process %d", rank, process.pid)
 
     @property
     def pids(self) -> list[int]:
@@ -55,9 +57,12 @@ class RankProcesses:
         return [process.exitcode for process in self._processes.values()]
 
     def dead_rank(self) -> str:
-        """What the first rank whose process ended said with its exit, or "" while all run."""
+        """Which rank's process ended and how, or "" while all run."""
+        ended = set(multiprocessing.connection.wait(self.sentinels, timeout=0))
         for rank, process in self._processes.items():
-            if process.exitcode is not None:
+            if process.sentinel in ended:
+                # The sentinel closes as the process exits, a moment before it can be reaped.
+                process.join(_END_WAIT_S)
                 return f"tensor-parallel rank {rank} (process {process.pid}) exited with code {process.exitcode}"
         return ""
 

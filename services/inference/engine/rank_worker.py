@@ -20,6 +20,8 @@ import dataclasses
 import logging
 
 from llmserve.inference.engine.config import EngineConfig
+from llmserve.inference.models.decoder_config import DecoderConfig, check_splittable
+from llmserve.model_files import ModelFiles
 from llmserve.observability import ObservabilityConfig
 
 log = logging.getLogger(__name__)
@@ -43,6 +45,8 @@ def check_tensor_parallel(config: EngineConfig) -> None:
         raise ValueError(f"tensor_parallel_size {size} needs the engine core in its own process (no --no-core-process)")
     if config.device.startswith("cuda:"):
         raise ValueError(f"tensor_parallel_size {size}: give --device cuda (rank r runs on cuda:r), not {config.device}")
+    files = ModelFiles.load(config.model_path, config.model_name)
+    check_splittable(DecoderConfig.from_hf(files.config), size)
 
 
 def run_rank_worker(
@@ -69,7 +73,6 @@ def build_rank_runner(config: EngineConfig, rank: int, store_path: str):
     from llmserve.inference.engine.model_runner import ModelRunner
     from llmserve.inference.engine.types import served_context_tokens
     from llmserve.inference.models.rank_group import RankGroup
-    from llmserve.model_files import ModelFiles
 
     group = RankGroup.join(store_path, config.tensor_parallel_size, rank, torch.device(config.device))
     files = ModelFiles.load(config.model_path, config.model_name)

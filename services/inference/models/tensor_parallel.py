@@ -31,7 +31,7 @@ from collections.abc import Iterable, Iterator
 import torch
 from torch import nn
 
-from llmserve.inference.models.decoder_config import DecoderConfig
+from llmserve.inference.models.decoder_config import DecoderConfig, check_splittable
 from llmserve.inference.models.rank_group import SINGLE_RANK, RankGroup
 
 _COLUMN_SPLIT = ("gate_proj", "up_proj")  # rows over the intermediate size
@@ -120,23 +120,6 @@ class TensorParallel:
             padded[: tensor.shape[0]] = tensor
             return _rows(padded, self.vocab_start, self.vocab_size)
         return tensor
-
-
-def check_splittable(config: DecoderConfig, size: int) -> None:
-    """ValueError naming the shape that `size` ranks cannot split."""
-    if size < 1:
-        raise ValueError(f"tensor_parallel_size must be at least 1, got {size}")
-    if config.num_heads % size:
-        raise ValueError(f"tensor_parallel_size {size} does not divide the model's {config.num_heads} attention heads")
-    kv = config.num_kv_heads
-    if (kv >= size and kv % size) or (kv < size and size % kv):
-        raise ValueError(
-            f"tensor_parallel_size {size} and the model's {kv} KV heads: one must divide the other"
-        )
-    if config.intermediate_size % size:
-        raise ValueError(
-            f"tensor_parallel_size {size} does not divide the model's intermediate size {config.intermediate_size}"
-        )
 
 
 def _rows(tensor: torch.Tensor, start: int, count: int) -> torch.Tensor:
