@@ -93,3 +93,8 @@ def test_two_ranks_generate_what_one_process_generates(arch, tiny_model_dirs):
     assert split["preemptions"] > 0  # the pool held 8 of the 15 blocks the first wave needs
     assert split["cached"]["same"] == split["cached"]["shared"] == 32  # two full blocks reused
     assert split["blocks_used"] == 0
+
+
+def test_a_split_core_without_its_ranks_is_refused(tiny_model_dir):
+    with pytest.raises(ValueError, match="tensor_parallel_size 2 needs its rank processes"):
+        TorchEngineCore(engine_config(tiny_model_dir, 2))

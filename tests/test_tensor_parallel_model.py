@@ -33,22 +33,22 @@ LOGITS_TOLERANCE = 1e-5
 RANK_TIMEOUT_S = 300
 
 
-def step_logits(model_dir: Path, group: RankGroup) -> list[torch.Tensor]:
+def step_logits(model_dir: Path, group: RankGroup, device: str = "cpu", attention_name: str = "portable") -> list[torch.Tensor]:
     """The logits of every row of each step (two chunks, then one decode), on this rank."""
-    device = torch.device("cpu")
+    device = torch.device(device)
     files = ModelFiles.load(model_dir, "tiny")
     tp = TensorParallel(DecoderConfig.from_hf(files.config), group)
     local = tp.local_config()
-    attention = create_attention_backend("portable", local, BLOCK_SIZE, device)
+    attention = create_attention_backend(attention_name, local, BLOCK_SIZE, device)
     model = load_model(model_dir, local, device, torch.float32, attention, tp=tp)
     cache = KVCache(KVCacheSpec(local.num_layers, BLOCK_SIZE, local.num_kv_heads, local.head_dim, torch.float32), 4, device)
     steps = [_chunk(start, end) for start, end in CHUNKS] + [_decode(len(PROMPT))]
     logits = []
     with torch.inference_mode():
         for step in steps:
-            ids, positions = torch.tensor(step.input_ids), torch.tensor(step.positions)
+            ids, positions = torch.tensor(step.input_ids, device=device), torch.tensor(step.positions, device=device)
             hidden = model(ids, positions, cache.layers, attention.build_metadata(step))
-            logits.append(model.compute_logits(hidden))
+            logits.append(model.compute_logits(hidden).cpu())
     return logits
 
 
@@ -69,21 +69,27 @@ def _decode(position: int) -> StepInputs:
     )  # fmt: skip
 
 
-def _rank_main(store_path: str, world_size: int, rank: int, model_dirs: dict[str, Path], results) -> None:
-    group = RankGroup.join(store_path, world_size, rank, torch.device("cpu"))
+def _rank_main(store_path: str, world_size: int, rank: int, model_dirs: dict[str, Path], results, device: str,
+               attention_name: str) -> None:
+    # gloo on CUDA too: the ranks share the one GPU a test machine has (NCCL refuses that).
+    group = RankGroup.join(store_path, world_size, rank, torch.device(device), backend="gloo")
     try:
-        results.put((rank, {arch: [t.numpy() for t in step_logits(d, group)] for arch, d in model_dirs.items()}))
+        results.put((rank, {
+            arch: [t.numpy() for t in step_logits(d, group, device, attention_name)] for arch, d in model_dirs.items()
+        }))  # fmt: skip
     finally:
         group.leave()
 
 
-def split_logits(model_dirs: dict[str, Path], world_size: int, tmp_path: Path) -> dict[int, dict]:
+def split_logits(
+    model_dirs: dict[str, Path], world_size: int, tmp_path: Path, device: str = "cpu", attention_name: str = "portable"
+) -> dict[int, dict]:
     """Every rank's logits (rank -> architecture -> per step), from `world_size` gloo processes."""
     context = multiprocessing.get_context("spawn")
     results = context.Queue()
     store_path = str(tmp_path / f"rendezvous-{world_size}")
     ranks = [
-        context.Process(target=_rank_main, args=(store_path, world_size, r, model_dirs, results))
+        context.Process(target=_rank_main, args=(store_path, world_size, r, model_dirs, results, device, attention_name))
         for r in range(world_size)
     ]
     for process in ranks:
@@ -99,9 +105,22 @@ def split_logits(model_dirs: dict[str, Path], world_size: int, tmp_path: Path) -
 
 @pytest.mark.parametrize("world_size", [2, 4])
 def test_split_ranks_compute_the_unsplit_logits(tiny_model_dirs, tmp_path, world_size):
-    gathered = split_logits(tiny_model_dirs, world_size, tmp_path)
+    assert_same_logits(tiny_model_dirs, split_logits(tiny_model_dirs, world_size, tmp_path), world_size)
+
+
+@pytest.mark.gpu
+def test_split_ranks_on_the_triton_kernels_compute_the_unsplit_logits(tiny_model_dirs, tmp_path):
+    """The triton backend's paged kernels and fused ops on a rank's shapes (1 q head group, 1 KV
+    head), 2 ranks sharing one GPU over gloo; float32, so the same tolerance."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    gathered = split_logits(tiny_model_dirs, 2, tmp_path, "cuda:0", "triton")
+    assert_same_logits(tiny_model_dirs, gathered, 2, "cuda:0", "triton")
+
+
+def assert_same_logits(model_dirs, gathered, world_size: int, device: str = "cpu", attention_name: str = "portable"):
     for arch in ARCHITECTURES:
-        expected = step_logits(tiny_model_dirs[arch], SINGLE_RANK)
+        expected = step_logits(model_dirs[arch], SINGLE_RANK, device, attention_name)
         for rank in range(world_size):
             for index, (got, want) in enumerate(zip(gathered[rank][arch], expected)):
                 got = torch.from_numpy(got)

@@ -90,6 +90,11 @@ class TorchEngineCore:
         `sampler`: one built on the model's EOS ids instead of the default (benchmarks
         observe the logits through it); `ranks`: the tensor-parallel group this core is rank 0
         of (it schedules and samples; the runner hands every step to the other ranks)."""
+        if config.tensor_parallel_size != ranks.size:
+            raise ValueError(
+                f"tensor_parallel_size {config.tensor_parallel_size} needs its rank processes: serve it with "
+                f"EngineProcess (the inference service), or create_engine_core with their rendezvous"
+            )
         self.config = config
         files = ModelFiles.load(config.model_path, config.model_name)
         max_context_tokens = served_context_tokens(config, files)

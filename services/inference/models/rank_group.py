@@ -41,12 +41,15 @@ class RankGroup:
         self._backend = backend
 
     @classmethod
-    def join(cls, store_path: str, world_size: int, rank: int, device: torch.device) -> "RankGroup":
-        """Block until all `world_size` ranks have joined at `store_path`; NCCL for a CUDA
-        device, gloo otherwise."""
+    def join(
+        cls, store_path: str, world_size: int, rank: int, device: torch.device, backend: str | None = None
+    ) -> "RankGroup":
+        """Block until all `world_size` ranks have joined at `store_path`. `backend`: NCCL for a
+        CUDA device, gloo otherwise; gloo on CUDA lets ranks share one GPU (tests: NCCL refuses
+        two ranks on one device), at a host copy per collective and without CUDA graphs."""
         import torch.distributed as dist
 
-        backend = "nccl" if device.type == "cuda" else "gloo"
+        backend = backend or ("nccl" if device.type == "cuda" else "gloo")
         if device.type == "cuda":
             if device.index is not None and device.index >= torch.cuda.device_count():
                 raise ValueError(f"rank {rank} of {world_size} needs {device}: {torch.cuda.device_count()} GPUs visible")
