@@ -23,6 +23,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import math
 import sys
 import tempfile
 import time
@@ -92,8 +93,20 @@ def run_size(options: dict, model_dir: Path, plans: stack_drivers.Plans, streams
     return asyncio.run(main())
 
 
-def weight_bytes(model_dir: Path) -> int:
-    return sum(path.stat().st_size for path in model_dir.glob("*.safetensors"))
+def weight_bytes(model_dir: Path, dtype: str) -> int:
+    """The bytes of every checkpoint tensor in the engine's dtype (not the file's: a checkpoint
+    written in float32 is served in bfloat16 on CUDA)."""
+    import torch
+    from safetensors import safe_open
+
+    from llmserve.inference.models.loader import safetensors_files, torch_dtype
+
+    element_bytes = torch.empty(0, dtype=torch_dtype(dtype)).element_size()
+    num_elements = 0
+    for path in safetensors_files(model_dir):
+        with safe_open(str(path), framework="pt") as f:
+            num_elements += sum(math.prod(f.get_slice(key).get_shape()) for key in f.keys())
+    return num_elements * element_bytes
 
 
 def rows_with_ratios(rows: list[dict], baseline_size: int, bytes_total: int, hbm_gbps: float) -> list[dict]:
@@ -129,7 +142,7 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory(prefix="bench-tp-") as tmp:
         model_dir = args.model or bench_stack.build_model(args, Path(tmp) / f"random-{args.shape}")
         plans = stack_drivers.Plans(args, PromptBuilder.from_path(model_dir))
-        bytes_total = weight_bytes(model_dir)
+        bytes_total = weight_bytes(model_dir, options["dtype"])
         for size in args.sizes:
             print(f"tensor-parallel size {size}: starting", flush=True)
             try:

@@ -60,6 +60,11 @@ class RankGroup:
         )  # fmt: skip
         device_group = dist.group.WORLD
         host_group = dist.new_group(backend="gloo", timeout=COLLECTIVE_TIMEOUT) if backend == "nccl" else device_group
+        if backend == "nccl":
+            # NCCL makes its communicator on the first collective, which must not be one a CUDA
+            # graph is capturing (the runner captures its decode graphs at start).
+            dist.all_reduce(torch.zeros(1, device=device), group=device_group)
+            torch.cuda.synchronize(device)
         log.info("rank %d of %d joined (%s)", rank, world_size, backend)
         return cls(rank, world_size, device_group, host_group, backend)
 
