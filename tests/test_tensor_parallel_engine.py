@@ -60,26 +60,28 @@ def scenario(engine: TorchEngineCore) -> dict:
     }
 
 
-def _rank_0_main(config: EngineConfig, store_path: str, results) -> None:
+def _rank_0_main(config: EngineConfig, store_path: str, job, job_args: tuple, results) -> None:
     core = create_engine_core(config, store_path)
     try:
-        results.put(scenario(core))
+        results.put(job(core, *job_args))
     finally:
         core.stop_ranks()
 
 
-def split_run(config: EngineConfig) -> dict:
+def split_run(config: EngineConfig, job=None, *job_args):
+    """`job(core, *job_args)` (default: `scenario`) on rank 0 of a split engine, the other ranks in
+    their real processes; what it returned, once every rank has left by itself."""
     context = multiprocessing.get_context("spawn")
     ranks = RankProcesses(config, context, "WARNING", ObservabilityConfig())
     results = context.Queue()
-    rank_0 = context.Process(target=_rank_0_main, args=(config, ranks.store_path, results))
+    rank_0 = context.Process(target=_rank_0_main, args=(config, ranks.store_path, job or scenario, job_args, results))
     rank_0.start()
     try:
         return results.get(timeout=RANK_TIMEOUT_S)
     finally:
         rank_0.join(RANK_TIMEOUT_S)
         ranks.join(RANK_TIMEOUT_S)
-        assert (rank_0.exitcode, ranks.exit_codes) == (0, [0])  # both left by themselves
+        assert (rank_0.exitcode, ranks.exit_codes) == (0, [0] * (config.tensor_parallel_size - 1))
 
 
 @pytest.mark.parametrize("arch", ARCHITECTURES)
@@ -98,3 +100,19 @@ def test_two_ranks_generate_what_one_process_generates(arch, tiny_model_dirs):
 def test_a_split_core_without_its_ranks_is_refused(tiny_model_dir):
     with pytest.raises(ValueError, match="tensor_parallel_size 2 needs its rank processes"):
         TorchEngineCore(engine_config(tiny_model_dir, 2))
+
+
+def greedy_tokens(engine: TorchEngineCore, prompts: list[list[int]]) -> list[list[int]]:
+    for i, prompt in enumerate(prompts):
+        engine.add_request(request(f"p{i}", prompt, greedy(24)))
+    results = drain(engine)
+    return [results[f"p{i}"].token_ids[0] for i in range(len(prompts))]
+
+
+@pytest.mark.slow
+def test_three_ranks_of_the_real_default_model_generate_what_one_process_does(default_model_dir):
+    """SmolLM2-135M's trained weights (9 heads, 3 KV heads, tied 49152-row vocabulary) split 3 ways."""
+    prompts = [make_prompt(n, seed=700 + n) for n in (12, 57, 100)]
+    split = split_run(EngineConfig(model_path=default_model_dir, model_name="smol", tensor_parallel_size=3),
+                      greedy_tokens, prompts)
+    assert split == greedy_tokens(TorchEngineCore(EngineConfig(model_path=default_model_dir, model_name="smol")), prompts)

@@ -127,9 +127,12 @@ class RankGroup:
         return int(tensor.item())
 
     def leave(self) -> None:
+        """Every rank calls this at the end: they tear down together (gloo aborts a process whose
+        peer closed its connections while it was still tearing down its own: seen here, 1 in 4)."""
         if self.size > 1:
             import torch.distributed as dist
 
+            dist.barrier(group=self._host_group)
             dist.destroy_process_group()
 
 
