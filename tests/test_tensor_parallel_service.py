@@ -6,6 +6,7 @@ with UNAVAILABLE, no rank process is left behind, and SIGTERM still exits cleanl
 from __future__ import annotations
 
 import asyncio
+import multiprocessing
 import os
 import re
 import signal
@@ -16,11 +17,14 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from llmserve.inference.async_engine import AsyncEngine
 from llmserve.inference.engine.config import EngineConfig
+from llmserve.inference.engine.engine_process import EngineProcess
 from llmserve.inference.engine.torch_engine import TorchEngineCore
 from llmserve.inference.servicer import SERVICE_NAME
 from llmserve.v1 import common_pb2, inference_pb2, inference_pb2_grpc
-from tests.engine_streams import wait_until
+from tests.engine_objects import make_request
+from tests.engine_streams import collect, wait_until
 from tests.test_inference_service import HANG_GUARD_S, _wait_for_port_file, read_all
 from tests.test_torch_engine import drain, greedy, make_prompt, request
 
@@ -133,3 +137,19 @@ async def test_a_split_the_engine_cannot_run_exits_with_the_reason(tiny_model_di
     )  # fmt: skip
     assert result.returncode == 1
     assert reason in result.stderr + result.stdout
+
+
+async def test_a_split_engine_stops_cleanly_every_rank_exiting_by_itself(tiny_model_dir):
+    """AsyncEngine over EngineProcess (what the service runs): serve, shut down, and every rank's
+    process (the engine core's too) has left with code 0 — none killed, none left behind."""
+    children_before = set(multiprocessing.active_children())
+    config = EngineConfig(model_path=tiny_model_dir, model_name="tiny", tensor_parallel_size=2)
+    engine = AsyncEngine(EngineProcess(config))
+    processes = set(multiprocessing.active_children()) - children_before
+    assert len(processes) == 2  # the engine core (rank 0) and rank 1
+    await engine.start()
+    outputs = await collect(engine, make_request("r", PROMPTS[1], max_tokens=NUM_TOKENS, temperature=0.0,
+                                                 ignore_eos=True))
+    assert [t for o in outputs for t in o.new_token_ids] == (await asyncio.to_thread(one_process_tokens, tiny_model_dir))[1]
+    await engine.shutdown(drain_timeout_s=5.0)
+    assert sorted(p.exitcode for p in processes) == [0, 0]

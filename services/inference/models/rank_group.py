@@ -1,7 +1,8 @@
 """RankGroup: the processes of one tensor-parallel engine and the collectives they run together.
 
 One process per rank, joined through a file rendezvous (a path on the host's disk that does
-not exist before the first join: no port to pick and race for; engine/rank_processes.py makes it). Two torch.distributed groups over the same ranks:
+not exist before the first join: no port to pick and race for; engine/rank_processes.py makes
+it). Two torch.distributed groups over the same ranks:
 
   device group  the model's collectives on its tensors (the all-reduce after o_proj and
                 down_proj, the embedding's all-reduce, the logits' all-gather): NCCL on CUDA,
