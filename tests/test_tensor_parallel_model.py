@@ -4,11 +4,14 @@ decoder, on the tiny float32 models of every supported architecture.
 Each rank is a real process joined over gloo (models/rank_group.py); every rank must compute the
 same full logits as one process does, for a prefill chunk, a chunk over a cached prefix and a
 decode step through the paged KV cache: 2 ranks (each rank one of the 2 KV heads) and 4 ranks
-(more ranks than KV heads: each KV head replicated on 2 ranks). The slicing rules are checked
+(more ranks than KV heads: each KV head replicated on 2 ranks), on the portable attention and
+on the triton kernels (Triton's interpreter without a GPU). The slicing rules are checked
 exactly on their own, without processes.
 """
 
 from __future__ import annotations
+
+from tests.triton_cpu import HAS_TRITON, KERNEL_DEVICE  # noqa: I001  (before any kernel import)
 
 import multiprocessing
 from pathlib import Path
@@ -108,14 +111,13 @@ def test_split_ranks_compute_the_unsplit_logits(tiny_model_dirs, tmp_path, world
     assert_same_logits(tiny_model_dirs, split_logits(tiny_model_dirs, world_size, tmp_path), world_size)
 
 
-@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_TRITON, reason="needs triton")
 def test_split_ranks_on_the_triton_kernels_compute_the_unsplit_logits(tiny_model_dirs, tmp_path):
-    """The triton backend's paged kernels and fused ops on a rank's shapes (1 q head group, 1 KV
-    head), 2 ranks sharing one GPU over gloo; float32, so the same tolerance."""
-    if not torch.cuda.is_available():
-        pytest.skip("needs CUDA")
-    gathered = split_logits(tiny_model_dirs, 2, tmp_path, "cuda:0", "triton")
-    assert_same_logits(tiny_model_dirs, gathered, 2, "cuda:0", "triton")
+    """The triton backend's paged kernels and fused ops on a rank's shapes (2 q heads, 1 KV
+    head), 2 ranks over gloo: on CUDA both on the one GPU, here under Triton's interpreter;
+    float32, so the same tolerance."""
+    gathered = split_logits(tiny_model_dirs, 2, tmp_path, KERNEL_DEVICE, "triton")
+    assert_same_logits(tiny_model_dirs, gathered, 2, KERNEL_DEVICE, "triton")
 
 
 def assert_same_logits(model_dirs, gathered, world_size: int, device: str = "cpu", attention_name: str = "portable"):
