@@ -23,7 +23,7 @@ from llmserve.inference.engine.kv_cache import KVCache, KVCacheSpec
 from llmserve.inference.models.attention_backend import create_attention_backend
 from llmserve.inference.models.decoder_config import DecoderConfig, RopeConfig, check_splittable
 from llmserve.inference.models.loader import load_model
-from llmserve.inference.models.rank_group import SINGLE_RANK, RankGroup
+from llmserve.inference.models.rank_group import SINGLE_RANK, RankGroup, exit_without_teardown
 from llmserve.inference.models.step_inputs import StepInputs
 from llmserve.inference.models.tensor_parallel import TensorParallel
 from llmserve.model_files import ModelFiles
@@ -76,12 +76,17 @@ def _rank_main(store_path: str, world_size: int, rank: int, model_dirs: dict[str
                attention_name: str) -> None:
     # gloo on CUDA too: the ranks share the one GPU a test machine has (NCCL refuses that).
     group = RankGroup.join(store_path, world_size, rank, torch.device(device), backend="gloo")
+    exit_code = 1
     try:
         results.put((rank, {
             arch: [t.numpy() for t in step_logits(d, group, device, attention_name)] for arch, d in model_dirs.items()
         }))  # fmt: skip
+        exit_code = 0
     finally:
         group.leave()
+        results.close()
+        results.join_thread()  # the result is written before the process ends without teardown
+        exit_without_teardown(exit_code)
 
 
 def split_logits(

@@ -229,7 +229,11 @@ def run_engine_process(
     outputs.send(_Ready(core.model_info, core.load()))
     EngineLoop(core).run(_command_taker(commands), _emitter(outputs))
     if rank_store_path is not None:
+        from llmserve.inference.models.rank_group import exit_without_teardown
+
         core.stop_ranks()
+        outputs.close()
+        exit_without_teardown()
 
 
 def _command_taker(commands: Connection) -> Callable[[bool], list[EngineCommand]]:

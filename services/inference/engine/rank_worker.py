@@ -54,6 +54,7 @@ def run_rank_worker(
 ) -> None:
     """A rank process's main: join, build, run steps until rank 0 stops (or the group breaks)."""
     from llmserve.inference.engine.engine_process import exit_with_parent
+    from llmserve.inference.models.rank_group import exit_without_teardown
     from llmserve.server import configure_logging
 
     exit_with_parent()
@@ -63,6 +64,7 @@ def run_rank_worker(
     num_steps = run_steps(runner, group)
     log.info("rank %d stopped after %d steps", rank, num_steps)
     group.leave()
+    exit_without_teardown()
 
 
 def build_rank_runner(config: EngineConfig, rank: int, store_path: str):
