@@ -119,7 +119,7 @@ def test_run_reports_each_step_with_its_period_since_the_previous_and_none_after
     def take_commands(block: bool) -> list:
         return waits.pop(0) if block else []
 
-    def emit(outputs, load, kv_events, step) -> bool:
+    def emit(outputs, load, kv_events, step, replies) -> bool:
         if step is not None:
             steps.append(step)
         return True

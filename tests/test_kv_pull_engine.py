@@ -49,9 +49,12 @@ def pull(source: TorchEngineCore, target: TorchEngineCore, prompt: list[int], ma
     pinned = source.kv_pin(req, max_blocks, CPU_IDENTITY)
     assert source.load().kv_blocks_used == len(pinned.block_ids)  # held while B copies
     try:
-        return target.kv_import(req, pinned)
+        imported = target.kv_import(req, pinned)
     finally:
         source.kv_release(list(pinned.block_ids))
+    assert imported.path is TransportPath.SHM
+    assert imported.num_bytes == imported.num_blocks * pinned.layout.bytes_per_block
+    return imported.num_blocks * BLOCK_SIZE
 
 
 def pool_blocks(engine: TorchEngineCore, prompt: list[int]) -> torch.Tensor:
@@ -147,3 +150,37 @@ def test_refusals_name_their_reason(tiny_model_dir, pull_engines):
 
 def _fields(instance) -> dict:
     return {name: getattr(instance, name) for name in instance.__dataclass_fields__}
+
+
+def test_a_source_whose_segment_is_gone_is_refused_as_gone(pull_engines):
+    """The source died after pinning (its reaper unlinked the pool's segment) before the
+    target mapped it: nothing pulled, nothing held on the target."""
+    a, b, _ = pull_engines
+    prompt = make_prompt(PROMPT_TOKENS, seed=11)
+    generate(a, "on-a", prompt)
+    req = request("pull", prompt, greedy())
+    pinned = a.kv_pin(req, 0, CPU_IDENTITY)
+    a.kv_release(list(pinned.block_ids))
+    a.close()  # unlinks the segment, as the reaper does for a dead source
+    with pytest.raises(KvPullRefused) as refused:
+        b.kv_import(req, pinned)
+    assert refused.value.reason == "source_gone"
+    assert_pool_full(b)
+    assert b.block_manager.find_cached_blocks(b._sequences.prefix_probe(req)) == []
+
+
+def test_a_cuda_export_crosses_the_wire_argument_for_argument():
+    """CudaIpcExport carries rebuild_cuda_tensor's arguments as reduce_tensor gives them for a
+    region (checked on CPU with the values' types; the GPU test maps a real one)."""
+    from llmserve.inference.kv_pull_wire import cuda_export_from_pb, cuda_export_to_pb, offer_from_pb, offer_to_pb
+    from llmserve.tensor_transport import RegionOffer
+
+    args = (
+        torch.Tensor, torch.Size([4096]), (1,), 0, torch.storage.TypedStorage, torch.uint8, 1, b"\x01handle",
+        8192, 512, False, b"/torch_123_456", 3, b"\x02event", True,
+    )
+    assert cuda_export_from_pb(cuda_export_to_pb(args)) == args
+    offer = RegionOffer("host/1/ab/0", TransportPath.CUDA_IPC, 4096, cuda_export=args, device_uuid="GPU-1", event_handle=b"e")
+    assert offer_from_pb(offer_to_pb(offer)) == offer
+    shm = RegionOffer("host/1/ab/1", TransportPath.SHM, 4096, shm_name="llmserve-tt-1-ab")
+    assert offer_from_pb(offer_to_pb(shm)) == shm

@@ -35,12 +35,26 @@ class KvPullSource:
     block_ids: tuple[int, ...]  # its block ids of the prompt's blocks 0, 1, ..., in order
 
 
+@dataclass(frozen=True, slots=True)
+class KvImport:
+    """What one pull copied, for the server's metrics (the engine core's own counters are not
+    scraped when it runs in a process of its own)."""
+
+    num_blocks: int
+    num_bytes: int
+    path: TransportPath
+    opened_region: bool  # the source's region was mapped for this pull (its first from there)
+
+
 class KvPullRefused(Exception):
     """The pull cannot be made; `reason` is a metric label (llmserve_kv_pull_failures_total)."""
 
     def __init__(self, reason: str, message: str):
         super().__init__(message)
         self.reason = reason
+
+    def __reduce__(self):  # crosses the engine-core pipe as a CoreReply's error
+        return (KvPullRefused, (self.reason, str(self)))
 
 
 class KvBlockImporter:
@@ -50,9 +64,9 @@ class KvBlockImporter:
         self._layout = KvPoolLayout.of(kv_cache.data)
         self._consumer = TensorConsumer()
 
-    def import_prefix(self, seq: Sequence, source: KvPullSource) -> int:
-        """Pull the blocks of `seq`'s prompt that the source holds and we do not; returns how
-        many were pulled (0: nothing to pull). Raises KvPullRefused when it cannot."""
+    def import_prefix(self, seq: Sequence, source: KvPullSource) -> KvImport:
+        """Pull the blocks of `seq`'s prompt that the source holds and we do not (none: nothing
+        to pull). Raises KvPullRefused when it cannot."""
         self._check(source)
         if not self._block_manager.enable_prefix_caching:
             raise KvPullRefused("prefix_caching_off", "pulled blocks are found through the prefix cache, which is off")
@@ -61,21 +75,29 @@ class KvBlockImporter:
         num_source = min(len(source.block_ids), (seq.num_tokens - 1) // block_size)
         num_pulled = num_source - len(cached_ids)
         if num_pulled <= 0:
-            return 0
+            return KvImport(0, 0, source.offer.path, False)
         if not block_manager.allocate(seq, num_pulled * block_size, cached_ids):
             raise KvPullRefused("no_free_blocks", f"{num_pulled} free blocks are not there to pull into")
+        num_opened_before = self._consumer.num_regions_opened
         try:
-            self._consumer.open(source.offer)
+            self._open(source.offer)
             self._copy(source, source.block_ids[len(cached_ids) : num_source], seq.block_ids[len(cached_ids) : num_source])
             seq.num_computed_tokens = num_source * block_size
             block_manager.register_computed_blocks(seq)
         finally:
             block_manager.free(seq)
             seq.num_computed_tokens = 0
-        return num_pulled
+        opened_region = self._consumer.num_regions_opened > num_opened_before
+        return KvImport(num_pulled, num_pulled * source.layout.bytes_per_block, source.offer.path, opened_region)
 
     def close(self) -> None:
         self._consumer.close_all()
+
+    def _open(self, offer: RegionOffer) -> None:
+        try:
+            self._consumer.open(offer)
+        except OSError as error:  # its segment is gone: the source died (its reaper unlinked it)
+            raise KvPullRefused("source_gone", f"the source's region cannot be mapped: {error}") from error
 
     def _check(self, source: KvPullSource) -> None:
         if source.offer.path is TransportPath.INLINE:

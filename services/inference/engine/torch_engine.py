@@ -51,7 +51,7 @@ from llmserve.inference.engine.block_manager import BlockManager
 from llmserve.inference.engine.config import EngineConfig
 from llmserve.inference.engine.engine_outputs import error_outputs, token_output
 from llmserve.inference.engine.grammar import Grammars, GrammarStats
-from llmserve.inference.engine.kv_block_import import KvBlockImporter, KvPullRefused, KvPullSource
+from llmserve.inference.engine.kv_block_import import KvBlockImporter, KvImport, KvPullRefused, KvPullSource
 from llmserve.inference.engine.kv_pool_export import KvPoolExport, KvPoolLayout
 from llmserve.inference.engine.model_runner import ModelRunner
 from llmserve.inference.engine.sampler import LaunchedSample, Sampler, SamplerOutput, reads_host_tokens
@@ -192,14 +192,14 @@ class TorchEngineCore:
     def kv_release(self, block_ids: list[int]) -> None:
         self.block_manager.release(block_ids)
 
-    def kv_import(self, request: EngineRequest, source: KvPullSource) -> int:
+    def kv_import(self, request: EngineRequest, source: KvPullSource) -> KvImport:
         """Copy the blocks of `request`'s prompt that `source` pinned and we lack into our pool
-        and prefix cache (engine/kv_block_import.py); returns the tokens pulled."""
+        and prefix cache (engine/kv_block_import.py)."""
         if self._kv_importer is None:
             self._kv_export()  # raises: not enabled
             self._kv_importer = KvBlockImporter(self.runner.kv_cache, self.block_manager)
         seq = self._sequences.prefix_probe(request)
-        return self._kv_importer.import_prefix(seq, source) * self.block_manager.block_size
+        return self._kv_importer.import_prefix(seq, source)
 
     def close(self) -> None:
         """Unlink the exported KV pool's segment (--kv-pull); a process that exits without
