@@ -184,3 +184,27 @@ def test_a_cuda_export_crosses_the_wire_argument_for_argument():
     assert offer_from_pb(offer_to_pb(offer)) == offer
     shm = RegionOffer("host/1/ab/1", TransportPath.SHM, 4096, shm_name="llmserve-tt-1-ab")
     assert offer_from_pb(offer_to_pb(shm)) == shm
+
+
+def test_blocks_land_in_scattered_free_blocks_intact(pull_engines):
+    """B's free blocks interleaved with held ones: each pulled block is its own run."""
+    a, b, plain = pull_engines
+    prompt = make_prompt(PROMPT_TOKENS, seed=12)
+    generate(a, "on-a", prompt)
+    odd = list(range(1, 13, 2))
+    b.block_manager.hold(odd)  # the free queue now starts 0, 2, 4, ...
+    try:
+        assert pull(a, b, prompt) == 6 * BLOCK_SIZE
+        seq = b._sequences.prefix_probe(request("look", prompt, greedy()))
+        assert b.block_manager.find_cached_blocks(seq) == [0, 2, 4, 6, 8, 10]
+        assert torch.equal(pool_blocks(b, prompt), pool_blocks(a, prompt))
+    finally:
+        b.block_manager.release(odd)
+    assert generate(b, "on-b", prompt) == (generate(plain, "recomputed", prompt)[0], 6 * BLOCK_SIZE)
+
+
+def test_runs_follow_both_sides_block_ids():
+    from llmserve.inference.engine.kv_block_import import _consecutive_runs
+
+    assert _consecutive_runs([(3, 10), (4, 11), (5, 20), (9, 21), (10, 22)]) == [(0, 2), (2, 1), (3, 2)]
+    assert _consecutive_runs([]) == []

@@ -41,6 +41,10 @@ _DURATION = Histogram(
     "llmserve_kv_pull_duration_seconds", "A pull: pin at the source, copy, release",
     buckets=(0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0),
 )
+_COPY = Histogram(
+    "llmserve_kv_pull_copy_seconds", "A pull's copies alone, from the mapped source pool into ours",
+    buckets=(0.00001, 0.00003, 0.0001, 0.0003, 0.001, 0.003, 0.01, 0.03, 0.1, 0.3, 1.0),
+)
 _PINNED_BLOCKS = Counter("llmserve_kv_pin_blocks", "KV blocks this replica pinned for pullers")
 _LEASES_EXPIRED = Counter("llmserve_kv_pin_leases_expired", "Pins released by their lease, not by their puller")
 for _reason in FAILURE_REASONS:
@@ -54,6 +58,8 @@ def record_pulled(imported: KvImport, duration_s: float) -> None:
     if imported.opened_region:
         _REGIONS_OPENED.labels(path=path).inc()
     _DURATION.observe(duration_s)
+    if imported.num_blocks:
+        _COPY.observe(imported.copy_s)
 
 
 def record_failure(reason: str) -> None:

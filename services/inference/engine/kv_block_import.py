@@ -15,6 +15,7 @@ pull from it, and kept (TensorConsumer).
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 
 import torch
@@ -44,6 +45,7 @@ class KvImport:
     num_bytes: int
     path: TransportPath
     opened_region: bool  # the source's region was mapped for this pull (its first from there)
+    copy_s: float = 0.0  # the copies alone, done (synchronized on CUDA): the pull's bandwidth
 
 
 class KvPullRefused(Exception):
@@ -81,14 +83,16 @@ class KvBlockImporter:
         num_opened_before = self._consumer.num_regions_opened
         try:
             self._open(source.offer)
+            copy_started_s = time.perf_counter()
             self._copy(source, source.block_ids[len(cached_ids) : num_source], seq.block_ids[len(cached_ids) : num_source])
+            copy_s = time.perf_counter() - copy_started_s
             seq.num_computed_tokens = num_source * block_size
             block_manager.register_computed_blocks(seq)
         finally:
             block_manager.free(seq)
             seq.num_computed_tokens = 0
         opened_region = self._consumer.num_regions_opened > num_opened_before
-        return KvImport(num_pulled, num_pulled * source.layout.bytes_per_block, source.offer.path, opened_region)
+        return KvImport(num_pulled, num_pulled * source.layout.bytes_per_block, source.offer.path, opened_region, copy_s)
 
     def close(self) -> None:
         self._consumer.close_all()
@@ -106,11 +110,13 @@ class KvBlockImporter:
             raise KvPullRefused("layout_mismatch", f"the source's pool {source.layout} differs from ours {self._layout}")
 
     def _copy(self, source: KvPullSource, source_ids: tuple[int, ...], target_ids: list[int]) -> None:
+        """One strided copy per run of blocks consecutive on both sides (fresh blocks usually
+        are: the free queue hands them out in order), every layer's k and v at once."""
         pool = _raw(self._kv_cache.data)
-        for start, length in _consecutive_runs(source_ids):
+        for start, length in _consecutive_runs(list(zip(source_ids, target_ids))):
             ref = source.layout.block_run_ref(source.offer.region_id, source_ids[start], length)
-            target = torch.tensor(target_ids[start : start + length], device=pool.device)
-            pool[:, :, target] = _raw(self._consumer.view(ref)).to(pool.device, non_blocking=True)
+            first_target = target_ids[start]
+            pool[:, :, first_target : first_target + length].copy_(_raw(self._consumer.view(ref)), non_blocking=True)
         if pool.device.type == "cuda":
             # Deliberate sync: the source releases its pin once we answer, so the copies must be done.
             torch.cuda.current_stream(pool.device).synchronize()
@@ -121,11 +127,11 @@ def _raw(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.view(torch.uint8) if tensor.element_size() == 1 else tensor
 
 
-def _consecutive_runs(block_ids: tuple[int, ...]) -> list[tuple[int, int]]:
-    """(start index, length) of each run of consecutive ids: one ref per run."""
+def _consecutive_runs(id_pairs: list[tuple[int, int]]) -> list[tuple[int, int]]:
+    """(start index, length) of each run of (source, target) block ids that both go up by one."""
     runs: list[tuple[int, int]] = []
-    for index, block_id in enumerate(block_ids):
-        if runs and block_ids[index - 1] + 1 == block_id:
+    for index, (source_id, target_id) in enumerate(id_pairs):
+        if runs and id_pairs[index - 1] == (source_id - 1, target_id - 1):
             runs[-1] = (runs[-1][0], runs[-1][1] + 1)
         else:
             runs.append((index, 1))
