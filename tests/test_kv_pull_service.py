@@ -12,10 +12,13 @@ from __future__ import annotations
 
 import os
 import signal
+import socket
+import threading
 from pathlib import Path
 
 import grpc
 import pytest
+from google.rpc import status_pb2
 
 from llmserve.inference.kv_pull_wire import identity_to_pb
 from llmserve.tensor_transport import local_identity
@@ -183,3 +186,45 @@ def test_pins_are_released_by_their_lease_and_bad_pins_are_refused(replicas):
         with pytest.raises(grpc.RpcError) as invalid:
             a.stub.PinKvBlocks(request)
         assert invalid.value.code() == grpc.StatusCode.INVALID_ARGUMENT and invalid.value.details().startswith(field)
+
+
+def test_multiplex_pulls_and_an_abort_while_pulling_ends_the_request_cancelled(replicas):
+    """On the gateway's stream: a request pulls as on GenerateTokens; one whose source never
+    answers (a socket that listens and says nothing) is aborted while it waits to pull, and
+    ends CANCELLED without reaching the engine."""
+    a, b = replicas["a"], replicas["b"]
+    prompt = make_prompt(PROMPT_TOKENS, seed=27)
+    a.generate("for-mux", prompt)
+    silent = socket.create_server(("127.0.0.1", 0))
+    sampling = common_pb2.SamplingParams(max_tokens=NUM_NEW_TOKENS, temperature=0.0, ignore_eos=True)
+
+    def generate(name: str, source_address: str) -> inference_pb2.MultiplexRequest:
+        request = inference_pb2.GenerateTokensRequest(request_id=name, prompt_token_ids=prompt, sampling=sampling)
+        request.kv_pull.CopyFrom(inference_pb2.KvPullHint(source_address=source_address, num_blocks=6))
+        return inference_pb2.MultiplexRequest(generate=request)
+
+    done = threading.Event()
+
+    def commands():
+        yield generate("mux-pull", a.address)
+        yield generate("mux-stuck", f"127.0.0.1:{silent.getsockname()[1]}")
+        yield inference_pb2.MultiplexRequest(abort=inference_pb2.AbortRequest(request_id="mux-stuck"))
+        done.wait(RPC_TIMEOUT_S)
+
+    outputs: dict[str, list[inference_pb2.RequestOutput]] = {}
+    try:
+        for response in b.stub.Multiplex(commands(), timeout=RPC_TIMEOUT_S):
+            for output in response.outputs:
+                outputs.setdefault(output.request_id, []).append(output)
+            finished = {rid for rid, outs in outputs.items() if outs[-1].error_status or outs[-1].output.finish_reason}
+            if finished == {"mux-pull", "mux-stuck"}:
+                done.set()
+    finally:
+        done.set()
+        silent.close()
+    (stuck,) = outputs["mux-stuck"]
+    assert status_pb2.Status.FromString(stuck.error_status).code == grpc.StatusCode.CANCELLED.value[0]
+    last = outputs["mux-pull"][-1].output
+    assert (last.usage.cached_tokens, last.usage.pulled_tokens) == (6 * BLOCK_SIZE, 6 * BLOCK_SIZE)
+    assert [t for o in outputs["mux-pull"] for t in o.output.token_ids] == replicas["c"].generate("mux-ref", prompt)[0]
+    assert b.blocks_used() == 0
