@@ -10,6 +10,7 @@ nothing must be left in /dev/shm once the cores close.
 from __future__ import annotations
 
 import os
+import pickle
 
 import pytest
 import torch
@@ -129,6 +130,8 @@ def test_refusals_name_their_reason(tiny_model_dir, pull_engines):
     with pytest.raises(KvPullRefused) as refused:
         plain.kv_pin(req, 0, CPU_IDENTITY)
     assert refused.value.reason == "not_enabled"
+    crossed = pickle.loads(pickle.dumps(refused.value))  # as it crosses the engine-core pipe
+    assert (type(crossed), crossed.reason, str(crossed)) == (KvPullRefused, "not_enabled", str(refused.value))
     generate(a, "on-a", prompt)
     pinned = a.kv_pin(req, 0, CPU_IDENTITY)
     try:

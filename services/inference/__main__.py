@@ -121,9 +121,11 @@ async def _drain(
     # A draining replica refuses new requests, so its watchers had better stop routing here
     # now; their streams, which never end by themselves, must not hold the drain either.
     kv_events.close()
+    if kv_pull is not None:
+        await kv_pull.pins.release_all()  # pullers still copying fall back to recomputing
     await engine.shutdown(drain_timeout_s=config.grace_period_s)
     if kv_pull is not None:
-        await kv_pull.puller.close()  # pins end with the engine; its process's reaper unlinks the pool
+        await kv_pull.puller.close()  # the engine's process exits: its reaper unlinks the pool
 
 
 def _log_startup(engine: AsyncEngine, replica_id: str, port: int) -> None:

@@ -15,6 +15,7 @@ import logging
 import secrets
 from dataclasses import dataclass
 
+from llmserve.errors import Unavailable
 from llmserve.inference import kv_pull_metrics as metrics
 from llmserve.inference.async_engine import AsyncEngine
 from llmserve.inference.engine.kv_block_import import KvPullSource
@@ -88,5 +89,7 @@ class KvPins:
     async def _unpin(self, block_ids: list[int]) -> None:
         try:
             await self._engine.call_core("kv_release", block_ids)
-        except Exception:  # noqa: BLE001 — the core is gone, and its blocks with it
+        except Unavailable:  # the engine stopped: its blocks went with it
+            log.info("%d pinned KV blocks not released: the engine has stopped", len(block_ids))
+        except Exception:  # noqa: BLE001 — a bug of ours: the blocks stay pinned until the engine stops
             log.exception("releasing %d pinned KV blocks failed", len(block_ids))

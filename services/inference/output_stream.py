@@ -63,7 +63,7 @@ class OutputStream:
         try:
             num_pulled_tokens = await pull
         finally:
-            del self._pulls[request.request_id]
+            self._pulls.pop(request.request_id, None)  # abort and close take it out first
         try:
             self.start(request, num_pulled_tokens)
         except ServiceError as error:
