@@ -84,7 +84,7 @@ async def serve(config: InferenceConfig) -> None:
         engine, replica_id=config.replica_id or "", default_heartbeat_interval_s=config.kv_events_heartbeat_ms / 1000
     )
     await engine.start()
-    kv_pull = KvPullEndpoints.of(engine, engine.model_info.device) if config.engine.kv_pull else None
+    kv_pull = KvPullEndpoints.of(engine) if config.engine.kv_pull else None
     servicer = InferenceServicer(engine, kv_events, kv_pull)
     running = await create_server(
         config.address,

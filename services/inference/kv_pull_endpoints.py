@@ -9,7 +9,6 @@ from dataclasses import dataclass
 from llmserve.inference.async_engine import AsyncEngine
 from llmserve.inference.kv_pins import KvPins
 from llmserve.inference.kv_puller import KvPuller
-from llmserve.tensor_transport import local_identity
 
 
 @dataclass(frozen=True, slots=True)
@@ -18,9 +17,8 @@ class KvPullEndpoints:
     puller: KvPuller
 
     @classmethod
-    def of(cls, engine: AsyncEngine, device: str) -> KvPullEndpoints:
-        """`device`: the engine's (its identity decides the transport path a source offers)."""
-        return cls(KvPins(engine), KvPuller(engine, local_identity(device)))
+    def of(cls, engine: AsyncEngine) -> KvPullEndpoints:
+        return cls(KvPins(engine), KvPuller(engine))
 
     async def close(self) -> None:
         await self.pins.release_all()

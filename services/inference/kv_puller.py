@@ -47,13 +47,13 @@ class KvPullHint:
 
 
 class KvPuller:
-    """Used on the event loop. `identity` is this replica's (its device's) PeerIdentity."""
+    """Used on the event loop."""
 
-    def __init__(self, engine: AsyncEngine, identity: PeerIdentity):
+    def __init__(self, engine: AsyncEngine):
         self._engine = engine
-        self._identity = identity
+        # The engine core's (the reader's) identity, asked of it on the first pull.
+        self._identity: PeerIdentity | None = None
         self._stubs: dict[str, tuple[grpc.aio.Channel, inference_pb2_grpc.InferenceServiceStub]] = {}
-        self._bytes_per_token = 0  # learned from the first pin's layout
 
     async def pull(self, request: EngineRequest, hint: KvPullHint) -> int:
         """Pull what the source holds of `request`'s prompt; returns the tokens pulled (0 when
@@ -61,7 +61,11 @@ class KvPuller:
         started_s = time.perf_counter()
         stub = self._stub(hint.source_address)
         try:
-            pinned = await stub.PinKvBlocks(self._pin_request(request, hint), timeout=PIN_TIMEOUT_S)
+            identity = await self._reader_identity()
+        except (KvPullRefused, ServiceError, NotImplementedError) as error:
+            return _fell_back(getattr(error, "reason", "engine"), f"{type(error).__name__}: {error}")
+        try:
+            pinned = await stub.PinKvBlocks(self._pin_request(request, hint, identity), timeout=PIN_TIMEOUT_S)
         except grpc.aio.AioRpcError as error:
             return _fell_back(_rpc_reason(error), f"PinKvBlocks at {hint.source_address}: {error.code().name} {error.details()}")
         if not pinned.pin_id:
@@ -82,10 +86,17 @@ class KvPuller:
             await channel.close()
         self._stubs.clear()
 
-    def _pin_request(self, request: EngineRequest, hint: KvPullHint) -> inference_pb2.PinKvBlocksRequest:
+    async def _reader_identity(self) -> PeerIdentity:
+        if self._identity is None:
+            self._identity = await self._engine.call_core("kv_identity")
+        return self._identity
+
+    def _pin_request(
+        self, request: EngineRequest, hint: KvPullHint, identity: PeerIdentity
+    ) -> inference_pb2.PinKvBlocksRequest:
         return inference_pb2.PinKvBlocksRequest(
             prompt_token_ids=request.prompt_token_ids, cache_salt=request.cache_salt, max_blocks=hint.num_blocks,
-            puller=identity_to_pb(self._identity), lease_ms=PIN_LEASE_MS,
+            puller=identity_to_pb(identity), lease_ms=PIN_LEASE_MS,
         )
 
     async def _import(self, request: EngineRequest, pinned: inference_pb2.PinKvBlocksResponse) -> KvImport | None:

@@ -62,7 +62,7 @@ from llmserve.inference.engine.step_stats import UNTIMED, StepStatsLog, StepTime
 from llmserve.engine_output import EngineOutput
 from llmserve.inference.engine.types import CacheEvent, EngineLoad, EngineRequest, ModelInfo, served_context_tokens
 from llmserve.model_files import ModelFiles
-from llmserve.tensor_transport import PeerIdentity
+from llmserve.tensor_transport import PeerIdentity, local_identity
 
 log = logging.getLogger(__name__)
 
@@ -176,6 +176,12 @@ class TorchEngineCore:
         return self.block_manager.take_events()
 
     # --- KV pull (issue 22): pinning our blocks for another replica, pulling its blocks ----------
+
+    def kv_identity(self) -> PeerIdentity:
+        """Who reads pulled blocks: this process, on the pool's device (read here, not in the
+        server process, which must not initialize CUDA)."""
+        self._kv_export()  # raises: not enabled
+        return local_identity(self.runner.device)
 
     def kv_pin(self, request: EngineRequest, max_blocks: int, consumer: PeerIdentity) -> KvPullSource:
         """Pin the cached blocks of `request`'s prompt (at most `max_blocks`, 0: all) for
