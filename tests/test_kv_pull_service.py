@@ -150,17 +150,32 @@ def test_a_source_that_died_is_recomputed_from_and_leaves_no_segment(tiny_model_
     b, c = replicas["b"], replicas["c"]
     doomed = Replica("inference-doomed", tiny_model_dir, tmp_path, "--kv-pull")
     try:
-        prompt = make_prompt(PROMPT_TOKENS, seed=25)
+        first, prompt = make_prompt(PROMPT_TOKENS, seed=28), make_prompt(PROMPT_TOKENS, seed=25)
+        doomed.generate("on-doomed-first", first)
         doomed.generate("on-doomed", prompt)
-        assert our_segments(doomed.pids)  # its pool
+        (pool,) = our_segments(doomed.pids)
+        assert b.generate("pulled-before-death", first, source=doomed, num_blocks=6)[1].pulled_tokens == 96
+        assert mapped_by(b, pool)  # B's engine core maps the doomed pool
         doomed.service.send_signal(signal.SIGKILL)
         doomed.service.process.wait()
         tokens, usage = b.generate("after-death", prompt, source=doomed, num_blocks=6)
         assert tokens == c.generate("after-death-reference", prompt)[0]
         assert usage.pulled_tokens == 0
         assert wait_until(lambda: not our_segments(doomed.pids)), our_segments(doomed.pids)  # its reaper's work
+        assert not mapped_by(b, pool)  # and B let go of its memory
     finally:
         doomed.stop()
+
+
+def mapped_by(replica: Replica, segment: str) -> bool:
+    """Whether a process of `replica` maps `segment` (even unlinked: "(deleted)")."""
+    for pid in replica.pids:
+        try:
+            if f"/dev/shm/{segment}" in Path(f"/proc/{pid}/maps").read_text():
+                return True
+        except FileNotFoundError:
+            continue
+    return False
 
 
 def test_pins_are_released_by_their_lease_and_bad_pins_are_refused(replicas):

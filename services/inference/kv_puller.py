@@ -54,6 +54,9 @@ class KvPuller:
         # The engine core's (the reader's) identity, asked of it on the first pull.
         self._identity: PeerIdentity | None = None
         self._stubs: dict[str, tuple[grpc.aio.Channel, inference_pb2_grpc.InferenceServiceStub]] = {}
+        # The region each source's pool was last offered as: mapped in the engine core until the
+        # source is gone or restarted (a mapping keeps a dead process's memory allocated).
+        self._regions: dict[str, str] = {}
 
     async def pull(self, request: EngineRequest, hint: KvPullHint) -> int:
         """Pull what the source holds of `request`'s prompt; returns the tokens pulled (0 when
@@ -67,7 +70,10 @@ class KvPuller:
         try:
             pinned = await stub.PinKvBlocks(self._pin_request(request, hint, identity), timeout=PIN_TIMEOUT_S)
         except grpc.aio.AioRpcError as error:
+            if error.code() == grpc.StatusCode.UNAVAILABLE:
+                await self._forget(hint.source_address, "")
             return _fell_back(_rpc_reason(error), f"PinKvBlocks at {hint.source_address}: {error.code().name} {error.details()}")
+        await self._forget(hint.source_address, pinned.region.region_id)
         if not pinned.pin_id:
             return _fell_back("nothing_cached", f"{hint.source_address} holds none of the prompt")
         try:
@@ -85,6 +91,18 @@ class KvPuller:
         for channel, _ in self._stubs.values():
             await channel.close()
         self._stubs.clear()
+
+    async def _forget(self, address: str, region_id: str) -> None:
+        """`address` now offers `region_id` ("": nothing, it is gone): drop the mapping of the
+        region it offered before, if another."""
+        previous = self._regions.pop(address, "")
+        if region_id:
+            self._regions[address] = region_id
+        if previous and previous != region_id:
+            try:
+                await self._engine.call_core("kv_forget", previous)
+            except (ServiceError, NotImplementedError) as error:
+                log.warning("could not drop the mapping of %s's old pool: %s", address, error)
 
     async def _reader_identity(self) -> PeerIdentity:
         if self._identity is None:

@@ -71,7 +71,7 @@ class CoreReply:
 
 
 # The core methods a CallCore may name (TorchEngineCore's KV pull).
-CORE_CALLS = frozenset({"kv_identity", "kv_pin", "kv_release", "kv_import"})
+CORE_CALLS = frozenset({"kv_identity", "kv_pin", "kv_release", "kv_import", "kv_forget"})
 
 EngineCommand = AddRequest | AbortRequest | Stop | CallCore
 

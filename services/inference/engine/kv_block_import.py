@@ -94,6 +94,9 @@ class KvBlockImporter:
         opened_region = self._consumer.num_regions_opened > num_opened_before
         return KvImport(num_pulled, num_pulled * source.layout.bytes_per_block, source.offer.path, opened_region, copy_s)
 
+    def forget(self, region_id: str) -> None:
+        self._consumer.close(region_id)
+
     def close(self) -> None:
         self._consumer.close_all()
 

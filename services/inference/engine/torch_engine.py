@@ -207,6 +207,12 @@ class TorchEngineCore:
         seq = self._sequences.prefix_probe(request)
         return self._kv_importer.import_prefix(seq, source)
 
+    def kv_forget(self, region_id: str) -> None:
+        """Drop our mapping of another replica's pool (it died or restarted): a mapping keeps
+        its memory, GPU memory included, allocated after its producer is gone."""
+        if self._kv_importer is not None:
+            self._kv_importer.forget(region_id)
+
     def close(self) -> None:
         """Unlink the exported KV pool's segment (--kv-pull); a process that exits without
         calling this leaves it to its reaper."""
