@@ -38,6 +38,9 @@ PIN_TIMEOUT_S = 10.0
 RELEASE_TIMEOUT_S = 5.0
 # The source drops the pin by itself after this long, should the release never come.
 PIN_LEASE_MS = 30_000
+# Channels kept open to sources (co-located replicas: a handful); past it the oldest is closed,
+# so that hints naming ever new addresses cannot grow them without bound.
+MAX_SOURCES = 64
 
 
 @dataclass(frozen=True, slots=True)
@@ -135,6 +138,9 @@ class KvPuller:
 
     def _stub(self, address: str) -> inference_pb2_grpc.InferenceServiceStub:
         if address not in self._stubs:
+            if len(self._stubs) >= MAX_SOURCES:
+                oldest = next(iter(self._stubs))
+                asyncio.ensure_future(self._stubs.pop(oldest)[0].close(grace=PIN_TIMEOUT_S))
             channel = grpc.aio.insecure_channel(address)
             self._stubs[address] = (channel, inference_pb2_grpc.InferenceServiceStub(channel))
         return self._stubs[address][1]

@@ -171,11 +171,16 @@ def hint_from_pb(pb_request: inference_pb2.GenerateTokensRequest) -> KvPullHint 
     """The request's KvPullHint, checked; None when it names no source."""
     if not pb_request.HasField("kv_pull"):
         return None
-    if not pb_request.kv_pull.source_address:
+    address = pb_request.kv_pull.source_address
+    if not address:
         raise InvalidArgument("kv_pull.source_address", "must name the source replica (host:port)")
+    if len(address) > MAX_SOURCE_ADDRESS_CHARS:
+        raise InvalidArgument("kv_pull.source_address", f"{len(address)} characters exceed the limit of {MAX_SOURCE_ADDRESS_CHARS}")
     return KvPullHint(pb_request.kv_pull.source_address, pb_request.kv_pull.num_blocks)
 
 
+# A host:port: a DNS name is at most 253 characters.
+MAX_SOURCE_ADDRESS_CHARS = 260
 # A pin's lease: what a puller may ask for (ms); 0 asks for the default.
 DEFAULT_PIN_LEASE_MS = 10_000
 MAX_PIN_LEASE_MS = 60_000
