@@ -32,6 +32,7 @@ class EngineOutput:
     num_prompt_tokens: int = 0
     num_completion_tokens: int = 0
     num_cached_tokens: int = 0
+    num_pulled_tokens: int = 0  # of num_cached_tokens, pulled from another replica (KV pull)
     queue_time_ns: int = 0
     time_to_first_token_ns: int = 0
     total_time_ns: int = 0

@@ -39,6 +39,7 @@ MODES: dict[str, tuple[tuple[str, ...], dict[str, Any]]] = {
     "model-pvc": ((), {"model": {"volume": {"type": "pvc", "pvc": {"claimName": "models"}}, "fetch": {"enabled": False}}}),
     "model-hostpath": ((), {"model": {"volume": {"type": "hostPath", "hostPath": {"path": "/var/lib/llmserve"}}}}),
     "cpu-colocated": (("values-cpu.yaml", "values-colocated.yaml"), {}),
+    "colocated-kv-pull": (("values-colocated.yaml",), {"colocated": {"kvPull": {"enabled": True}}}),
 }
 
 

@@ -184,6 +184,14 @@ def test_bench_http_server_streams_every_chunk_from_each_installed_server(tmp_pa
         assert row["chunks_per_s"] > 0 and row["first_chunk_p50_ms"] > 0
 
 
+def test_bench_kv_pull_pulls_and_recomputes_on_cpu(tmp_path):
+    report = run_bench("bench_kv_pull.py", ["--smoke", "--out-dir", str(tmp_path)], tmp_path)
+    assert [row["prefix_tokens"] for row in report["rows"]] == [96, 160]
+    for row in report["rows"]:  # every pull pulled the whole prefix and gave the recomputed first token
+        assert row["all_pulled"] and row["all_same_first_token"] and row["recompute_cached_nothing"]
+        assert row["pull_ttft_ms"] > 0 and row["recompute_ttft_ms"] > 0 and row["bytes_per_pull"] > 0
+
+
 def test_bench_transport_measures_every_cpu_path(tmp_path):
     report = run_bench("bench_transport.py", ["--sizes", "4KiB,64KiB", "--repeats", "3", "--results-dir", str(tmp_path)],
                        tmp_path)

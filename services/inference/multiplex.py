@@ -27,7 +27,8 @@ from llmserve.bidi_stream import read_requests
 from llmserve.errors import ServiceError, rich_status_for
 from llmserve.inference.async_engine import AsyncEngine
 from llmserve.inference.output_stream import OutputStream
-from llmserve.inference.wire import deadline_ns, request_from_pb, split_at_deadline
+from llmserve.inference.kv_puller import KvPuller
+from llmserve.inference.wire import deadline_ns, hint_from_pb, request_from_pb, split_at_deadline
 from llmserve.pb import output_to_pb
 from llmserve.request_context import serving_request
 from llmserve.v1 import inference_pb2
@@ -38,8 +39,9 @@ log = logging.getLogger(__name__)
 class MultiplexedStream:
     """The state of one Multiplex call."""
 
-    def __init__(self, engine: AsyncEngine):
+    def __init__(self, engine: AsyncEngine, puller: KvPuller | None = None):
         self._engine = engine
+        self._puller = puller  # --kv-pull: requests with a KvPullHint pull their prefix first
         self._outputs = OutputStream(engine)
         self._is_reading = True
         self._bad_command: ServiceError | None = None  # what ended the reading early
@@ -82,7 +84,12 @@ class MultiplexedStream:
         request_id = pb_request.request_id
         try:
             deadline = deadline_ns(pb_request, arrival_ns, None)
-            self._outputs.start(request_from_pb(pb_request, self._engine.model_info, arrival_ns, deadline))
+            request = request_from_pb(pb_request, self._engine.model_info, arrival_ns, deadline)
+            hint = hint_from_pb(pb_request)
+            if hint is not None and self._puller is not None:
+                self._outputs.start_after_pull(request, self._puller.pull(request, hint))
+            else:
+                self._outputs.start(request)
         except ServiceError as error:
             self._outputs.refuse(request_id, error)
         except Exception as exc:  # noqa: BLE001 — our bug: fail this request, keep the stream

@@ -206,6 +206,17 @@ class BlockManager:
                     break  # a hash collision: the cached block holds another prefix
             seq.num_registered_blocks = index + 1
 
+    def hold(self, block_ids: list[int]) -> None:
+        """One more reference to each block, owned by no sequence: a pin while another replica
+        copies them (KV pull). Held blocks are neither reused nor evicted until released."""
+        for block_id in block_ids:
+            self._reference(block_id)
+
+    def release(self, block_ids: list[int]) -> None:
+        """Drop the references `hold` took, tail first (as a sequence frees its blocks)."""
+        for block_id in reversed(block_ids):
+            self._release(block_id)
+
     def take_events(self) -> list[CacheEvent]:
         """The prefix-cache changes since the previous call, in the order they happened."""
         events, self._events = self._events, []

@@ -42,7 +42,8 @@ from multiprocessing.connection import Connection
 from llmserve.inference.engine.config import EngineConfig
 from llmserve.inference.engine.command_pipe import CommandPipe
 from llmserve.inference.engine.engine_loop import (
-    AbortRequest, AddRequest, CoreUpdate, Deliver, Emit, EngineCommand, EngineLoop, Stop,
+    AbortRequest, AddRequest, CallCore, CoreReply, CoreUpdate, Deliver, Emit, EngineCommand, EngineLoop, Stop,
+    picklable_error,
 )
 from llmserve.engine_output import EngineOutput
 from llmserve.inference.engine.queued_client import QueuedCoreClient
@@ -133,18 +134,22 @@ class EngineProcess(QueuedCoreClient):
     def abort_request(self, request_id: str) -> None:
         self._pipe.send(AbortRequest(request_id))
 
+    def call_core(self, call: CallCore) -> None:
+        self._pipe.send(call)
+
     def _on_readable(self) -> None:
         update = CoreUpdate([], [], [])
         try:
             while self._output_reader.poll():
-                wire_outputs, self._load_snapshot, step_kv_events, step = self._output_reader.recv()
+                wire_outputs, self._load_snapshot, step_kv_events, step, replies = self._output_reader.recv()
                 update.outputs += [_from_wire(output) for output in wire_outputs]
                 update.kv_events += step_kv_events
+                update.replies += replies
                 if step is not None:
                     update.steps.append(step)
         except (EOFError, OSError):
             self._on_process_exit(update)
-        if update.outputs or update.kv_events or update.steps or update.core_failure:
+        if update.outputs or update.kv_events or update.steps or update.replies or update.core_failure:
             self._deliver(update)
 
     def _on_process_exit(self, update: CoreUpdate) -> None:
@@ -170,7 +175,7 @@ def run_engine_process(
     try:
         core = create_engine_core(config)
     except BaseException as exc:  # noqa: BLE001 — reported to the server, which decides
-        outputs.send(_StartFailed(_picklable(exc)))
+        outputs.send(_StartFailed(picklable_error(exc)))
         return
     outputs.send(_Ready(core.model_info, core.load()))
     EngineLoop(core).run(_command_taker(commands), _emitter(outputs))
@@ -193,10 +198,11 @@ def _command_taker(commands: Connection) -> Callable[[bool], list[EngineCommand]
 
 def _emitter(outputs: Connection) -> Emit:
     def emit(
-        step_outputs: list[EngineOutput], load: EngineLoad, kv_events: list[CacheEvent], step: StepReport | None
+        step_outputs: list[EngineOutput], load: EngineLoad, kv_events: list[CacheEvent], step: StepReport | None,
+        replies: list[CoreReply],
     ) -> bool:
         try:
-            outputs.send(([_to_wire(output) for output in step_outputs], load, kv_events, step))
+            outputs.send(([_to_wire(output) for output in step_outputs], load, kv_events, step, replies))
         except (BrokenPipeError, OSError):
             return False
         return True
@@ -214,14 +220,6 @@ def _from_wire(output: _WireOutput) -> EngineOutput:
     if isinstance(output, tuple):
         return EngineOutput(request_id=output[0], sequence_index=output[1], new_token_ids=output[2])
     return output
-
-
-def _picklable(exc: BaseException) -> BaseException:
-    try:
-        pickle.loads(pickle.dumps(exc))
-    except Exception:  # noqa: BLE001
-        return RuntimeError(f"{type(exc).__name__}: {exc}")
-    return exc
 
 
 def _exit_with_parent() -> None:

@@ -62,6 +62,21 @@ class SequenceFactory:
             grammar=self._grammar(request),
         )
 
+    def prefix_probe(self, request: EngineRequest) -> Sequence:
+        """A sequence of `request`'s prompt for looking its blocks up (pinning or pulling them,
+        KV pull): its hashes are the ones the request would get, and making it changes
+        nothing (no seq id, no random stream, no grammar: requests after it sample as before)."""
+        return Sequence(
+            seq_id=-1,
+            request_id=request.request_id,
+            sequence_index=0,
+            token_ids=list(request.prompt_token_ids),
+            num_prompt_tokens=len(request.prompt_token_ids),
+            sampling=request.sampling,
+            block_hashes=request.usable_block_hashes(self._block_size),
+            hash_seed=self._hash_namespace.seed(request.cache_salt),
+        )
+
     def fork_siblings(
         self, seqs: list[Sequence], logits: torch.Tensor
     ) -> tuple[list[Sequence], list[tuple[Sequence, Sequence]], torch.Tensor]:

@@ -51,6 +51,8 @@ from llmserve.inference.engine.block_manager import BlockManager
 from llmserve.inference.engine.config import EngineConfig
 from llmserve.inference.engine.engine_outputs import error_outputs, token_output
 from llmserve.inference.engine.grammar import Grammars, GrammarStats
+from llmserve.inference.engine.kv_block_import import KvBlockImporter, KvImport, KvPullRefused, KvPullSource
+from llmserve.inference.engine.kv_pool_export import KvPoolExport, KvPoolLayout
 from llmserve.inference.engine.model_runner import ModelRunner
 from llmserve.inference.engine.sampler import LaunchedSample, Sampler, SamplerOutput, reads_host_tokens
 from llmserve.inference.engine.scheduler import ScheduledBatch, Scheduler, SchedulerConfig
@@ -60,6 +62,7 @@ from llmserve.inference.engine.step_stats import UNTIMED, StepStatsLog, StepTime
 from llmserve.engine_output import EngineOutput
 from llmserve.inference.engine.types import CacheEvent, EngineLoad, EngineRequest, ModelInfo, served_context_tokens
 from llmserve.model_files import ModelFiles
+from llmserve.tensor_transport import PeerIdentity, local_identity
 
 log = logging.getLogger(__name__)
 
@@ -116,6 +119,7 @@ class TorchEngineCore:
         self.step_stats = step_stats
         self._launched: _LaunchedStep | None = None  # async scheduling: launched, not processed
         self._scheduled_batch = (0, 0)
+        self._kv_importer: KvBlockImporter | None = None  # made on the first pull
 
     # --- EngineCore interface ----------------------------------------------------------------
 
@@ -170,6 +174,58 @@ class TorchEngineCore:
 
     def take_kv_events(self) -> list[CacheEvent]:
         return self.block_manager.take_events()
+
+    # --- KV pull (issue 22): pinning our blocks for another replica, pulling its blocks ----------
+
+    def kv_identity(self) -> PeerIdentity:
+        """Who reads pulled blocks: this process, on the pool's device (read here, not in the
+        server process, which must not initialize CUDA)."""
+        self._kv_export()  # raises: not enabled
+        return local_identity(self.runner.device)
+
+    def kv_pin(self, request: EngineRequest, max_blocks: int, consumer: PeerIdentity) -> KvPullSource:
+        """Pin the cached blocks of `request`'s prompt (at most `max_blocks`, 0: all) for
+        `consumer` to copy: held until kv_release. Nothing cached: no blocks, nothing held."""
+        export = self._kv_export()
+        seq = self._sequences.prefix_probe(request)
+        block_ids = self.block_manager.find_cached_blocks(seq)
+        if max_blocks:
+            block_ids = block_ids[:max_blocks]
+        self.block_manager.hold(block_ids)
+        export.mark_written()  # a block registered at launch may still be being computed
+        return KvPullSource(export.offer(consumer), KvPoolLayout.of(self.runner.kv_cache.data), tuple(block_ids))
+
+    def kv_release(self, block_ids: list[int]) -> None:
+        self.block_manager.release(block_ids)
+
+    def kv_import(self, request: EngineRequest, source: KvPullSource) -> KvImport:
+        """Copy the blocks of `request`'s prompt that `source` pinned and we lack into our pool
+        and prefix cache (engine/kv_block_import.py)."""
+        if self._kv_importer is None:
+            self._kv_export()  # raises: not enabled
+            self._kv_importer = KvBlockImporter(self.runner.kv_cache, self.block_manager)
+        seq = self._sequences.prefix_probe(request)
+        return self._kv_importer.import_prefix(seq, source)
+
+    def kv_forget(self, region_id: str) -> None:
+        """Drop our mapping of another replica's pool (it died or restarted): a mapping keeps
+        its memory, GPU memory included, allocated after its producer is gone."""
+        if self._kv_importer is not None:
+            self._kv_importer.forget(region_id)
+
+    def close(self) -> None:
+        """Unlink the exported KV pool's segment (--kv-pull); a process that exits without
+        calling this leaves it to its reaper."""
+        if self._kv_importer is not None:
+            self._kv_importer.close()
+        if self.runner.kv_cache.export is not None:
+            self.runner.kv_cache.export.close()
+
+    def _kv_export(self) -> KvPoolExport:
+        export = self.runner.kv_cache.export
+        if export is None:
+            raise KvPullRefused("not_enabled", "this replica does not export its KV pool (--kv-pull is off)")
+        return export
 
     def grammar_stats(self) -> GrammarStats:
         """Structured outputs' compile and mask-fill totals (bench/bench_grammar.py reads them)."""
