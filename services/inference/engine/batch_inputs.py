@@ -11,13 +11,16 @@ from llmserve.inference.engine.scheduler import ScheduledBatch
 from llmserve.inference.models.step_inputs import StepInputs
 
 
-def build_step_inputs(batch: ScheduledBatch, block_size: int) -> StepInputs:
+def build_step_inputs(batch: ScheduledBatch, block_size: int, sampling_indexes: list[int] | None = None) -> StepInputs:
+    """`sampling_indexes`: batch.sampling_indexes(), when the caller has it already."""
     step = StepInputs()
     decode_indexes = [i for i, num_new in enumerate(batch.num_new_tokens) if num_new == 1]
     last_rows = _add_decodes(step, batch, decode_indexes, block_size)  # batch index -> flat row of its last token
     if len(decode_indexes) < len(batch.seqs):
         _add_prefills(step, batch, block_size, last_rows)
-    step.logits_indices = [last_rows[i] for i in batch.sampling_indexes()]
+    if sampling_indexes is None:
+        sampling_indexes = batch.sampling_indexes()
+    step.logits_indices = [last_rows[i] for i in sampling_indexes]
     return step
 
 

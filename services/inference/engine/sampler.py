@@ -107,8 +107,10 @@ class Sampler:
         """logits [num_seqs, vocab] float32, row i for seqs[i] (whose last token was just
         computed; penalties and grammars read the token history, which must be known on the
         host: reads_host_tokens)."""
+        if all(seq.is_plain for seq in seqs):  # the common batch: one argmax, no other work
+            return LaunchedSample(logits.argmax(dim=-1), None)
         logits = _apply_grammars(logits, seqs)
-        if all(seq.is_plain_greedy for seq in seqs):  # the common batch: one argmax, no other work
+        if all(seq.is_plain_greedy for seq in seqs):  # greedy rows, some with a grammar: the masked argmax
             return LaunchedSample(logits.argmax(dim=-1), None)
         logits = _apply_penalties(logits, seqs)
         logits = self._mask_stop_tokens(logits, seqs)

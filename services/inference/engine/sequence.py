@@ -17,7 +17,7 @@ Invariants:
 
 Who writes which field (one writer each; the others only read):
   SequenceFactory, at construction only: the identity, prompt, sampling, random-stream,
-    grammar and is_plain_greedy fields, and a forked sibling's copies of its parent's (prompt, block hashes, hash seed,
+    grammar, is_plain_greedy and is_plain fields, and a forked sibling's copies of its parent's (prompt, block hashes, hash seed,
     num_cached_tokens, was_admitted, first_scheduled_ns);
   Sequence.block_hash: block_hashes (extended lazily from token_ids);
   BlockManager: block_ids, num_registered_blocks (the block table and its prefix-cache progress);
@@ -72,6 +72,9 @@ class Sequence:
     # tokens (the sampler masks what it does not allow); None: free text.
     grammar: Any = None
     is_plain_greedy: bool = False  # sampler.is_plain_greedy(sampling): the sampler's fast path
+    # is_plain_greedy, no grammar and n == 1: nothing about its sampling reads the host or
+    # forks; a batch of only such rows skips every per-row check of the launch (issue 19).
+    is_plain: bool = False
     # The token ids that end it with STOP (stop.stop_token_ids), set once when the scheduler
     # takes it: the update checks each token against it without a call.
     stop_ids: frozenset[int] = frozenset()

@@ -191,11 +191,16 @@ class TorchEngineCore:
         outputs = None
         timer.gpu_begin()
         launched_tokens = self._launched.sampled.token_ids if self._launched is not None else None
-        step_inputs = timer.measure("inputs_s", build_step_inputs, batch, self.runner.block_size)
+        sampling_indexes = batch.sampling_indexes()
+        step_inputs = timer.measure("inputs_s", build_step_inputs, batch, self.runner.block_size, sampling_indexes)
         logits = timer.measure("execute_launch_s", self.runner.execute, batch, step_inputs, launched_tokens)
-        seqs, forks, logits = self._sequences.fork_siblings(batch.sampling_seqs(), logits)
-        if self._launched is not None and any(reads_host_tokens(seq) for seq in seqs):
-            outputs = self._process(self._take_launched(), timer)
+        seqs = [batch.seqs[i] for i in sampling_indexes]
+        forks = []
+        # The common batch (Sequence.is_plain): nothing forks, nothing reads host tokens; one scan.
+        if not all(seq.is_plain for seq in seqs):
+            seqs, forks, logits = self._sequences.fork_siblings(seqs, logits)
+            if self._launched is not None and any(reads_host_tokens(seq) for seq in seqs):
+                outputs = self._process(self._take_launched(), timer)
         sampled = timer.measure("sampler_launch_s", self.sampler.launch, logits, seqs)
         timer.gpu_end()
         return _LaunchedStep(LaunchedBatch(batch, seqs, forks), sampled), outputs
