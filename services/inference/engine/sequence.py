@@ -21,6 +21,9 @@ Who writes which field (one writer each; the others only read):
     num_cached_tokens, was_admitted, first_scheduled_ns);
   Sequence.block_hash: block_hashes (extended lazily from token_ids);
   BlockManager: block_ids, num_registered_blocks (the block table and its prefix-cache progress);
+    block_ids is replaced by a new list at each change, never changed in place: a step's inputs
+    and the decode graphs' device rows (engine/block_table_rows.py) hold it by reference, and a
+    table that is the same object is the same table (issue 19: no copy or comparison per step);
   Scheduler: the grammar matcher's state (it accepts each token as the token replaces its
     placeholder), and everything else - status, num_computed_tokens, num_cached_tokens, was_admitted,
     token_ids after construction (placeholders and their values), placeholder_row,
