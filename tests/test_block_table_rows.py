@@ -22,16 +22,18 @@ def test_a_row_is_sent_only_when_its_table_is_a_new_list():
     rows = BlockTableRows(max_seqs_per_step=2, width=8, device=CPU)
     table_10, table_11 = [1, 2], [3]
     first, changed = rows.assign([10, 11], [table_10, table_11])
-    assert sorted(changed) == sorted(first) and PADDING_ROW not in first and len(set(first)) == 2
+    assert sorted(changed) == sorted((row, 0) for row in first) and PADDING_ROW not in first and len(set(first)) == 2
     again, changed = rows.assign([11, 10], [table_11, table_10])
     assert again == first[::-1] and changed == []
-    table_10 = table_10 + [4]  # a new block: a new list
+    table_10 = table_10 + [4]  # a new block: a new list, and only the new entry is sent
     grown, changed = rows.assign([10, 11], [table_10, table_11])
-    assert grown == first and changed == [first[0]] and rows.written(first[0]) == [1, 2, 4]
+    assert grown == first and changed == [(first[0], 2)] and rows.written(first[0]) == [1, 2, 4]
     swapped, changed = rows.assign([10], [[1, 9, 4]])  # the prefix cache swapped block 2 for its twin 9
-    assert changed == [first[0]] and rows.written(first[0]) == [1, 9, 4]
+    assert changed == [(first[0], 0)] and rows.written(first[0]) == [1, 9, 4]
+    shorter, changed = rows.assign([10], [[5]])  # recomputed after a preemption: a new, shorter table
+    assert changed == [(first[0], 0)]
     resent, changed = rows.assign([11], [list(table_11)])  # equal contents, another object
-    assert changed == resent
+    assert changed == [(resent[0], 0)]
 
 
 def test_rows_of_sequences_not_in_the_step_are_taken_back_when_none_is_free():
@@ -41,7 +43,7 @@ def test_rows_of_sequences_not_in_the_step_are_taken_back_when_none_is_free():
     held, _ = rows.assign([1, 2], [tables[1], tables[2]])
     rows.assign([3, 4], [tables[3], tables[4]])  # every row but the padding row is taken now
     later, changed = rows.assign([2, 5], [tables[2], tables[5]])
-    assert later[0] == held[1] and changed == [later[1]]  # 2 kept its row; 5 got a reclaimed one
+    assert later[0] == held[1] and changed == [(later[1], 0)]  # 2 kept its row; 5 got a reclaimed one
     assert PADDING_ROW not in later
 
 

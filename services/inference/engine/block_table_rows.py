@@ -36,9 +36,12 @@ class BlockTableRows:
         self._written: list[list[int] | None] = [None] * self.num_rows
         self._free = list(range(self.num_rows - 1, PADDING_ROW, -1))
 
-    def assign(self, seq_ids: list[int], tables: list[list[int]]) -> tuple[list[int], list[int]]:
-        """(row of each sequence, rows whose table changed and must be uploaded: `written(row)`).
-        The tables are kept as given: the caller passes lists nobody changes in place."""
+    def assign(self, seq_ids: list[int], tables: list[list[int]]) -> tuple[list[int], list[tuple[int, int]]]:
+        """(row of each sequence, (row, first column) of each row whose table changed: the
+        entries `written(row)[first:]` must be uploaded). A table that extends what its row
+        holds (a block appended, the usual change) sends only the new entries; any other
+        change, the whole table. The tables are kept as given: the caller passes lists nobody
+        changes in place."""
         rows, changed = [], []
         row_of, written = self._row_of, self._written
         for seq_id, table in zip(seq_ids, tables):
@@ -46,9 +49,11 @@ class BlockTableRows:
             if row is None:
                 row = self._take_row(seq_ids)
                 row_of[seq_id] = row
-            if written[row] is not table:
+            old = written[row]
+            if old is not table:
+                extends = old is not None and len(table) > len(old) and table[: len(old)] == old
                 written[row] = table
-                changed.append(row)
+                changed.append((row, len(old) if extends else 0))
             rows.append(row)
         return rows, changed
 

@@ -160,7 +160,7 @@ class DecodeGraphs(GraphSet):
         # may not have run yet; the copy of step N-1 has (its results were read).
         pin = device.type == "cuda"
         self._host_ints = [torch.zeros(5, max_size, dtype=torch.int32, pin_memory=pin) for _ in range(2)]
-        changed_size = max_size * (1 + max_blocks_per_seq)
+        changed_size = 3 * max_size * max_blocks_per_seq  # (row, column, block id) per entry sent
         self._host_changed = [torch.zeros(changed_size, dtype=torch.int32, pin_memory=pin) for _ in range(2)]
         self._changed = torch.zeros(changed_size, dtype=torch.int32, device=device)
         self._num_staged = 0
@@ -206,27 +206,30 @@ class DecodeGraphs(GraphSet):
         self._static_ints.copy_(host_ints, non_blocking=True)  # rows past `size`: read by no graph
 
     def _assign_rows(self, step: StepInputs) -> list[int]:
-        """The decodes' rows; the changed ones written on the device (ids and block ids in one
-        copy, then one scatter, before what follows on the same stream). Takes the step's turn
-        of the staging buffers."""
+        """The decodes' rows; the entries that changed written on the device: (row, column,
+        block id) of each, in one copy, then one scatter, before what follows on the same
+        stream (a row that gained a block sends that block alone). Takes the step's turn of
+        the staging buffers."""
         rows, changed = self.rows.assign(step.decode_seq_ids, step.decode_block_tables)
         host_changed = self._host_changed[self._num_staged % 2]
         self._num_staged += 1
         if not changed:
             return rows
-        num_changed = len(changed)
-        width = max(len(self.rows.written(row)) for row in changed)
-        staged = host_changed[: num_changed * (1 + width)]
-        array = staged.numpy()
-        array[:num_changed] = changed
-        tables = array[num_changed:].reshape(num_changed, width)
-        for j, row in enumerate(changed):
+        row_ids, column_ids, block_ids = [], [], []
+        for row, first in changed:
             table = self.rows.written(row)
-            tables[j, : len(table)] = table
-            tables[j, len(table) :] = 0
-        device_staged = self._changed[: num_changed * (1 + width)]
+            row_ids += [row] * (len(table) - first)
+            column_ids += range(first, len(table))
+            block_ids += table[first:] if first else table
+        count = len(block_ids)
+        staged = host_changed[: 3 * count]
+        array = staged.numpy()
+        array[:count] = row_ids
+        array[count : 2 * count] = column_ids
+        array[2 * count :] = block_ids
+        device_staged = self._changed[: 3 * count]
         device_staged.copy_(staged, non_blocking=True)
-        self.rows.table[device_staged[:num_changed], :width] = device_staged[num_changed:].view(num_changed, width)
+        self.rows.table[device_staged[:count], device_staged[count : 2 * count]] = device_staged[2 * count :]
         return rows
 
     def _forward(self, size: int) -> torch.Tensor:
