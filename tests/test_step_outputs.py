@@ -177,6 +177,8 @@ def test_a_mixed_batch_gives_each_sequence_what_it_gets_alone(tiny_model_dir, nu
             final, expected_final = collected.finals[key], expected[rid].finals[key]
             assert (final.finish_reason, final.stop_token_id) == (expected_final.finish_reason, expected_final.stop_token_id)
             assert final.num_completion_tokens == len(collected.tokens[key])
+    assert len(collected.tokens[("plain", 0)]) == 24 and len(collected.tokens[("short", 0)]) == 3  # max_tokens
+    assert collected.finals[("short", 0)].finish_reason is FinishReason.LENGTH
     assert collected.tokens[("stop", 0)] == plain_alone[: first_stop + 1]
     assert collected.finals[("stop", 0)].stop_token_id == stop_token
     assert len(collected.tokens[("min", 0)]) > first_stop + 1  # min_tokens held the first stop token back
