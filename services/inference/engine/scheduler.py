@@ -149,17 +149,24 @@ class Scheduler:
         num_preempted_before = self.num_preemptions_total
         decodes, prefills = self._running_by_kind()
         block_size = self.block_manager.block_size
-        for seq in decodes + prefills:
+        running = SequenceStatus.RUNNING
+        seqs, num_new_tokens = batch.seqs, batch.num_new_tokens
+        for seq in decodes:
             if budget == 0:
                 break
-            if seq.status is not SequenceStatus.RUNNING:
+            if seq.status is not running:
                 continue  # preempted earlier in this loop
-            if seq.num_uncomputed_tokens == 1 and seq.num_computed_tokens < len(seq.block_ids) * block_size:
-                # The common case: a decode whose token fits a block it holds (no allocation).
-                batch.seqs.append(seq)
-                batch.num_new_tokens.append(1)
+            if seq.num_computed_tokens < len(seq.block_ids) * block_size:
+                # The common case: its token fits a block it holds (no allocation).
+                seqs.append(seq)
+                num_new_tokens.append(1)
                 budget -= 1
             else:
+                budget -= self._schedule_running(seq, budget, batch)
+        for seq in prefills:
+            if budget == 0:
+                break
+            if seq.status is running:  # else preempted earlier in this step
                 budget -= self._schedule_running(seq, budget, batch)
         if self.num_preemptions_total == num_preempted_before:
             self._admit_waiting(budget, batch)
