@@ -18,6 +18,10 @@ from llmserve.response_format import check_response_format
 from llmserve.sampling import ChatMessage, FinishReason, ResponseFormat, SamplingParams, TokenLogprob, TopLogprob
 from llmserve.v1 import common_pb2, inference_pb2
 
+# Call metadata a Multiplex client sends to get plain tokens as a message's TokenColumns
+# (inference.proto; the inference server's multiplex.py, the gateway's replica_stream.py).
+MULTIPLEX_COLUMNS_METADATA = ("llmserve-multiplex-columns", "1")
+
 MAX_LOGPROBS = 20
 MAX_N = 16
 MAX_STOP_STRINGS = 16

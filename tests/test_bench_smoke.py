@@ -41,6 +41,19 @@ def test_bench_host_step_times_every_part_of_full_decode_steps(tmp_path):
     assert report["host_us_per_step"]["execute_launch"] > 0 and report["step_us"] > 0
 
 
+def test_bench_decode_inputs_times_the_decode_graph_staging_on_cpu(tmp_path):
+    report = run_bench("bench_decode_inputs.py", ["--streams", "8", "--context", "40", "--steps", "40", "--repeat", "1",
+                                                  "--out-dir", str(tmp_path)], tmp_path)
+    assert len(report["runs"]) == 1 and report["runs"][0]["inputs"] > 0 and report["runs"][0]["staging"] > 0
+
+
+def test_bench_server_fanout_times_both_message_forms(tmp_path):
+    report = run_bench("bench_server_fanout.py", ["--streams", "16", "--calls", "2", "--steps", "5", "--repeat", "2",
+                                                  "--out-dir", str(tmp_path)], tmp_path)
+    assert report["messages_checked"] and set(report["runs"]) == {"objects", "columns"}
+    assert all(len(runs) == 2 and all(run["respond"] > 0 for run in runs) for runs in report["runs"].values())
+
+
 def test_bench_gpu_scenarios_run_on_cpu(tmp_path):
     tiny = ["--device", "cpu", "--small-model", "tiny", "--large-model", "tiny", "--out-dir", str(tmp_path)]
     small_workload = ["--throughput-requests", "6", "--throughput-prompt-tokens", "24", "--throughput-output-tokens", "8",

@@ -38,7 +38,7 @@ from llmserve.inference.multiplex import MultiplexedStream
 from llmserve.inference.output_stream import OutputStream
 from llmserve.inference.wire import deadline_ns, hint_from_pb, pin_request_from_pb, request_from_pb, split_at_deadline
 from llmserve.kv_events import batch_to_pb
-from llmserve.pb import model_info_to_pb, output_to_pb
+from llmserve.pb import MULTIPLEX_COLUMNS_METADATA, model_info_to_pb, output_to_pb
 from llmserve.request_context import bind_request_id
 from llmserve.v1 import inference_pb2, inference_pb2_grpc
 
@@ -80,7 +80,12 @@ class InferenceServicer(inference_pb2_grpc.InferenceServiceServicer):
     async def Multiplex(
         self, request_iterator: AsyncIterator[inference_pb2.MultiplexRequest], context: grpc.aio.ServicerContext
     ) -> AsyncIterator[inference_pb2.MultiplexResponse]:
-        stream = MultiplexedStream(self._engine, self._kv_pull.puller if self._kv_pull is not None else None)
+        metadata = context.invocation_metadata() or ()
+        stream = MultiplexedStream(
+            self._engine,
+            self._kv_pull.puller if self._kv_pull is not None else None,
+            token_columns=MULTIPLEX_COLUMNS_METADATA in tuple(metadata),
+        )
         async for response in served(stream.read_commands(request_iterator), stream.responses(), stream.close):
             yield response
 

@@ -9,6 +9,9 @@ Each iteration reads top to bottom:
   5. emit the outputs of 2-4 and the prefix-cache changes they made (CacheEvents, usually
      none) with the core's load, snapshot after the step (a consumer that sees a final output
      reads a load that already counts it), and the step's StepReport when it ran a batch.
+     The outputs are one StepOutputs (llmserve.engine_output): the aborts' and the step's
+     EngineOutputs, then the step's plain tokens as columns, as the core returned them (a
+     core that returns a list of EngineOutputs has no columns).
 
 A request is *in flight* from the add command until each of its sequences has produced its
 final output here: from the core, from an abort (CANCELLED, DEADLINE) or from a failure
@@ -31,7 +34,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from llmserve.engine_output import EngineOutput
+from llmserve.engine_output import EngineOutput, StepOutputs
 from llmserve.inference.engine.types import CacheEvent, EngineCore, EngineLoad, EngineRequest, StepFailed, StepReport
 from llmserve.sampling import FinishReason
 
@@ -79,7 +82,7 @@ EngineCommand = AddRequest | AbortRequest | Stop | CallCore
 class Iteration:
     """What one iteration of the loop produced (what `emit` is handed)."""
 
-    outputs: list[EngineOutput]
+    outputs: StepOutputs
     load: EngineLoad  # after the iteration, with the loop's request totals
     kv_events: list[CacheEvent]
     step: StepReport | None  # None: it ran no batch
@@ -91,7 +94,7 @@ class Iteration:
 TakeCommands = Callable[[bool], list[EngineCommand]]
 # emit(outputs, load, kv_events, step, replies) -> False when nobody is left to read them (the
 # loop then ends); `step` is None when the iteration ran no batch.
-Emit = Callable[[list[EngineOutput], EngineLoad, list[CacheEvent], StepReport | None, list[CoreReply]], bool]
+Emit = Callable[[StepOutputs, EngineLoad, list[CacheEvent], StepReport | None, list[CoreReply]], bool]
 
 
 @dataclass(slots=True)
@@ -154,10 +157,11 @@ class EngineLoop:
         is_stopping = any(isinstance(command, Stop) for command in commands)
         outputs = [output for command in commands for output in self._guarded(self._apply, command)]
         outputs += self._guarded(self._abort_expired)
-        outputs += self._guarded(self._cancel_all if is_stopping else self._step)
+        stepped = StepOutputs.of(self._guarded(self._cancel_all if is_stopping else self._step))
         kv_events = self._take_kv_events()
         step, self._step_report = self._step_report, None
         replies, self._replies = self._replies, []
+        outputs = StepOutputs(outputs + stepped.outputs, stepped.tokens)
         return Iteration(outputs, self._load(), kv_events, step, is_stopping, replies)
 
     @property
@@ -165,7 +169,7 @@ class EngineLoop:
         """A request is in flight in the core: the next iteration steps it."""
         return self._has_work()
 
-    def _guarded(self, stage: Callable[..., list[EngineOutput]], *args) -> list[EngineOutput]:
+    def _guarded(self, stage: Callable[..., list[EngineOutput] | StepOutputs], *args) -> list[EngineOutput] | StepOutputs:
         """Core failures are handled inside each stage; this catches our own bugs, which must
         not end the loop and strand every stream."""
         try:
@@ -229,7 +233,7 @@ class EngineLoop:
             log.info("aborted %d requests past their deadline", len({out.request_id for out in outputs}))
         return outputs
 
-    def _step(self) -> list[EngineOutput]:
+    def _step(self) -> list[EngineOutput] | StepOutputs:
         if not self._has_work():
             return []
         started_s = time.perf_counter()
@@ -244,7 +248,8 @@ class EngineLoop:
         previous_ended_s, self._previous_step_ended_s = self._previous_step_ended_s, ended_s
         period_s = None if previous_ended_s is None else ended_s - previous_ended_s
         self._step_report = self._report(ended_s - started_s, period_s)
-        for output in outputs:
+        outputs = StepOutputs.of(outputs)
+        for output in outputs.outputs:  # a final output is never a plain token
             if output.is_finished:
                 self._finish_sequence(output.request_id, output.sequence_index)
         return outputs

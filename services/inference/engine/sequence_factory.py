@@ -46,6 +46,7 @@ class SequenceFactory:
         if seed is None:  # distinct streams per request, reproducible per engine seed
             seed = _derived_seed(self._engine_seed, self._num_requests + 1)
         self._num_requests += 1
+        grammar = self._grammar(request)
         return Sequence(
             seq_id=self._new_seq_id(),
             request_id=request.request_id,
@@ -59,7 +60,8 @@ class SequenceFactory:
             hash_seed=self._hash_namespace.seed(request.cache_salt),
             rng=self._generator(seed),
             is_plain_greedy=is_plain_greedy(request.sampling),
-            grammar=self._grammar(request),
+            grammar=grammar,
+            is_plain=is_plain_greedy(request.sampling) and grammar is None and request.sampling.n == 1,
         )
 
     def prefix_probe(self, request: EngineRequest) -> Sequence:
