@@ -31,7 +31,7 @@ import torch
 
 from llmserve.inference.engine.config import EngineConfig, default_dtype
 from llmserve.inference.engine.cores import create_engine_core
-from llmserve.inference.engine.engine_process import _to_wire
+from llmserve.inference.engine.engine_process import to_wire
 from llmserve.inference.engine.step_stats import HOST_PARTS, StepStatsLog
 from llmserve.inference.engine.types import EngineRequest
 from llmserve.sampling import SamplingParams
@@ -77,7 +77,7 @@ def main() -> None:
     while core.has_requests_in_flight():
         outputs = core.step()
         start = time.perf_counter()
-        pickle.dumps([_to_wire(output) for output in outputs])
+        pickle.dumps(to_wire(outputs))
         emit_s.append(time.perf_counter() - start)
     if args.device.startswith("cuda"):
         torch.cuda.synchronize()

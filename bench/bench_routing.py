@@ -3,6 +3,7 @@
     python bench/bench_routing.py                                  # H200: 4 replicas of the 1.5B shape on one GPU
     python bench/bench_routing.py --policies kv,round-robin,least-loaded --concurrency 96
     python bench/bench_routing.py --smoke                          # CPU, tiny model: that it runs
+    python bench/bench_routing.py --policies kv-pull,kv,round-robin   # issue 22: kv routing with KV pull
 
 For each routing policy, a fresh stack (preprocess, --replicas inference replicas on the same
 device, a gateway with `--routing POLICY` over all of them) serves the same seeded workload:
@@ -20,6 +21,12 @@ replica (running + waiting, sampled every 20 ms while at least half of --concurr
 their max over min [kv <= 1.5x: the imbalance bound and the load weight keep the holder of a
 popular prefix from becoming a hot spot]. Ratios against round-robin, measured in the same run:
 p90 TTFT [kv <= 0.3x], output tok/s [kv >= 1.5x]. Table + --out-dir/routing-<time>.json.
+
+`kv-pull` (issue 22) is kv routing with KV pull: every replica runs --kv-pull and the gateway
+--routing-kv-pull, so a request whose prefix's holder is busy goes to a quieter replica that
+pulls the prefix (CUDA IPC on one GPU, /dev/shm on CPU) instead of recomputing it. When kv runs
+in the same invocation, kv-pull's ratios to it are reported too: p90 TTFT [<= 0.5x], output
+tok/s [>= 1.1x]; and to round-robin [p90 <= 0.3x, tok/s >= 1.5x].
 
 The CPU routing show of tests/test_routing.py (3 replicas, 18 clients) measured its loads the
 same way; they depend on how a loaded CPU shares its cores between the replicas, so they are
@@ -109,10 +116,15 @@ def ideal_cached_tokens(planned, output_tokens: int, prefix_lengths: dict[int, i
     return total
 
 
+# A policy name → (the gateway's --routing, extra gateway flags, extra inference flags).
+POLICY_FLAGS = {"kv-pull": ("kv", ["--routing-kv-pull"], ["--kv-pull"])}
+
+
 def start_stack(args, policy: str, model_dir: Path, log_dir: Path) -> list:
     model = ["--model", str(model_dir)]
+    routing, gateway_flags, inference_flags = POLICY_FLAGS.get(policy, (policy, [], []))
     engine = ["--device", args.device, "--num-kv-blocks", str(args.num_kv_blocks), "--block-size", str(BLOCK_SIZE),
-              *args.inference_arg]
+              *inference_flags, *args.inference_arg]
     services = []
     try:
         services.append(start_service("preprocess", [*model, "--block-size", str(BLOCK_SIZE)], log_dir / "preprocess",
@@ -126,7 +138,7 @@ def start_stack(args, policy: str, model_dir: Path, log_dir: Path) -> list:
             service.wait_until_serving(args.startup_timeout_s)
         replicas = [arg for service in services[1:] for arg in ("--inference", service.address)]
         services.append(start_service("gateway", [*model, "--preprocess", services[0].address, *replicas,
-                                                  "--routing", policy, *args.gateway_arg],
+                                                  "--routing", routing, *gateway_flags, *args.gateway_arg],
                                       log_dir / "gateway", timeout_s=args.startup_timeout_s))
     except BaseException:
         for service in reversed(services):
@@ -211,9 +223,9 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{policy}: {results[policy]['output_tokens_per_s']:.1f} out tok/s, "
                   f"TTFT p90 {results[policy]['ttft_ms']['p90']:.1f} ms", flush=True)
     baseline = results.get("round-robin")
-    print("| policy | out tok/s | vs round-robin | TTFT p50 ms | TTFT p90 ms | p90 vs round-robin | cached / ideal "
-          "| load max / min | ok |")
-    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+    print("| policy | out tok/s | vs round-robin | vs kv | TTFT p50 ms | TTFT p90 ms | p90 vs round-robin | p90 vs kv "
+          "| cached / ideal | pulled tokens | load max / min | ok |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     rows = {}
     for policy, summary in results.items():
         row = {
@@ -225,10 +237,15 @@ def main(argv: list[str] | None = None) -> int:
         if baseline:
             row["throughput_vs_round_robin"] = round(summary["output_tokens_per_s"] / baseline["output_tokens_per_s"], 3)
             row["ttft_p90_vs_round_robin"] = round(summary["ttft_ms"]["p90"] / baseline["ttft_ms"]["p90"], 3)
+        if "kv" in results and policy != "kv":
+            row["throughput_vs_kv"] = round(summary["output_tokens_per_s"] / results["kv"]["output_tokens_per_s"], 3)
+            row["ttft_p90_vs_kv"] = round(summary["ttft_ms"]["p90"] / results["kv"]["ttft_ms"]["p90"], 3)
+        row["num_pulled_tokens"] = summary.get("num_pulled_tokens")
         rows[policy] = row
         print(f"| {policy} | {row['output_tokens_per_s']:.1f} | {row.get('throughput_vs_round_robin', '-')} | "
-              f"{summary['ttft_ms']['p50']:.1f} | {summary['ttft_ms']['p90']:.1f} | {row.get('ttft_p90_vs_round_robin', '-')} | "
-              f"{row['cached_over_ideal']} | {row['load_max_over_min'] or '-'} | {row['num_succeeded']}/{row['num_requests']} |")
+              f"{row.get('throughput_vs_kv', '-')} | {summary['ttft_ms']['p50']:.1f} | {summary['ttft_ms']['p90']:.1f} | "
+              f"{row.get('ttft_p90_vs_round_robin', '-')} | {row.get('ttft_p90_vs_kv', '-')} | {row['cached_over_ideal']} | "
+              f"{row['num_pulled_tokens']} | {row['load_max_over_min'] or '-'} | {row['num_succeeded']}/{row['num_requests']} |")
     args.out_dir.mkdir(parents=True, exist_ok=True)
     out = args.out_dir / f"routing-{stamp}.json"
     out.write_text(json.dumps({"rows": rows, "summaries": results, "ideal_cached_tokens": ideal,

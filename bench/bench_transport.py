@@ -114,10 +114,11 @@ def ref_consumer_main(conn: Connection, device: str, max_bytes: int, torch_threa
         if isinstance(ref, bytes):  # a ping
             conn.send(b"")
             continue
+        start = time.perf_counter()
         consumer.copy_into(ref, out[: ref.num_bytes].view(ref.torch_dtype).view(ref.shape))
         if out.is_cuda:
             torch.cuda.synchronize(out.device)
-        conn.send(b"")
+        conn.send(time.perf_counter() - start)  # the transport's own work, without the pipe
 
 
 def grpc_consumer_main(conn: Connection, device: str, max_bytes: int, torch_threads: int) -> None:
@@ -174,9 +175,11 @@ def timed(transfer, repeats: int) -> list[float]:
     return times
 
 
-def measure_refs(path: str, args: argparse.Namespace) -> tuple[dict[int, list[float]], list[float]]:
+def measure_refs(path: str, args: argparse.Namespace) -> tuple[dict[int, list[float]], dict[int, list[float]], list[float]]:
     """shm, shm-staged, cuda-ipc: one region of the largest size, offered to one consumer. Also
-    the control pipe's round trip alone (a ping: no tensor), the floor under every transfer."""
+    the consumer's own time per transfer (view, event wait, copy, synchronize: the transport's
+    work without the pipe that carries the ref, which in the service is a message already sent)
+    and the control pipe's round trip alone (a ping: no tensor), the floor under every transfer."""
     device, sizes = args.device, args.sizes
     max_bytes = max(sizes)
     process, conn = start_consumer(ref_consumer_main, device, max_bytes, args.torch_threads)
@@ -192,21 +195,23 @@ def measure_refs(path: str, args: argparse.Namespace) -> tuple[dict[int, list[fl
         source = torch.randint(0, 256, (max_bytes,), dtype=torch.uint8, device=device)
         region.data.copy_(source)
         producer.mark_written(region)
-        results = {}
+        results, consumer_times = {}, {}
         for num_bytes in sizes:
             ref = region.ref(0, (num_bytes,), torch.uint8)
+            consumer_times[num_bytes] = answers = []
 
             def transfer() -> None:
                 if path == "shm-staged":
                     region.data[:num_bytes].copy_(source[:num_bytes])
                 conn.send(producer.message_for(offer, ref))
-                conn.recv()
+                answers.append(conn.recv())
 
             results[num_bytes] = timed(transfer, args.repeats or default_repeats(num_bytes))
+            del answers[:WARMUP]
         pings = timed(lambda: (conn.send(b""), conn.recv()), args.repeats or default_repeats(0))
         conn.send(None)
         process.join(30)
-        return results, pings
+        return results, consumer_times, pings
     finally:
         producer.close()
         if process.is_alive():
@@ -282,6 +287,16 @@ def targets(cells: dict[str, dict[int, dict]], sizes: list[int]) -> list[str]:
     return lines
 
 
+def consumer_lines(consumer_cells: dict[str, dict[int, dict]], sizes: list[int]) -> list[str]:
+    """The consumer's own time at the smallest size: the transfer's overhead without the pipe."""
+    smallest = min(sizes)
+    return [
+        f"{path} consumer's own time ({size_label(smallest)}: view, event wait, copy, synchronize):"
+        f" median {by_size[smallest]['median_ms'] * 1e3:.1f} µs, min {by_size[smallest]['min_ms'] * 1e3:.1f} µs"
+        for path, by_size in consumer_cells.items()
+    ]
+
+
 def environment(device: str) -> dict:
     info = {
         "python": platform.python_version(),
@@ -301,17 +316,21 @@ def main() -> None:
     if args.torch_threads:
         torch.set_num_threads(args.torch_threads)
     raw: dict[str, dict[int, list[float]]] = {}
+    consumer_raw: dict[str, dict[int, list[float]]] = {}
     pings: list[float] = []
     for path in args.paths:
         print(f"measuring {path} ...", flush=True)
         if path == "grpc":
             raw[path] = measure_grpc(args)
         else:
-            raw[path], path_pings = measure_refs(path, args)
+            raw[path], consumer_raw[path], path_pings = measure_refs(path, args)
             pings += path_pings
     cells = {path: {size: summarize(times, size) for size, times in by_size.items()} for path, by_size in raw.items()}
+    consumer_cells = {
+        path: {size: summarize(times, size) for size, times in by_size.items()} for path, by_size in consumer_raw.items()
+    }
     print_table(cells, args.sizes)
-    target_lines = targets(cells, args.sizes)
+    target_lines = targets(cells, args.sizes) + consumer_lines(consumer_cells, args.sizes)
     if pings:
         ping = summarize(pings, 0)
         target_lines.append(f"control pipe round trip alone (no tensor): median {ping['median_ms'] * 1e3:.1f} µs")
@@ -322,6 +341,9 @@ def main() -> None:
         "environment": environment(args.device),
         "device": args.device,
         "cells": {path: {str(size): cell for size, cell in by_size.items()} for path, by_size in cells.items()},
+        "consumer_cells": {
+            path: {str(size): cell for size, cell in by_size.items()} for path, by_size in consumer_cells.items()
+        },
         "targets": target_lines,
         "torch_threads": args.torch_threads,
         "ping_ms": summarize(pings, 0) if pings else None,

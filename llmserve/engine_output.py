@@ -5,11 +5,21 @@ outputs that queued up behind a slow reader are merged.
 Why one type on both sides of the Multiplex stream: each conversion of a token is work per
 token, and the gateway needs exactly what the engine said (tokens, logprobs, how it ended, the
 usage and timings of the last one). Protobuf carries it between the processes (llmserve.pb).
+
+Inside the inference server an engine step's outputs travel as `StepOutputs` (issue 19): the
+common output, one plain token of a running sequence, is a row of three columns (`TokenColumns`:
+request ids, sequence indexes, token ids) rather than an object; only outputs that carry more
+(a finish, logprobs, an error) are EngineOutputs. At 256 sequences building an EngineOutput per
+token was ~1 µs each in the engine-core process, and pickling them another ~0.5; the columns
+cost a list comprehension each and pickle as three flat lists. Whoever needs objects (a
+consumer of one request) reads a StepOutputs as a sequence of EngineOutputs.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Iterator
+from collections.abc import Sequence as SequenceABC
+from dataclasses import dataclass, field
 
 from llmserve.sampling import FinishReason, TokenLogprob
 
@@ -32,6 +42,7 @@ class EngineOutput:
     num_prompt_tokens: int = 0
     num_completion_tokens: int = 0
     num_cached_tokens: int = 0
+    num_pulled_tokens: int = 0  # of num_cached_tokens, pulled from another replica (KV pull)
     queue_time_ns: int = 0
     time_to_first_token_ns: int = 0
     total_time_ns: int = 0
@@ -75,3 +86,89 @@ def _joined(earlier: EngineOutput, later: EngineOutput) -> EngineOutput:
     later.new_token_ids = earlier.new_token_ids + later.new_token_ids
     later.logprobs = logprobs
     return later
+
+
+@dataclass(slots=True)
+class TokenColumns:
+    """One new token for each of several sequences, none of them finished by it and none with
+    logprobs: row i is token `token_ids[i]` of sequence `sequence_indexes[i]` of `request_ids[i]`.
+    Each sequence appears at most once (a step gives a sequence one token)."""
+
+    request_ids: list[str] = field(default_factory=list)
+    sequence_indexes: list[int] = field(default_factory=list)
+    token_ids: list[int] = field(default_factory=list)
+
+    def __len__(self) -> int:
+        return len(self.token_ids)
+
+    def extend(self, other: "TokenColumns") -> None:
+        self.request_ids += other.request_ids
+        self.sequence_indexes += other.sequence_indexes
+        self.token_ids += other.token_ids
+
+    def outputs(self) -> list[EngineOutput]:
+        """An EngineOutput per row, in row order."""
+        return [
+            EngineOutput(request_id, index, [token_id])
+            for request_id, index, token_id in zip(self.request_ids, self.sequence_indexes, self.token_ids)
+        ]
+
+    def as_tuple(self) -> tuple[list[str], list[int], list[int]]:
+        """What a pickle carries (three flat lists); `TokenColumns(*t)` reads it back."""
+        return self.request_ids, self.sequence_indexes, self.token_ids
+
+
+class StepOutputs(SequenceABC):
+    """One engine step's outputs: `outputs` (EngineOutputs: finals, logprobs, errors), then
+    `tokens` (TokenColumns: plain tokens). A sequence has at most one output per step, so putting
+    the objects first reorders nothing that one sequence produced.
+
+    Read as a sequence it is the EngineOutputs (`outputs`, then a new one per token row), built
+    on first read: tests and single-request consumers iterate, the engine loop and the
+    engine-core process's message use the two parts as they are."""
+
+    __slots__ = ("outputs", "tokens", "_expanded")
+
+    def __init__(self, outputs: list[EngineOutput] | None = None, tokens: TokenColumns | None = None):
+        self.outputs = outputs if outputs is not None else []
+        self.tokens = tokens if tokens is not None else TokenColumns()
+        self._expanded: list[EngineOutput] | None = None
+
+    @classmethod
+    def of(cls, outputs: "StepOutputs | list[EngineOutput]") -> "StepOutputs":
+        """`outputs` as a StepOutputs (an engine core that returns a plain list: all objects)."""
+        return outputs if isinstance(outputs, StepOutputs) else cls(list(outputs))
+
+    def __len__(self) -> int:
+        return len(self.outputs) + len(self.tokens)
+
+    def __bool__(self) -> bool:
+        return bool(self.outputs) or bool(self.tokens.token_ids)
+
+    def __getitem__(self, index):
+        return self.expanded()[index]
+
+    def __iter__(self) -> Iterator[EngineOutput]:
+        return iter(self.expanded())
+
+    def __eq__(self, other: object) -> bool:
+        if isinstance(other, (StepOutputs, list)):
+            return self.expanded() == list(other)
+        return NotImplemented
+
+    __hash__ = None  # mutable, like a list
+
+    def __add__(self, other) -> list[EngineOutput]:
+        return self.expanded() + list(other)
+
+    def __radd__(self, other) -> list[EngineOutput]:
+        return list(other) + self.expanded()
+
+    def __repr__(self) -> str:
+        return f"StepOutputs({self.outputs!r}, {self.tokens!r})"
+
+    def expanded(self) -> list[EngineOutput]:
+        """Every output as an EngineOutput: `outputs`, then one per token row (built once)."""
+        if self._expanded is None:
+            self._expanded = self.outputs + self.tokens.outputs() if self.tokens.token_ids else list(self.outputs)
+        return self._expanded

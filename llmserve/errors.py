@@ -70,6 +70,18 @@ class NotFound(ServiceError):
     code = grpc.StatusCode.NOT_FOUND
 
 
+class Cancelled(ServiceError):
+    """The request was cancelled before it started (aborted while it waited for something)."""
+
+    code = grpc.StatusCode.CANCELLED
+
+
+class FailedPrecondition(ServiceError):
+    """The server is not set up for this (e.g. PinKvBlocks on a replica without --kv-pull)."""
+
+    code = grpc.StatusCode.FAILED_PRECONDITION
+
+
 class ResourceExhausted(ServiceError):
     """The server is at a capacity limit for now (an admission budget, the prompt bytes in
     flight) or the request is over a size limit; `retry_after_ms`, when a retry can help, says

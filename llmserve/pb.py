@@ -18,6 +18,10 @@ from llmserve.response_format import check_response_format
 from llmserve.sampling import ChatMessage, FinishReason, ResponseFormat, SamplingParams, TokenLogprob, TopLogprob
 from llmserve.v1 import common_pb2, inference_pb2
 
+# Call metadata a Multiplex client sends to get plain tokens as a message's TokenColumns
+# (inference.proto; the inference server's multiplex.py, the gateway's replica_stream.py).
+MULTIPLEX_COLUMNS_METADATA = ("llmserve-multiplex-columns", "1")
+
 MAX_LOGPROBS = 20
 MAX_N = 16
 MAX_STOP_STRINGS = 16
@@ -254,6 +258,7 @@ def output_to_pb(output: EngineOutput) -> inference_pb2.GenerateTokensResponse:
                 prompt_tokens=output.num_prompt_tokens,
                 completion_tokens=output.num_completion_tokens,
                 cached_tokens=output.num_cached_tokens,
+                pulled_tokens=output.num_pulled_tokens,
             )
         )
         response.timings.CopyFrom(
@@ -283,6 +288,7 @@ def output_from_pb(request_id: str, response: inference_pb2.GenerateTokensRespon
         num_prompt_tokens=response.usage.prompt_tokens,
         num_completion_tokens=response.usage.completion_tokens,
         num_cached_tokens=response.usage.cached_tokens,
+        num_pulled_tokens=response.usage.pulled_tokens,
         queue_time_ns=response.timings.queue_time_ns,
         time_to_first_token_ns=response.timings.time_to_first_token_ns,
         total_time_ns=response.timings.total_time_ns,

@@ -43,6 +43,7 @@ MODES: dict[str, tuple[tuple[str, ...], dict[str, Any]]] = {
     # model's 9 heads and 3 KV heads split 3 ways).
     "tensor-parallel": ((), {"inference": {"gpus": 4, "tensorParallel": {"size": 4}}}),
     "cpu-tensor-parallel": (("values-cpu.yaml",), {"inference": {"tensorParallel": {"size": 3}}}),
+    "colocated-kv-pull": (("values-colocated.yaml",), {"colocated": {"kvPull": {"enabled": True}}}),
 }
 
 

@@ -41,6 +41,19 @@ def test_bench_host_step_times_every_part_of_full_decode_steps(tmp_path):
     assert report["host_us_per_step"]["execute_launch"] > 0 and report["step_us"] > 0
 
 
+def test_bench_decode_inputs_times_the_decode_graph_staging_on_cpu(tmp_path):
+    report = run_bench("bench_decode_inputs.py", ["--streams", "8", "--context", "40", "--steps", "40", "--repeat", "1",
+                                                  "--out-dir", str(tmp_path)], tmp_path)
+    assert len(report["runs"]) == 1 and report["runs"][0]["inputs"] > 0 and report["runs"][0]["staging"] > 0
+
+
+def test_bench_server_fanout_times_both_message_forms(tmp_path):
+    report = run_bench("bench_server_fanout.py", ["--streams", "16", "--calls", "2", "--steps", "5", "--repeat", "2",
+                                                  "--out-dir", str(tmp_path)], tmp_path)
+    assert report["messages_checked"] and set(report["runs"]) == {"objects", "columns"}
+    assert all(len(runs) == 2 and all(run["respond"] > 0 for run in runs) for runs in report["runs"].values())
+
+
 def test_bench_gpu_scenarios_run_on_cpu(tmp_path):
     tiny = ["--device", "cpu", "--small-model", "tiny", "--large-model", "tiny", "--out-dir", str(tmp_path)]
     small_workload = ["--throughput-requests", "6", "--throughput-prompt-tokens", "24", "--throughput-output-tokens", "8",
@@ -182,6 +195,14 @@ def test_bench_http_server_streams_every_chunk_from_each_installed_server(tmp_pa
     for row in report["servers"]:
         assert row["num_streams"] == 8 and row["num_bad_streams"] == 0
         assert row["chunks_per_s"] > 0 and row["first_chunk_p50_ms"] > 0
+
+
+def test_bench_kv_pull_pulls_and_recomputes_on_cpu(tmp_path):
+    report = run_bench("bench_kv_pull.py", ["--smoke", "--out-dir", str(tmp_path)], tmp_path)
+    assert [row["prefix_tokens"] for row in report["rows"]] == [96, 160]
+    for row in report["rows"]:  # every pull pulled the whole prefix and gave the recomputed first token
+        assert row["all_pulled"] and row["all_same_first_token"] and row["recompute_cached_nothing"]
+        assert row["pull_ttft_ms"] > 0 and row["recompute_ttft_ms"] > 0 and row["bytes_per_pull"] > 0
 
 
 def test_bench_transport_measures_every_cpu_path(tmp_path):

@@ -223,6 +223,39 @@ def test_fork_shares_full_blocks_and_copies_the_partial_one(manager):
     assert manager.num_free_blocks == 8
 
 
+def test_a_block_table_is_replaced_never_changed_in_place(manager):
+    """A step's inputs and the decode graphs' rows hold a sequence's block_ids list by
+    reference and take the same object for the same table (engine/block_table_rows.py): each
+    change must come as a new list, and a list handed out must keep its contents."""
+    seq = make_seq(range(4), seq_id=1)
+    compute(manager, seq)
+    held = seq.block_ids
+    assert manager.allocate(seq, 0) and seq.block_ids is held  # no new block: the same list
+    seq.token_ids.append(99)
+    assert manager.allocate(seq, 1)
+    assert seq.block_ids == [0, 1] and seq.block_ids is not held and held == [0]
+    prompt = [1, 2, 3, 4, 5, 6, 7, 8]
+    first, second = make_seq(prompt, seq_id=2), make_seq(prompt, seq_id=3)
+    for other in (first, second):
+        assert manager.allocate(other, 8)
+        other.num_computed_tokens = 8
+    manager.register_computed_blocks(first)
+    before_swap = second.block_ids
+    copy_before = list(before_swap)
+    manager.register_computed_blocks(second)  # swapped onto first's blocks
+    assert second.block_ids == first.block_ids and before_swap == copy_before and second.block_ids is not before_swap
+    child = make_seq(range(5), seq_id=4)
+    seq.num_computed_tokens = 5
+    assert manager.fork(seq, child) is not None
+    assert child.block_ids is not seq.block_ids and seq.block_ids == [0, 1]
+    freed = seq.block_ids
+    manager.free(seq)
+    assert freed == [0, 1] and seq.block_ids == []
+    for other in (first, second, child):
+        manager.free(other)
+    assert manager.num_free_blocks == 8
+
+
 def test_fork_needs_a_free_block_for_the_partial_copy():
     manager = BlockManager(num_blocks=2, block_size=BLOCK_SIZE)
     parent = make_seq(range(6))

@@ -19,7 +19,7 @@ import pytest
 
 from llmserve.errors import ResourceExhausted, rich_status_for
 from llmserve.gateway.hop_errors import DownstreamError
-from llmserve.gateway.replica_stream import MultiplexedTokens
+from llmserve.gateway.replica_stream import MultiplexedTokens, push_token_columns
 from llmserve.gateway.slow_reader import ClientNotReading, SlowReaderBounds
 from llmserve.sampling import FinishReason
 from llmserve.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc, inference_pb2, inference_pb2_grpc
@@ -130,6 +130,48 @@ def test_cancelling_a_request_aborts_it_once_and_an_ended_one_not_at_all():
     asyncio.run(take_all(ended))
     ended.tokens.cancel()
     assert ended.forgotten == [(REQUEST_ID, False)]
+
+
+def column_row(first: int, num_tokens: int, sequence_index: int = 0) -> inference_pb2.MultiplexResponse:
+    """A Multiplex message whose TokenColumns carry one row of this request's plain tokens."""
+    columns = inference_pb2.TokenColumns(
+        request_ids=[REQUEST_ID], sequence_indexes=[sequence_index], num_tokens=[num_tokens],
+        token_ids=list(range(first, first + num_tokens)),
+    )
+    return inference_pb2.MultiplexResponse(tokens=columns)
+
+
+class ColumnsReplica(Replica):
+    """Pushes column rows and RequestOutputs, in order, as the stream's reader does."""
+
+    async def run(self) -> None:
+        for message in self.outputs:
+            if self.forgotten:
+                return
+            if isinstance(message, inference_pb2.MultiplexResponse):
+                push_token_columns({REQUEST_ID: self.tokens}, message.tokens)
+            else:
+                self.tokens.push(message)
+            self.num_pushed += 1
+            await asyncio.sleep(0)
+
+
+def test_column_rows_and_outputs_reach_the_reader_in_order_coalesced():
+    messages = [column_row(10 * i, 3) for i in range(30)] + [token_output(300, finish=common_pb2.FINISH_REASON_LENGTH)]
+    received = asyncio.run(take_all(ColumnsReplica(messages), read_delay_s=0.01))
+    expected = [t for i in range(30) for t in range(10 * i, 10 * i + 3)] + [300]
+    assert [t for o in received for t in o.new_token_ids] == expected
+    assert 1 < len(received) < 31  # a slow reader gets them merged
+    assert [o.finish_reason for o in received][-1] is FinishReason.LENGTH
+    assert [lp.token_id for o in received for lp in (o.logprobs or [])] == [300]
+
+
+def test_column_rows_count_towards_the_unsent_bound():
+    replica = ColumnsReplica([column_row(4 * i, 4) for i in range(250)], max_unsent_tokens=10)
+    with pytest.raises(ClientNotReading) as info:
+        asyncio.run(take_all(replica, read_delay_s=1.0))
+    assert info.value.message == "client is not reading: 12 tokens unsent (limit 10)"
+    assert replica.forgotten == [(REQUEST_ID, True)]
 
 
 # --- the real stack ------------------------------------------------------------------------------

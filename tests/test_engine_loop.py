@@ -119,7 +119,7 @@ def test_run_reports_each_step_with_its_period_since_the_previous_and_none_after
     def take_commands(block: bool) -> list:
         return waits.pop(0) if block else []
 
-    def emit(outputs, load, kv_events, step) -> bool:
+    def emit(outputs, load, kv_events, step, replies) -> bool:
         if step is not None:
             steps.append(step)
         return True
@@ -129,3 +129,23 @@ def test_run_reports_each_step_with_its_period_since_the_previous_and_none_after
     for step in steps[1:]:
         assert step.period_s is not None and step.period_s >= step.duration_s
         assert step.wall_s == step.period_s
+
+
+def test_core_calls_are_answered_in_order_with_what_they_returned_or_raised(loop):
+    """CallCore: the core's KV-pull methods, answered in the iteration that applied them; a
+    refusal, a core without the method and a name outside CORE_CALLS come back as errors."""
+    from llmserve.inference.engine.engine_loop import CallCore
+    from llmserve.inference.engine.kv_block_import import KvPullRefused
+    from llmserve.tensor_transport import local_identity
+
+    pin = CallCore(1, "kv_pin", (make_request("p"), 0, local_identity("cpu")))
+    iteration = loop.iterate([pin, CallCore(2, "kv_release", ([],)), CallCore(3, "step", ())])
+    assert [reply.call_id for reply in iteration.replies] == [1, 2, 3]
+    first, second, third = iteration.replies
+    if isinstance(loop._core, TorchEngineCore):  # no --kv-pull: refused, by reason
+        assert isinstance(first.error, KvPullRefused) and first.error.reason == "not_enabled"
+        assert (second.result, second.error) == (None, None)
+    else:  # hf has no KV pool of ours
+        assert isinstance(first.error, NotImplementedError) and isinstance(second.error, NotImplementedError)
+    assert isinstance(third.error, NotImplementedError)  # not a core call, whatever the core has
+    assert loop.iterate([]).replies == []

@@ -120,6 +120,11 @@ def test_schema_rejects_bad_values(values, path):
         ({"inference": {"tensorParallel": {"size": 2}}}, r"inference.gpus \(1\) must equal inference.tensorParallel.size \(2\)"),
         ({"inference": {"gpus": 2, "device": "cuda:1", "tensorParallel": {"size": 2}}}, "needs inference.device cuda"),
         ({"inference": {"gpus": 2, "backend": "hf", "tensorParallel": {"size": 2}}}, "needs inference.backend torch"),
+        ({"colocated": {"kvPull": {"enabled": True}}}, "colocated.kvPull needs colocated.enabled"),
+        ({"inference": {"gpus": 2, "tensorParallel": {"size": 2}}, "colocated": {"enabled": True, "kvPull": {"enabled": True}}},
+         "cannot be used with colocated.kvPull"),
+        ({"colocated": {"enabled": True, "kvPull": {"enabled": True}}, "gateway": {"routing": "round-robin"}},
+         "colocated.kvPull needs gateway.routing kv"),
     ],
 )
 def test_render_refuses_inconsistent_values(values, message):
@@ -312,6 +317,23 @@ def test_colocated_pod_shares_processes_and_a_memory_shm(rendered):
         assert {"name": "shm", "mountPath": "/dev/shm"} in container["volumeMounts"]
     preprocess_service = named(docs, "Service", "rel-llmserve-preprocess")
     assert _pods_behind(docs, preprocess_service["spec"]["selector"]) == [pod]
+
+
+def test_colocated_kv_pull_puts_the_replicas_on_one_node_sharing_its_shm_and_ipc(rendered):
+    docs = rendered["colocated-kv-pull"]
+    (pod,) = [pod for pod in pod_templates(docs) if pod.workload.endswith("-inference")]
+    assert pod.spec["hostIPC"] is True  # CUDA IPC across the replicas' pods
+    (shm,) = [v for v in pod.spec["volumes"] if v["name"] == "shm"]
+    assert shm == {"name": "shm", "hostPath": {"path": "/dev/shm", "type": "Directory"}}  # one tmpfs for all pods
+    for container in pod.containers:
+        assert {"name": "shm", "mountPath": "/dev/shm"} in container["volumeMounts"]
+    (term,) = pod.spec["affinity"]["podAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"]
+    assert term["topologyKey"] == "kubernetes.io/hostname" and selects(term["labelSelector"]["matchLabels"], pod.labels)
+    args = {c["name"]: a for _pod, c, _env, a in service_containers(docs)}
+    assert "--kv-pull" in args["inference"] and "--routing-kv-pull" in args["gateway"]
+    for mode in ("default", "colocated", "cpu-colocated"):
+        assert all("--kv-pull" not in a and "--routing-kv-pull" not in a for *_, a in service_containers(rendered[mode]))
+        assert all("hostIPC" not in pod.spec for pod in pod_templates(rendered[mode]))
 
 
 def test_redis_urls_reach_every_service_that_takes_one(rendered):

@@ -13,6 +13,7 @@ from google.rpc import status_pb2
 
 from llmserve.errors import InvalidArgument
 from llmserve.inference.multiplex import MultiplexedStream
+from llmserve.pb import MULTIPLEX_COLUMNS_METADATA
 from llmserve.server import CHANNEL_OPTIONS
 from llmserve.undecodable import Undecodable
 from llmserve.v1 import common_pb2, inference_pb2, inference_pb2_grpc
@@ -182,3 +183,112 @@ async def test_a_bad_command_read_while_a_response_is_written_still_ends_the_str
     await asyncio.wait_for(reader, HANG_GUARD_S)
     with pytest.raises(InvalidArgument):
         await anext(responses)
+
+
+# --- plain tokens as TokenColumns (issue 19) -----------------------------------------------------
+
+
+class Read:
+    """What one Multiplex call delivered, by (request, sequence): tokens in order, with the
+    outputs and column rows they came in."""
+
+    def __init__(self):
+        self.tokens: dict[tuple[str, int], list[int]] = {}
+        self.logprobs: dict[tuple[str, int], int] = {}
+        self.finals: dict[tuple[str, int], inference_pb2.GenerateTokensResponse] = {}
+        self.errors: dict[str, status_pb2.Status] = {}
+        self.num_column_rows = 0
+
+    def add(self, response: inference_pb2.MultiplexResponse) -> None:
+        for output in response.outputs:
+            if output.error_status:
+                self.errors[output.request_id] = status_pb2.Status.FromString(output.error_status)
+                continue
+            key = (output.request_id, output.output.sequence_index)
+            assert key not in self.finals, f"an output for {key} after its final one"
+            self.tokens.setdefault(key, []).extend(output.output.token_ids)
+            self.logprobs[key] = self.logprobs.get(key, 0) + len(output.output.logprobs)
+            if output.output.finish_reason:
+                self.finals[key] = output.output
+        columns, start = response.tokens, 0
+        seen = {(o.request_id, o.output.sequence_index) for o in response.outputs}
+        for request_id, index, num_tokens in zip(columns.request_ids, columns.sequence_indexes, columns.num_tokens):
+            key = (request_id, index)
+            assert key not in self.finals and key not in seen and request_id not in self.errors, key
+            assert num_tokens >= 1
+            seen.add(key)
+            self.tokens.setdefault(key, []).extend(columns.token_ids[start : start + num_tokens])
+            start += num_tokens
+            self.num_column_rows += 1
+        assert start == len(columns.token_ids)
+
+    def is_done(self, requests: dict[str, int]) -> bool:
+        """Every sequence of `requests` (id -> n) has its final output, or its request an error."""
+        return all(rid in self.errors or all((rid, i) in self.finals for i in range(n)) for rid, n in requests.items())
+
+
+async def read_call(call, requests: dict[str, int]) -> Read:
+    read = Read()
+
+    async def loop():
+        while not read.is_done(requests):
+            response = await call.read()
+            assert response is not grpc.aio.EOF, "the stream ended early"
+            read.add(response)
+
+    await asyncio.wait_for(loop(), HANG_GUARD_S)
+    return read
+
+
+def sampled(request_id: str, max_tokens: int, **fields) -> inference_pb2.MultiplexRequest:
+    sampling = common_pb2.SamplingParams(max_tokens=max_tokens, **fields)
+    return inference_pb2.MultiplexRequest(
+        generate=inference_pb2.GenerateTokensRequest(request_id=request_id, prompt_token_ids=PROMPT, sampling=sampling)
+    )
+
+
+async def test_token_columns_carry_what_request_outputs_carry(stub):
+    """The same requests on a call that asks for columns and on one that does not: the same
+    tokens per sequence, finals (with usage) and logprobs as RequestOutputs, plain tokens as
+    column rows only where asked."""
+    requests = {
+        "greedy": sampled("greedy", 20, temperature=0.0, ignore_eos=True),
+        "short": sampled("short", 3, temperature=0.0, ignore_eos=True),
+        "n2": sampled("n2", 16, temperature=1.0, seed=11, n=2, ignore_eos=True),
+        "lp": sampled("lp", 10, temperature=0.0, ignore_eos=True, logprobs=1),
+    }
+    sizes = {rid: max(1, r.generate.sampling.n) for rid, r in requests.items()}
+    reads = {}
+    for name, call in (("columns", stub.Multiplex(metadata=(MULTIPLEX_COLUMNS_METADATA,))), ("objects", stub.Multiplex())):
+        for command in requests.values():
+            await call.write(command)
+        reads[name] = await read_call(call, sizes)
+        await call.done_writing()
+        assert await call.read() is grpc.aio.EOF
+    columns, objects = reads["columns"], reads["objects"]
+    assert columns.tokens == objects.tokens and set(columns.finals) == set(objects.finals)
+    for key, final in columns.finals.items():
+        assert final.usage.completion_tokens == len(columns.tokens[key]) == objects.finals[key].usage.completion_tokens
+    assert len(columns.tokens[("greedy", 0)]) == 20 and columns.tokens[("n2", 0)] != columns.tokens[("n2", 1)]
+    assert columns.logprobs[("lp", 0)] == objects.logprobs[("lp", 0)] == 10  # every token's, never in columns
+    assert columns.num_column_rows > 0 and objects.num_column_rows == 0
+
+
+async def test_a_deadline_on_a_columns_call_ends_its_request_after_its_tokens(stub):
+    """A request whose deadline passes in the engine (240 tokens in 100 ms: far faster than any
+    CPU runs this engine) ends with DEADLINE_EXCEEDED after a prefix of its tokens; the
+    request beside it on the call runs to its end."""
+    call = stub.Multiplex(metadata=(MULTIPLEX_COLUMNS_METADATA,))
+    late = generate("late", max_tokens=240)
+    late.generate.timeout_ms = 100
+    await call.write(late)
+    await call.write(generate("beside", max_tokens=40))
+    read = await read_call(call, {"late": 1, "beside": 1})
+    call.cancel()
+    assert read.errors["late"].code == grpc.StatusCode.DEADLINE_EXCEEDED.value[0]
+    single = [r async for r in stub.GenerateTokens(generate("late-alone", max_tokens=240).generate)]
+    alone = [t for r in single for t in r.token_ids]
+    late_tokens = read.tokens.get(("late", 0), [])
+    assert late_tokens == alone[: len(late_tokens)] and len(late_tokens) < 240
+    assert len(read.tokens[("beside", 0)]) == 40
+    await wait_for_free_blocks(stub)

@@ -221,3 +221,30 @@ def test_routing_config_refuses_a_value_below_its_bound_naming_it(field, value, 
     with pytest.raises(ValueError) as error:
         RoutingConfig(**{field: value})
     assert str(error.value) == message
+
+
+async def test_kv_pull_sends_a_busy_holder_s_request_to_a_quieter_replica_that_pulls_the_prefix():
+    index = MemoryPrefixIndex()
+    replicas = await fleet(index, {"r0": 4, "r1": 0, "r2": 2}, {"r0": 5, "r1": 0, "r2": 0})
+    # bound = max(0 x 1.5, 0 + 1) = 1: r0 holds the prompt and is past it.
+    without = await router(replicas, index, load_ratio=1.5, load_slack=1).choose(PROMPT)
+    assert (without.replica.replica_id, without.reason, without.pull_from) == ("r2", RouteReason.PREFIX, None)
+    decision = await router(replicas, index, load_ratio=1.5, load_slack=1, kv_pull=True).choose(PROMPT)
+    # r1: 1 block to compute + 0.1 x 4 pulled; r2: 1 + 0.1 x 2 pulled (the 2 it lacks), less.
+    assert (decision.replica.replica_id, decision.reason, decision.pull_from.replica_id) == ("r2", RouteReason.PULL, "r0")
+    assert (decision.pull_blocks, decision.predicted_cached_tokens, decision.prefill_blocks) == (4, 4 * BLOCK, 1)
+
+
+async def test_kv_pull_is_weighed_against_the_holder_s_queue_and_the_cost_of_a_pulled_block():
+    index = MemoryPrefixIndex()
+    replicas = await fleet(index, {"r0": 4, "r1": 0}, {"r0": 1, "r1": 0})
+    # Within the bound; the holder's one request (load weight 1) costs more than pulling 4 blocks.
+    pulled = await router(replicas, index, load_weight=1.0, kv_pull=True).choose(PROMPT)
+    assert (pulled.replica.replica_id, pulled.reason, pulled.pull_from.replica_id) == ("r1", RouteReason.PULL, "r0")
+    # A pulled block as dear as a computed one: the holder's queue is the cheaper wait.
+    held = await router(replicas, index, load_weight=1.0, kv_pull=True, pull_block_cost=1.0).choose(PROMPT)
+    assert (held.replica.replica_id, held.reason, held.pull_from) == ("r0", RouteReason.PREFIX, None)
+    # Nobody holds anything: nothing to pull.
+    empty = await fleet(MemoryPrefixIndex(), {"r0": 0, "r1": 0}, {})
+    decision = await router(empty, MemoryPrefixIndex(), kv_pull=True).choose(PROMPT)
+    assert (decision.reason, decision.pull_from) == (RouteReason.FALLBACK, None)

@@ -255,11 +255,11 @@ def test_async_steps_discard_the_token_launched_after_a_stop():
     second = scheduler.schedule()
     assert plan(second) == [(1, 1)]  # the placeholder, read on the device
     new_tokens = scheduler.update_from_output(first_launch, [EOS])
-    assert [(t.token_id, t.finish_reason, t.stop_token_id) for t in new_tokens] == [(EOS, FinishReason.STOP, EOS)]
+    assert new_tokens.token_ids == [EOS] and new_tokens.finishes == [(0, FinishReason.STOP, EOS)]
     second_launch = LaunchedBatch(second, second.sampling_seqs())
     scheduler.record_launch(second_launch)
     assert seq.token_ids == [1000, 1001, 1002, 1003, EOS] and seq.is_finished and not seq.has_placeholder
-    assert scheduler.update_from_output(second_launch, [SAMPLED_TOKEN]) == []
+    assert len(scheduler.update_from_output(second_launch, [SAMPLED_TOKEN])) == 0
     assert_pool_full(scheduler)
 
 
@@ -277,7 +277,7 @@ def test_launches_and_their_tokens_are_recorded_in_order():
         scheduler.record_launch(second_launch)
     with pytest.raises(AssertionError, match="the launch recorded last"):
         scheduler.update_from_output(second_launch, [SAMPLED_TOKEN])
-    assert [t.token_id for t in scheduler.update_from_output(first_launch, [SAMPLED_TOKEN])] == [SAMPLED_TOKEN]
+    assert scheduler.update_from_output(first_launch, [SAMPLED_TOKEN]).token_ids == [SAMPLED_TOKEN]
     scheduler.record_launch(second_launch)
     finish_all(scheduler)
     assert_pool_full(scheduler)
@@ -292,5 +292,5 @@ def test_a_sequence_whose_placeholder_is_its_last_token_is_not_scheduled_again()
     scheduler.record_launch(launch)
     assert seq.is_finishing and scheduler.schedule().is_empty
     new_tokens = scheduler.update_from_output(launch, [SAMPLED_TOKEN])
-    assert [t.finish_reason for t in new_tokens] == [FinishReason.LENGTH]
+    assert new_tokens.finishes == [(0, FinishReason.LENGTH, None)]
     assert_pool_full(scheduler)

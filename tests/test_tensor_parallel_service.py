@@ -127,6 +127,7 @@ async def test_two_ranks_serve_the_one_process_tokens_and_a_dead_rank_fails_the_
     [
         (["--tensor-parallel-size", "3"], "tensor_parallel_size 3 does not divide the model's 4 attention heads"),
         (["--tensor-parallel-size", "2", "--backend", "hf"], "tensor_parallel_size 2 needs the torch backend"),
+        (["--tensor-parallel-size", "2", "--kv-pull"], "tensor_parallel_size 2 cannot be used with --kv-pull"),
     ],
 )
 async def test_a_split_the_engine_cannot_run_exits_with_the_reason(tiny_model_dir, tmp_path, flags, reason):

@@ -236,6 +236,28 @@ def test_a_producer_that_exits_without_closing_leaves_nothing():
     assert wait_until_gone(os.path.join(SHM_DIR, done.stdout.strip()))
 
 
+def test_the_reaper_waits_for_its_producer_to_exit_not_for_its_pipe_to_close():
+    """At a normal exit Python closes the reaper's pipe before the C++ destructors run, and one
+    of them (torch's CUDA IPC counter file) unlinks a segment itself: the reaper must not unlink
+    before the process is gone, or that unlink fails and torch aborts the exit."""
+    code = (
+        "import os, sys, time\n"
+        "from llmserve.tensor_transport.shm_reaper import SHM_DIR, process_reaper\n"
+        "name = f'llmserve-test-late-{os.getpid()}'\n"
+        "path = os.path.join(SHM_DIR, name)\n"
+        "reaper = process_reaper()\n"
+        "reaper.register(name)\n"
+        "open(path, 'wb').close()\n"
+        "reaper._process.stdin.close()  # what finalization does, while this process still runs\n"
+        "time.sleep(0.5)\n"
+        "print(name, os.path.exists(path), flush=True)\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=120)
+    name, still_there = done.stdout.split()
+    assert still_there == "True", "the reaper unlinked a segment while its producer was still running"
+    assert wait_until_gone(os.path.join(SHM_DIR, name)), "the reaper did not unlink it after the exit"
+
+
 # --- CUDA IPC (the H200) ---------------------------------------------------------------------
 
 

@@ -2,8 +2,15 @@
 producer dies without doing it itself (SIGKILL, a crash, an exit that skipped its cleanup).
 
     producer ──"+name\\n" / "-name\\n"──▶ reaper's stdin        (before creating / after unlinking)
-    producer exits or dies → its end of the pipe closes → the reaper reads EOF,
-                             unlinks every name still registered, and exits
+    producer exits or dies → its end of the pipe closes → the reaper reads EOF, waits
+                             until the producer process is gone, unlinks every name
+                             still registered, and exits
+
+Why wait past EOF: at a normal exit Python closes the pipe while finalizing, before the C++
+static destructors run, and torch's CUDA IPC reference-counter file (/dev/shm/torch_<pid>_<n>)
+is unlinked by one of those destructors; a reaper that unlinked it first made that unlink fail
+and torch call terminate() (the producer aborted at exit, seen on the H200). The producer is gone
+when the kernel hands the reaper to another parent, which it does after every destructor.
 
 Why not multiprocessing's resource_tracker: a process started with the spawn context shares its
 parent's tracker, so a producer killed while its parent lives is not noticed until the parent
@@ -25,6 +32,7 @@ import signal
 import subprocess
 import sys
 import threading
+import time
 
 SHM_DIR = "/dev/shm"
 
@@ -36,7 +44,7 @@ class ShmReaper:
         self._owner_pid = os.getpid()
         self._lock = threading.Lock()
         self._process = subprocess.Popen(
-            [sys.executable, "-I", "-S", os.path.abspath(__file__)],
+            [sys.executable, "-I", "-S", os.path.abspath(__file__), str(self._owner_pid)],
             stdin=subprocess.PIPE,
             start_new_session=True,
         )
@@ -93,7 +101,15 @@ def _unlink(name: str) -> None:
         pass
 
 
+def _wait_for_exit(owner_pid: int) -> None:
+    """Until the producer has exited: our parent is then another process (init or a subreaper).
+    Polled: a pidfd would need Linux 5.3 and is no simpler."""
+    while os.getppid() == owner_pid:
+        time.sleep(0.005)
+
+
 def main() -> None:
+    owner_pid = int(sys.argv[1])
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     names: set[str] = set()
@@ -107,6 +123,8 @@ def main() -> None:
             names.add(name)
         elif op == b"-":
             names.discard(name)
+    if names:
+        _wait_for_exit(owner_pid)
     for name in names:
         _unlink(name)
 

@@ -73,6 +73,8 @@ class GenerationResult:
     total_time_ns: int
     replica_id: str
     predicted_cached_tokens: int
+    num_pulled_tokens: int = 0  # of num_cached_tokens, pulled from another replica (KV pull)
+    pulled_from: str = ""  # the replica it was pulled from, when the router said to pull
 
 
 @dataclass(slots=True)
@@ -173,6 +175,7 @@ class GenerationPipeline:
                 prompt,
                 sampling_for_inference(request.sampling, prompt.max_tokens),
                 timeout_s=time_remaining(),
+                kv_pull=(route.pull_from.address, route.pull_blocks) if route.pull_from is not None else None,
             )
             state = _RequestState(prompt=prompt, route=route, sequences=[
                 _SequenceState(self._detokenizer.new_stream(prompt.token_ids), StopStringMatcher(request.sampling.stop))
@@ -264,6 +267,8 @@ class GenerationPipeline:
             total_time_ns=now_ns - request.arrival_ns,
             replica_id=state.route.replica.name,
             predicted_cached_tokens=state.route.predicted_cached_tokens,
+            num_pulled_tokens=output.num_pulled_tokens,
+            pulled_from=state.route.pull_from.name if state.route.pull_from is not None else "",
         )
 
 

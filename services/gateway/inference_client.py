@@ -81,8 +81,10 @@ class InferenceClient:
         *,
         timeout_s: float | None,
         priority: int = 0,
+        kv_pull: tuple[str, int] | None = None,
     ) -> MultiplexedTokens:
-        """Start generating `prompt` with `sampling` (its max_tokens resolved by preprocess)."""
+        """Start generating `prompt` with `sampling` (its max_tokens resolved by preprocess);
+        `kv_pull`: (source replica's address, blocks it holds) to pull the prefix from."""
         request = inference_pb2.GenerateTokensRequest(
             request_id=request_id,
             prompt_token_ids=prompt.token_ids,
@@ -94,6 +96,8 @@ class InferenceClient:
             priority=priority,
             timeout_ms=max(1, int(timeout_s * 1000)) if timeout_s is not None else 0,
         )
+        if kv_pull is not None:
+            request.kv_pull.CopyFrom(inference_pb2.KvPullHint(source_address=kv_pull[0], num_blocks=kv_pull[1]))
         return self._replica_stream.generate(request)
 
     async def watch_kv_events(

@@ -3,6 +3,11 @@
     GenerationPipeline ─generate()─▶ command queue ─writer task─▶ Multiplex call ─▶ replica
     MultiplexedTokens ◀─ per-request buffer ◀─reader task─ MultiplexResponse (a step's outputs)
 
+The call asks for plain tokens as columns (pb.MULTIPLEX_COLUMNS_METADATA: a message's
+TokenColumns, issue 19), which the reader hands to each request's buffer as EngineOutputs
+without a protobuf object per output; a replica that does not know them sends RequestOutputs,
+which are read as before.
+
 The call opens on first use and lives as long as the gateway. If it breaks (the replica
 restarts, the connection drops), each request on it fails with the status the call ended with
 (UNAVAILABLE for a lost connection, or the error `fail_all` was given when the gateway gave up on
@@ -43,7 +48,7 @@ from llmserve.errors import ServiceError, Unavailable
 from llmserve.gateway.hop_errors import error_from_rpc, error_from_status
 from llmserve.gateway.metrics import record_client_not_reading
 from llmserve.gateway.slow_reader import ClientNotReading, SlowReaderBounds
-from llmserve.pb import output_from_pb
+from llmserve.pb import MULTIPLEX_COLUMNS_METADATA, output_from_pb
 from llmserve.request_context import context_without_request
 from llmserve.v1 import inference_pb2, inference_pb2_grpc
 
@@ -68,7 +73,8 @@ class MultiplexedTokens:
         self._num_sequences = num_sequences
         self._num_finished_pushed = 0
         self._num_finished_taken = 0
-        self._outputs: list[inference_pb2.RequestOutput] = []  # arrived, not yet taken
+        # Arrived, not yet taken: as the replica sent them, or plain tokens already read (columns).
+        self._outputs: list[inference_pb2.RequestOutput | EngineOutput] = []
         self._num_unsent_tokens = 0
         # loop.time() when the oldest output still waiting arrived (None: none waits). A timer
         # checks it max_unread_s after it was armed and re-arms for what is left; a take only
@@ -87,16 +93,24 @@ class MultiplexedTokens:
         if output.error_status or output.output.finish_reason:
             self._num_finished_pushed += 1
         is_last = bool(output.error_status) or self._num_finished_pushed >= self._num_sequences
+        self._buffer(output, len(output.output.token_ids))
+        return is_last
+
+    def push_tokens(self, sequence_index: int, token_ids: list[int]) -> None:
+        """Plain tokens of one sequence arrived as a row of a message's TokenColumns (never the
+        request's last output)."""
+        self._buffer(EngineOutput(self.request_id, sequence_index, token_ids), len(token_ids))
+
+    def _buffer(self, output: inference_pb2.RequestOutput | EngineOutput, num_tokens: int) -> None:
         if self._overflow is not None:
-            return is_last
+            return
         if self._first_unread_s is None and self._bounds.max_unread_s > 0:
             self._first_unread_s = self._arm_unread_timer()
         self._outputs.append(output)
-        self._num_unsent_tokens += len(output.output.token_ids)
+        self._num_unsent_tokens += num_tokens
         if 0 < self._bounds.max_unsent_tokens < self._num_unsent_tokens:
             self._overflow_with(ClientNotReading.too_many_tokens(self._num_unsent_tokens, self._bounds.max_unsent_tokens))
         self._has_news.set()
-        return is_last
 
     def fail(self, error: ServiceError) -> None:
         self._failure = error
@@ -168,6 +182,9 @@ class MultiplexedTokens:
         self._first_unread_s = None  # the armed timer, if any, finds nothing waiting or re-arms
         outputs, error = [], None
         for output in taken:
+            if isinstance(output, EngineOutput):
+                outputs.append(output)
+                continue
             if output.error_status:
                 error = error_from_status("inference", status_pb2.Status.FromString(output.error_status))
                 break
@@ -179,6 +196,19 @@ class MultiplexedTokens:
         self._stop_unread_timer()
         self._forget(self.request_id, not self._is_done)
         self._is_done = True
+
+
+def push_token_columns(requests: dict[str, MultiplexedTokens], columns: inference_pb2.TokenColumns) -> None:
+    """Each row of a message's TokenColumns to its request's buffer (a sequence is in one
+    message's columns at most once, after that message's `outputs`)."""
+    token_ids = list(columns.token_ids)
+    start = 0
+    for request_id, sequence_index, num_tokens in zip(columns.request_ids, columns.sequence_indexes, columns.num_tokens):
+        end = start + num_tokens
+        tokens = requests.get(request_id)
+        if tokens is not None:
+            tokens.push_tokens(sequence_index, token_ids[start:end])
+        start = end
 
 
 @dataclass
@@ -231,7 +261,7 @@ class ReplicaStream:
 
     def _open_connection(self) -> _Connection:
         if self._connection is None or self._connection.is_broken:
-            connection = _Connection(call=self._stub.Multiplex())
+            connection = _Connection(call=self._stub.Multiplex(metadata=(MULTIPLEX_COLUMNS_METADATA,)))
             connection.writer = self._spawn(write_queued(connection.call, connection.commands, "Multiplex"))
             self._spawn(self._read(connection))
             self._connection = connection
@@ -254,6 +284,8 @@ class ReplicaStream:
                     tokens = connection.requests.get(output.request_id)
                     if tokens is not None and tokens.push(output):
                         del connection.requests[output.request_id]
+                if response.tokens.request_ids:
+                    push_token_columns(connection.requests, response.tokens)
         except grpc.aio.AioRpcError as error:
             failure = error_from_rpc("inference", error)
             if error.code() != grpc.StatusCode.CANCELLED:

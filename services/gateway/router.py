@@ -23,6 +23,15 @@ replica that recomputes less than that queue, and with load_weight > 0 a request
 prefix is short (a system prompt) goes to a quieter replica before the bound forces one whose
 prefix is long (a conversation's history) to move. Both 0: the longest cached prefix within
 the bound.
+
+KV pull (`--routing-kv-pull`, replicas co-located and started with --kv-pull; issue 22): a
+replica may also take the request with a hint to pull the prefix from the replica holding the
+most of it (any live one, past the bound included: that is the point), at pull_block_cost per
+pulled block instead of 1 per recomputed block. Its cost is then the blocks neither holds, plus
+pull_block_cost x the blocks pulled, plus its load terms, and it is weighed against its own
+cost without pulling and against every other replica's (the holder's queue included). So a busy
+holder's prefix moves to a quiet replica by copy, not by recompute; a cheap prefix still goes
+where it is cheapest. A pull that fails on the replica recomputes (the request never fails).
 """
 
 from __future__ import annotations
@@ -48,6 +57,10 @@ DEFAULT_QUEUE_WEIGHT = 0.0
 # 1 block per request in flight: spreads requests whose cached prefix is short (the CPU show's
 # loads stay within 1.25x); a 128-block prefix on the H200 shapes outweighs it.
 DEFAULT_LOAD_WEIGHT = 1.0
+# A pulled block against a recomputed one: on the H200 a 2k-token prefix of the 8B shape (~256 MB)
+# copies in a fraction of a millisecond and prefills in tens of milliseconds; on CPU a shm copy
+# is also far below the prefill. 0.1 leaves room for the pin round trip on short prefixes.
+DEFAULT_PULL_BLOCK_COST = 0.1
 
 
 class RoutingPolicy(enum.Enum):
@@ -63,8 +76,11 @@ class RoutingConfig:
     load_slack: int = DEFAULT_LOAD_SLACK
     queue_weight: float = DEFAULT_QUEUE_WEIGHT
     load_weight: float = DEFAULT_LOAD_WEIGHT
+    kv_pull: bool = False  # the replicas share memory (co-located, --kv-pull): pulling is an option
+    pull_block_cost: float = DEFAULT_PULL_BLOCK_COST  # a pulled block, in recomputed blocks
 
     def __post_init__(self) -> None:
+        check_at_least("routing pull block cost", self.pull_block_cost, 0)
         check_at_least("routing load weight", self.load_weight, 0)
         check_at_least("routing queue weight", self.queue_weight, 0)
         check_at_least("routing load ratio", self.load_ratio, 1)
@@ -75,6 +91,7 @@ class RouteReason(enum.Enum):
     PREFIX = "prefix"  # kv: the replica within the load bound holding the longest prefix
     FALLBACK = "fallback"  # kv: no replica within the bound holds any of the prompt; least loaded
     LOAD = "load"  # least-loaded, or kv with one live replica (nothing to look up)
+    PULL = "pull"  # kv with pull: a replica that pulls the prefix from its holder (RouteDecision.pull_from)
     ROUND_ROBIN = "round_robin"
 
 
@@ -90,6 +107,8 @@ class RouteDecision:
     prefill_blocks: int  # the prompt's blocks it will compute there (queued prefill until its first token)
     reason: RouteReason
     fallback_cause: FallbackCause | None = None  # set when reason is FALLBACK
+    pull_from: Replica | None = None  # set when reason is PULL: the replica holding the prefix
+    pull_blocks: int = 0  # the prompt's leading blocks pull_from holds (what the hint names)
 
 
 class Router:
@@ -125,23 +144,40 @@ class Router:
 
     async def _by_prefix(self, replicas: Sequence[Replica], prompt: PreparedPrompt) -> RouteDecision:
         matches = await self._index.lookup(prompt.block_hashes)
+        held = {id(replica): _reusable_blocks(prompt, matches.get(replica.replica_id or "", 0)) for replica in replicas}
         eligible = self._within_bound(replicas)
-        cached = {id(replica): _reusable_tokens(prompt, matches.get(replica.replica_id or "", 0)) for replica in eligible}
-        if not any(cached.values()):
+        source = max(replicas, key=lambda replica: held[id(replica)]) if self._config.kv_pull else None
+        if source is not None and not held[id(source)]:
+            source = None
+        if not any(held[id(replica)] for replica in eligible) and source is None:
             is_held = any(matches.get(replica.replica_id or "", 0) for replica in replicas)
             cause = FallbackCause.IMBALANCE if is_held else FallbackCause.NO_MATCH
             return _uncached(prompt, self._least_loaded(replicas), RouteReason.FALLBACK, cause)
         num_blocks = _num_blocks(prompt)
         queue_weight, load_weight = self._config.queue_weight, self._config.load_weight
 
+        def prefill(replica: Replica) -> tuple[float, int]:
+            """(blocks it would prefill, pulled ones weighted; blocks it pulls: 0 = none)."""
+            own = held[id(replica)]
+            if source is None or held[id(source)] <= own:
+                return num_blocks - own, 0
+            pulled = held[id(source)] - own
+            with_pull = num_blocks - held[id(source)] + self._config.pull_block_cost * pulled
+            return (with_pull, pulled) if with_pull < num_blocks - own else (num_blocks - own, 0)
+
         def cost(replica: Replica) -> tuple[float, int, float]:
-            new_blocks = num_blocks - cached[id(replica)] // prompt.block_size_tokens
             weighted_load = queue_weight * replica.queued_prefill_blocks + load_weight * replica.num_requests
-            return new_blocks + weighted_load, *replica.load_key
+            return prefill(replica)[0] + weighted_load, *replica.load_key
 
         best = min(self._rotated(eligible), key=cost)
-        tokens = cached[id(best)]
-        return RouteDecision(best, tokens, num_blocks - tokens // prompt.block_size_tokens, RouteReason.PREFIX)
+        if prefill(best)[1]:
+            source_blocks = held[id(source)]
+            return RouteDecision(
+                best, source_blocks * prompt.block_size_tokens, num_blocks - source_blocks, RouteReason.PULL,
+                pull_from=source, pull_blocks=source_blocks,
+            )
+        own = held[id(best)]
+        return RouteDecision(best, own * prompt.block_size_tokens, num_blocks - own, RouteReason.PREFIX)
 
     def _within_bound(self, replicas: Sequence[Replica]) -> list[Replica]:
         least = min(replica.num_requests for replica in replicas)
@@ -167,8 +203,7 @@ def _num_blocks(prompt: PreparedPrompt) -> int:
     return -(-len(prompt.token_ids) // prompt.block_size_tokens)
 
 
-def _reusable_tokens(prompt: PreparedPrompt, num_cached_blocks: int) -> int:
-    """Prompt tokens a replica holding `num_cached_blocks` leading blocks can skip: the engine
+def _reusable_blocks(prompt: PreparedPrompt, num_cached_blocks: int) -> int:
+    """Prompt blocks a replica holding `num_cached_blocks` leading blocks can skip: the engine
     computes at least the prompt's last token, so a fully cached prompt reuses a block less."""
-    block_size = prompt.block_size_tokens
-    return min(num_cached_blocks, (len(prompt.token_ids) - 1) // block_size) * block_size
+    return min(num_cached_blocks, (len(prompt.token_ids) - 1) // prompt.block_size_tokens)

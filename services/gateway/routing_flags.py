@@ -10,6 +10,7 @@ from llmserve.gateway.router import (
     DEFAULT_LOAD_RATIO,
     DEFAULT_LOAD_SLACK,
     DEFAULT_LOAD_WEIGHT,
+    DEFAULT_PULL_BLOCK_COST,
     DEFAULT_QUEUE_WEIGHT,
     RoutingConfig,
     RoutingPolicy,
@@ -47,6 +48,16 @@ def add_routing_arguments(parser: argparse.ArgumentParser) -> None:
         "holds, so a request whose cached prefix is short goes to a quieter replica before the load bound "
         "forces one whose prefix is long to move (default: %(default)s)",
     )
+    group.add_argument(
+        "--routing-kv-pull", action="store_true",
+        help="the replicas are co-located (one host, a shared /dev/shm or, on GPUs, one IPC namespace) and "
+        "started with --kv-pull: kv routing may send a request to a less-loaded replica with a hint to pull "
+        "the prompt's prefix KV from the replica holding it, instead of recomputing it there (docs/routing.md)",
+    )
+    group.add_argument(
+        "--routing-pull-block-cost", type=float, default=DEFAULT_PULL_BLOCK_COST, metavar="BLOCKS",
+        help="with --routing-kv-pull, what pulling one KV block costs in recomputed blocks (default: %(default)s)",
+    )
     add_redis_arguments(
         group,
         "keep the prefix index in this Redis (redis://host:port/db), written by the inference replicas "
@@ -69,7 +80,7 @@ def routing_options(args: argparse.Namespace) -> dict[str, Any]:
     return dict(
         routing=RoutingConfig(
             RoutingPolicy(args.routing), args.routing_load_ratio, args.routing_load_slack,
-            args.routing_queue_weight, args.routing_load_weight,
+            args.routing_queue_weight, args.routing_load_weight, args.routing_kv_pull, args.routing_pull_block_cost,
         ),
         redis=redis_config_from_args(args),
         resolve_interval_s=args.resolve_interval_s,

@@ -199,6 +199,7 @@ def _usage_to_pb(result: GenerationResult) -> common_pb2.Usage:
         prompt_tokens=result.num_prompt_tokens,
         completion_tokens=result.num_completion_tokens,
         cached_tokens=result.num_cached_tokens,
+        pulled_tokens=result.num_pulled_tokens,
     )
 
 
@@ -218,7 +219,8 @@ def _result_to_pb(result: GenerationResult) -> gateway_pb2.GenerationResult:
         usage=_usage_to_pb(result),
         timings=_timings_to_pb(result),
         routing=gateway_pb2.RoutingInfo(
-            replica_id=result.replica_id, predicted_cached_tokens=result.predicted_cached_tokens
+            replica_id=result.replica_id, predicted_cached_tokens=result.predicted_cached_tokens,
+            pull_source_replica_id=result.pulled_from,
         ),
     )
 

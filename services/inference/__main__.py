@@ -22,6 +22,7 @@ from llmserve.inference.config import DEFAULT_KV_EVENTS_HEARTBEAT_MS, InferenceC
 from llmserve.inference.engine.config import MODEL_GROUP
 from llmserve.inference.engine_flags import add_engine_arguments, engine_config, engine_options
 from llmserve.inference.kv_event_log import KvEventLog
+from llmserve.inference.kv_pull_endpoints import KvPullEndpoints
 from llmserve.inference.metrics import register_load
 from llmserve.inference.servicer import SERVICE_NAME, InferenceServicer
 from llmserve.message_limits import token_ids_request_bytes
@@ -86,7 +87,8 @@ async def serve(config: InferenceConfig) -> None:
         engine, replica_id=config.replica_id or "", default_heartbeat_interval_s=config.kv_events_heartbeat_ms / 1000
     )
     await engine.start()
-    servicer = InferenceServicer(engine, kv_events)
+    kv_pull = KvPullEndpoints.of(engine) if config.engine.kv_pull else None
+    servicer = InferenceServicer(engine, kv_events, kv_pull)
     running = await create_server(
         config.address,
         lambda server: inference_pb2_grpc.add_InferenceServiceServicer_to_server(servicer, server),
@@ -102,7 +104,9 @@ async def serve(config: InferenceConfig) -> None:
     engine.on_core_failure(_not_serving_on_failure(running))
     await running.set_serving(True)
     write_port_file(config.port_file, running.port)
-    await serve_until_signal(running, grace_s=config.grace_period_s, on_drain=lambda: _drain(engine, kv_events, config))
+    await serve_until_signal(
+        running, grace_s=config.grace_period_s, on_drain=lambda: _drain(engine, kv_events, config, kv_pull)
+    )
     if publisher is not None:
         await publisher  # ended by kv_events.close(), having dropped this replica's entries
 
@@ -129,11 +133,17 @@ def _start_redis_publisher(config: InferenceConfig, kv_events: KvEventLog) -> as
     return start_publishing(config.redis, lambda: kv_events.subscribe(False, kv_events.default_heartbeat_interval_s))
 
 
-async def _drain(engine: AsyncEngine, kv_events: KvEventLog, config: InferenceConfig) -> None:
+async def _drain(
+    engine: AsyncEngine, kv_events: KvEventLog, config: InferenceConfig, kv_pull: KvPullEndpoints | None
+) -> None:
     # A draining replica refuses new requests, so its watchers had better stop routing here
     # now; their streams, which never end by themselves, must not hold the drain either.
     kv_events.close()
+    if kv_pull is not None:
+        await kv_pull.pins.release_all()  # pullers still copying fall back to recomputing
     await engine.shutdown(drain_timeout_s=config.grace_period_s)
+    if kv_pull is not None:
+        await kv_pull.puller.close()  # the engine's process exits: its reaper unlinks the pool
 
 
 def _log_startup(engine: AsyncEngine, replica_id: str, port: int) -> None:

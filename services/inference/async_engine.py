@@ -36,7 +36,7 @@ from llmserve.errors import DeadlineExceeded, InvalidArgument, ResourceExhausted
 from llmserve.client_text import quoted
 from llmserve.inference import metrics
 from llmserve.inference.admission import AdmissionConfig, AdmissionController, Admitted
-from llmserve.inference.engine.engine_loop import CoreUpdate, Deliver
+from llmserve.inference.engine.engine_loop import CallCore, CoreReply, CoreUpdate, Deliver
 from llmserve.inference.engine.types import CacheEvent, EngineLoad, EngineRequest, ModelInfo
 from llmserve.sampling import FinishReason
 
@@ -67,6 +67,12 @@ class CoreClient(Protocol):
     def abort_request(self, request_id: str) -> None: ...
 
     def load(self) -> EngineLoad: ...
+
+
+class CallingCoreClient(CoreClient, Protocol):
+    """A core client whose core answers calls (EngineThread, EngineProcess: engine_loop.CallCore)."""
+
+    def call_core(self, call: CallCore) -> None: ...
 
 
 @dataclass(slots=True)
@@ -104,6 +110,8 @@ class AsyncEngine:
         tensor-parallel rank's, died): the service then reports NOT_SERVING."""
         self._on_core_failure.append(callback)
         self._none_in_flight.set()
+        self._calls: dict[int, asyncio.Future] = {}  # call_id → the caller's future (call_core)
+        self._num_calls = 0
 
     # --- lifecycle --------------------------------------------------------------------------
 
@@ -180,6 +188,21 @@ class AsyncEngine:
         """The core client's latest snapshot; no call into the core."""
         return self._client.load()
 
+    async def call_core(self, method: str, *args):
+        """Call the core's `method` (engine_loop.CORE_CALLS) between two of its steps and return
+        what it returned; raises what it raised, NotImplementedError for a core that takes no
+        calls, Unavailable when the core is gone. Cancelling the wait does not undo the call."""
+        call_core = getattr(self._client, "call_core", None)
+        if call_core is None:
+            raise NotImplementedError(f"the {self.model_info.backend} backend's engine takes no core calls")
+        if not self._client.is_running:
+            raise Unavailable("the inference engine is not running")
+        self._num_calls += 1
+        call = CallCore(self._num_calls, method, args)
+        future = self._calls[call.call_id] = asyncio.get_running_loop().create_future()
+        call_core(call)
+        return await future
+
     # --- outputs ----------------------------------------------------------------------------
 
     def _deliver(self, update: CoreUpdate) -> None:
@@ -188,6 +211,7 @@ class AsyncEngine:
         admission and to their consumers; a request whose every sequence has its final output
         is no longer in flight."""
         metrics.record_steps(update.steps)
+        self._answer(update.replies, update.core_failure)
         self._admission.observe_steps(update.steps)
         if update.kv_events and self._kv_event_sink is not None:
             self._announce(update.kv_events)
@@ -205,6 +229,21 @@ class AsyncEngine:
                 in_flight.on_output(output, is_last)
         if not self._requests:
             self._none_in_flight.set()
+
+    def _answer(self, replies: list[CoreReply], core_failure: str) -> None:
+        for reply in replies:
+            future = self._calls.pop(reply.call_id, None)
+            if future is None or future.done():
+                continue  # its caller stopped waiting
+            if reply.error is not None:
+                future.set_exception(reply.error)
+            else:
+                future.set_result(reply.result)
+        if core_failure:
+            for future in self._calls.values():
+                if not future.done():
+                    future.set_exception(Unavailable(core_failure))
+            self._calls.clear()
 
     def _account(self, outputs: list[EngineOutput]) -> list[tuple[_InFlight, EngineOutput, bool]]:
         """Each output with its request's state and whether it is the request's last; the

@@ -18,10 +18,10 @@ request state, this keeps only the ids to detach when the RPC ends early.
 from __future__ import annotations
 
 import asyncio
-from typing import AsyncIterator
+from typing import Any, AsyncIterator, Coroutine
 
 from llmserve.engine_output import EngineOutput, coalesced
-from llmserve.errors import ServiceError
+from llmserve.errors import Cancelled, ServiceError
 from llmserve.inference.async_engine import AsyncEngine
 from llmserve.inference.engine.types import EngineRequest
 
@@ -33,6 +33,8 @@ class OutputStream:
         self._refusals: list[tuple[str, ServiceError]] = []  # (request id, why), not yet taken
         self._open_request_ids: set[str] = set()  # started here, their last output not yet produced
         self._has_news = asyncio.Event()
+        self._pulls: dict[str, asyncio.Task] = {}  # request id → its prefix pull, before it is started
+        self._num_pulled_tokens: dict[str, int] = {}  # request id → its prefix tokens pulled, until its last output
 
     @property
     def has_open_requests(self) -> bool:
@@ -43,10 +45,30 @@ class OutputStream:
         """Outputs or refusals wait to be taken."""
         return bool(self._outputs or self._refusals)
 
-    def start(self, request: EngineRequest) -> None:
-        """Submit the request; raises the engine's refusal (nothing started then)."""
+    def start(self, request: EngineRequest, num_pulled_tokens: int = 0) -> None:
+        """Submit the request; raises the engine's refusal (nothing started then).
+        `num_pulled_tokens`: its prefix tokens pulled from another replica just before."""
         self._engine.submit(request, self._on_output)
         self._open_request_ids.add(request.request_id)
+        if num_pulled_tokens:
+            self._num_pulled_tokens[request.request_id] = num_pulled_tokens
+
+    def start_after_pull(self, request: EngineRequest, pull: Coroutine[Any, Any, int]) -> None:
+        """Start the request once `pull` (KvPuller.pull: never raises) has pulled its prefix;
+        it is open here from now on. A refusal then is reported as by `refuse`."""
+        self._open_request_ids.add(request.request_id)
+        self._pulls[request.request_id] = asyncio.ensure_future(self._pull_then_start(request, pull))
+
+    async def _pull_then_start(self, request: EngineRequest, pull: Coroutine[Any, Any, int]) -> None:
+        try:
+            num_pulled_tokens = await pull
+        finally:
+            self._pulls.pop(request.request_id, None)  # abort and close take it out first
+        try:
+            self.start(request, num_pulled_tokens)
+        except ServiceError as error:
+            self._open_request_ids.discard(request.request_id)
+            self.refuse(request.request_id, error)
 
     def refuse(self, request_id: str, error: ServiceError) -> None:
         """A request that never reached the engine: the writer reports `error` for it."""
@@ -54,7 +76,14 @@ class OutputStream:
         self._has_news.set()
 
     def abort(self, request_id: str) -> None:
-        """Abort a request (idempotent): it ends with CANCELLED outputs."""
+        """Abort a request (idempotent): it ends with CANCELLED outputs (one still pulling its
+        prefix is never submitted, and ends CANCELLED here)."""
+        pull = self._pulls.pop(request_id, None)
+        if pull is not None:
+            pull.cancel()
+            self._open_request_ids.discard(request_id)
+            self.refuse(request_id, Cancelled("aborted while pulling its prefix KV"))
+            return
         self._engine.abort(request_id)
 
     async def wait(self) -> None:
@@ -81,11 +110,20 @@ class OutputStream:
 
     def close(self) -> None:
         """The RPC ended: detach what is still open (its outputs are no longer wanted)."""
+        for request_id, pull in list(self._pulls.items()):
+            pull.cancel()
+            self._open_request_ids.discard(request_id)
+        self._pulls.clear()
         for request_id in list(self._open_request_ids):
             self._engine.detach(request_id)
         self._open_request_ids.clear()
 
     def _on_output(self, output: EngineOutput, is_last: bool) -> None:
+        if output.is_finished and output.request_id in self._num_pulled_tokens:
+            # pulled blocks evicted before admission were recomputed: at most what was cached
+            output.num_pulled_tokens = min(self._num_pulled_tokens[output.request_id], output.num_cached_tokens)
+            if is_last:
+                del self._num_pulled_tokens[output.request_id]
         self._outputs.append(output)
         self._has_news.set()
         if is_last:

@@ -27,15 +27,18 @@ import grpc
 
 from llmserve.bidi_stream import served
 from llmserve.block_hash import HASH_VERSION
-from llmserve.errors import InvalidArgument
+from llmserve.errors import FailedPrecondition, InvalidArgument
 from llmserve.inference.async_engine import AsyncEngine
 from llmserve.inference.config import KV_EVENTS_HEARTBEAT_MS_RANGE
+from llmserve.inference.engine.kv_block_import import KvPullRefused
 from llmserve.inference.kv_event_log import KvEventLog
+from llmserve.inference.kv_pull_endpoints import KvPullEndpoints
+from llmserve.inference.kv_pull_wire import identity_from_pb, pin_to_pb
 from llmserve.inference.multiplex import MultiplexedStream
 from llmserve.inference.output_stream import OutputStream
-from llmserve.inference.wire import deadline_ns, request_from_pb, split_at_deadline
+from llmserve.inference.wire import deadline_ns, hint_from_pb, pin_request_from_pb, request_from_pb, split_at_deadline
 from llmserve.kv_events import batch_to_pb
-from llmserve.pb import model_info_to_pb, output_to_pb
+from llmserve.pb import MULTIPLEX_COLUMNS_METADATA, model_info_to_pb, output_to_pb
 from llmserve.request_context import bind_request_id
 from llmserve.v1 import inference_pb2, inference_pb2_grpc
 
@@ -43,11 +46,13 @@ SERVICE_NAME = inference_pb2.DESCRIPTOR.services_by_name["InferenceService"].ful
 
 
 class InferenceServicer(inference_pb2_grpc.InferenceServiceServicer):
-    """`kv_events` is the log of `engine`'s cache (KvEventLog.of) and names the replica."""
+    """`kv_events` is the log of `engine`'s cache (KvEventLog.of) and names the replica;
+    `kv_pull` (--kv-pull) pins this replica's blocks for pullers and pulls requests' prefixes."""
 
-    def __init__(self, engine: AsyncEngine, kv_events: KvEventLog):
+    def __init__(self, engine: AsyncEngine, kv_events: KvEventLog, kv_pull: KvPullEndpoints | None = None):
         self._engine = engine
         self._kv_events = kv_events
+        self._kv_pull = kv_pull
 
     async def GenerateTokens(
         self, request: inference_pb2.GenerateTokensRequest, context: grpc.aio.ServicerContext
@@ -56,7 +61,12 @@ class InferenceServicer(inference_pb2_grpc.InferenceServiceServicer):
         bind_request_id(request.request_id)
         deadline = deadline_ns(request, arrival_ns, context.time_remaining())
         stream = OutputStream(self._engine)
-        stream.start(request_from_pb(request, self._engine.model_info, arrival_ns, deadline))
+        engine_request = request_from_pb(request, self._engine.model_info, arrival_ns, deadline)
+        hint = hint_from_pb(request)
+        num_pulled_tokens = 0
+        if hint is not None and self._kv_pull is not None:
+            num_pulled_tokens = await self._kv_pull.puller.pull(engine_request, hint)
+        stream.start(engine_request, num_pulled_tokens)
         try:
             async for output in stream.outputs():
                 tokens, deadline_error = split_at_deadline(output)
@@ -70,7 +80,12 @@ class InferenceServicer(inference_pb2_grpc.InferenceServiceServicer):
     async def Multiplex(
         self, request_iterator: AsyncIterator[inference_pb2.MultiplexRequest], context: grpc.aio.ServicerContext
     ) -> AsyncIterator[inference_pb2.MultiplexResponse]:
-        stream = MultiplexedStream(self._engine)
+        metadata = context.invocation_metadata() or ()
+        stream = MultiplexedStream(
+            self._engine,
+            self._kv_pull.puller if self._kv_pull is not None else None,
+            token_columns=MULTIPLEX_COLUMNS_METADATA in tuple(metadata),
+        )
         async for response in served(stream.read_commands(request_iterator), stream.responses(), stream.close):
             yield response
 
@@ -106,6 +121,26 @@ class InferenceServicer(inference_pb2_grpc.InferenceServiceServicer):
             prefix_cache_hit_tokens_total=load.prefix_cache_hit_tokens_total,
             num_preemptions_total=load.num_preemptions_total,
         )
+
+    async def PinKvBlocks(
+        self, request: inference_pb2.PinKvBlocksRequest, context: grpc.aio.ServicerContext
+    ) -> inference_pb2.PinKvBlocksResponse:
+        if self._kv_pull is None:
+            raise FailedPrecondition("this replica does not export its KV pool (started without --kv-pull)")
+        engine_request, lease_ms = pin_request_from_pb(request, self._engine.model_info)
+        try:
+            pin_id, source = await self._kv_pull.pins.pin(
+                engine_request, request.max_blocks, identity_from_pb(request.puller), lease_ms / 1000
+            )
+        except (KvPullRefused, NotImplementedError) as refused:
+            raise FailedPrecondition(str(refused)) from None
+        return pin_to_pb(pin_id, source, lease_ms)
+
+    async def ReleaseKvBlocks(
+        self, request: inference_pb2.ReleaseKvBlocksRequest, context: grpc.aio.ServicerContext
+    ) -> inference_pb2.ReleaseKvBlocksResponse:
+        was_pinned = self._kv_pull is not None and await self._kv_pull.pins.release(request.pin_id)
+        return inference_pb2.ReleaseKvBlocksResponse(was_pinned=was_pinned)
 
     async def WatchKvEvents(
         self, request: inference_pb2.WatchKvEventsRequest, context: grpc.aio.ServicerContext

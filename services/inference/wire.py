@@ -8,6 +8,8 @@ reason on the wire means "deadline".
 
 from __future__ import annotations
 
+import time
+
 from llmserve import pb
 from llmserve.block_hash import HASH_VERSION
 from llmserve.errors import DeadlineExceeded, InvalidArgument
@@ -16,8 +18,9 @@ from llmserve.request_context import check_request_id
 from llmserve.response_format import FIELD as RESPONSE_FORMAT_FIELD
 from llmserve.response_format import require_grammar_library
 from llmserve.engine_output import EngineOutput
-from llmserve.sampling import FinishReason
+from llmserve.sampling import FinishReason, SamplingParams
 from llmserve.inference.engine.types import EngineRequest, ModelInfo
+from llmserve.inference.kv_puller import KvPullHint
 from llmserve.v1 import inference_pb2
 
 
@@ -162,3 +165,40 @@ def split_at_deadline(output: EngineOutput) -> tuple[EngineOutput | None, Deadli
     if not output.new_token_ids:
         return None, error
     return EngineOutput(output.request_id, output.sequence_index, output.new_token_ids, output.logprobs), error
+
+
+def hint_from_pb(pb_request: inference_pb2.GenerateTokensRequest) -> KvPullHint | None:
+    """The request's KvPullHint, checked; None when it names no source."""
+    if not pb_request.HasField("kv_pull"):
+        return None
+    address = pb_request.kv_pull.source_address
+    if not address:
+        raise InvalidArgument("kv_pull.source_address", "must name the source replica (host:port)")
+    if len(address) > MAX_SOURCE_ADDRESS_CHARS:
+        raise InvalidArgument("kv_pull.source_address", f"{len(address)} characters exceed the limit of {MAX_SOURCE_ADDRESS_CHARS}")
+    return KvPullHint(pb_request.kv_pull.source_address, pb_request.kv_pull.num_blocks)
+
+
+# A host:port: a DNS name is at most 253 characters.
+MAX_SOURCE_ADDRESS_CHARS = 260
+# A pin's lease: what a puller may ask for (ms); 0 asks for the default.
+DEFAULT_PIN_LEASE_MS = 10_000
+MAX_PIN_LEASE_MS = 60_000
+
+
+def pin_request_from_pb(pb_request: inference_pb2.PinKvBlocksRequest, info: ModelInfo) -> tuple[EngineRequest, int]:
+    """The prompt to look the pinned blocks up by, as a request of it, and the lease in ms."""
+    check_cache_salt(pb_request.cache_salt)
+    prompt_token_ids = list(pb_request.prompt_token_ids)
+    if not prompt_token_ids:
+        raise InvalidArgument("prompt_token_ids", "must not be empty")
+    if len(prompt_token_ids) > info.max_context_tokens:
+        raise InvalidArgument("prompt_token_ids", f"{len(prompt_token_ids)} tokens exceed the context of {info.max_context_tokens}")
+    if pb_request.lease_ms > MAX_PIN_LEASE_MS:
+        raise InvalidArgument("lease_ms", f"{pb_request.lease_ms} exceeds the limit of {MAX_PIN_LEASE_MS}")
+    if not pb_request.HasField("puller"):
+        raise InvalidArgument("puller", "must describe the puller (its PeerIdentity)")
+    request = EngineRequest(
+        "kv-pin", prompt_token_ids, SamplingParams(max_tokens=1), time.monotonic_ns(), cache_salt=pb_request.cache_salt
+    )
+    return request, pb_request.lease_ms or DEFAULT_PIN_LEASE_MS

@@ -39,6 +39,7 @@ class RequestRecord:
     message_num_tokens: list[int] = field(default_factory=list)  # tokens in that message
     num_completion_tokens: int = 0
     num_cached_tokens: int = 0
+    num_pulled_tokens: int = 0  # of the cached ones, pulled from another replica (KV pull)
     status: str = "OK"  # a grpc.StatusCode name; over HTTP also HTTP_<status> (openai_client.py)
     error: str = ""
     # The answer, kept only in multi-turn runs (the next turn's prompt includes it).
@@ -117,6 +118,7 @@ async def record_stream(record: RequestRecord, stream, usage_of, keep_answer: bo
                 record.num_prompt_tokens = usage.prompt_tokens
                 record.num_completion_tokens = usage.completion_tokens
                 record.num_cached_tokens = usage.cached_tokens
+                record.num_pulled_tokens = usage.pulled_tokens
     except grpc.aio.AioRpcError as error:
         record.status = error.code().name
         record.error = error.details() or ""

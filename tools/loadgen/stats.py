@@ -86,6 +86,7 @@ def summarize(records: list[RequestRecord], start_s: float, end_s: float) -> dic
         "num_prompt_tokens": num_prompt,
         "num_completion_tokens": num_completion,
         "num_cached_tokens": sum(r.num_cached_tokens for r in ok),
+        "num_pulled_tokens": sum(r.num_pulled_tokens for r in ok),
         "num_messages": sum(len(r.message_times_s) for r in ok),
         **{name: distribution(values) for name, values in latency_samples_ms(records).items()},
         "first_errors": [f"{r.status}: {r.error}" for r in records if not r.is_ok][:5],

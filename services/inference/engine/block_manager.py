@@ -149,8 +149,8 @@ class BlockManager:
         num_new_blocks = self._num_new_blocks(seq, num_new_tokens, cached_block_ids)
         if not seq.block_ids:
             self._adopt_cached(seq, cached_block_ids)
-        for _ in range(num_new_blocks):
-            seq.block_ids.append(self._take_free_block())
+        if num_new_blocks:  # a new list: Sequence.block_ids is never changed in place
+            seq.block_ids = seq.block_ids + [self._take_free_block() for _ in range(num_new_blocks)]
         return True
 
     def free(self, seq: Sequence) -> None:
@@ -172,13 +172,14 @@ class BlockManager:
         assert self.can_fork(parent) and not child.block_ids
         num_full = parent.num_computed_tokens // self.block_size
         has_partial = parent.num_computed_tokens % self.block_size != 0
-        child.block_ids = parent.block_ids[:num_full]
-        for block_id in child.block_ids:
+        shared = parent.block_ids[:num_full]
+        for block_id in shared:
             self.blocks[block_id].ref_count += 1
         child.num_registered_blocks = min(parent.num_registered_blocks, num_full)
         if not has_partial:
+            child.block_ids = shared
             return None
-        child.block_ids.append(self._take_free_block())
+        child.block_ids = shared + [self._take_free_block()]
         return parent.block_ids[num_full], child.block_ids[-1]
 
     def register_computed_blocks(self, seq: Sequence) -> None:
@@ -205,6 +206,17 @@ class BlockManager:
                 else:
                     break  # a hash collision: the cached block holds another prefix
             seq.num_registered_blocks = index + 1
+
+    def hold(self, block_ids: list[int]) -> None:
+        """One more reference to each block, owned by no sequence: a pin while another replica
+        copies them (KV pull). Held blocks are neither reused nor evicted until released."""
+        for block_id in block_ids:
+            self._reference(block_id)
+
+    def release(self, block_ids: list[int]) -> None:
+        """Drop the references `hold` took, tail first (as a sequence frees its blocks)."""
+        for block_id in reversed(block_ids):
+            self._release(block_id)
 
     def take_events(self) -> list[CacheEvent]:
         """The prefix-cache changes since the previous call, in the order they happened."""
@@ -234,7 +246,9 @@ class BlockManager:
         """Point block `index` of `seq` at its registered twin and release the duplicate."""
         duplicate_id = seq.block_ids[index]
         self._reference(twin_id)
-        seq.block_ids[index] = twin_id
+        block_ids = list(seq.block_ids)  # a new list: Sequence.block_ids is never changed in place
+        block_ids[index] = twin_id
+        seq.block_ids = block_ids
         self._release(duplicate_id)
 
     def _reference(self, block_id: int) -> None:

@@ -10,8 +10,12 @@ So each sequence keeps a row of a device table, a step sends only the rows that 
 row of each of its sequences, and the graph gathers its block tables from the rows on the
 device (DecodeGraphs).
 
-Rows are assigned on first sight, by sequence id, and compared with what was written (a list
-comparison, in C) every step: a row can never be stale. Row 0 stays all zeros for padding
+Rows are assigned on first sight, by sequence id, and the table each step brings is compared
+with what was written by identity: a sequence's block_ids list is replaced, never changed in
+place (Sequence's docstring), and a step passes that list itself, so the same object is the
+same table and a changed table is a new object (a slice, or a new block_ids list). A row can
+never be stale; a new object with the old contents only costs a re-upload. (Before: a list
+comparison per sequence per step, ~0.15 µs each at ~50 blocks; issue 19.) Row 0 stays all zeros for padding
 rows. There are twice as many rows as a step can hold, plus one: when none is free, every row
 of a sequence not in the current step is taken back, which frees at least half.
 """
@@ -32,9 +36,12 @@ class BlockTableRows:
         self._written: list[list[int] | None] = [None] * self.num_rows
         self._free = list(range(self.num_rows - 1, PADDING_ROW, -1))
 
-    def assign(self, seq_ids: list[int], tables: list[list[int]]) -> tuple[list[int], list[int]]:
-        """(row of each sequence, rows whose table changed and must be uploaded: `written(row)`).
-        The tables are kept as given: the caller passes lists it no longer changes (slices)."""
+    def assign(self, seq_ids: list[int], tables: list[list[int]]) -> tuple[list[int], list[tuple[int, int]]]:
+        """(row of each sequence, (row, first column) of each row whose table changed: the
+        entries `written(row)[first:]` must be uploaded). A table that extends what its row
+        holds (a block appended, the usual change) sends only the new entries; any other
+        change, the whole table. The tables are kept as given: the caller passes lists nobody
+        changes in place."""
         rows, changed = [], []
         row_of, written = self._row_of, self._written
         for seq_id, table in zip(seq_ids, tables):
@@ -42,9 +49,11 @@ class BlockTableRows:
             if row is None:
                 row = self._take_row(seq_ids)
                 row_of[seq_id] = row
-            if written[row] != table:
+            old = written[row]
+            if old is not table:
+                extends = old is not None and len(table) > len(old) and table[: len(old)] == old
                 written[row] = table
-                changed.append(row)
+                changed.append((row, len(old) if extends else 0))
             rows.append(row)
         return rows, changed
 

@@ -144,6 +144,15 @@ class EngineConfig:
     )  # fmt: skip
     enable_prefix_caching: bool = _flagged(True, "--no-prefix-caching", "do not reuse KV blocks of shared prefixes")
     enable_chunked_prefill: bool = True
+    # The KV pool in a transport region (docs/transport.md, "KV pull"): co-located replicas pull
+    # each other's prefix blocks instead of recomputing them. Off by default: on CPU the pool is
+    # a /dev/shm segment, which must fit the container's shm size.
+    kv_pull: bool = _flagged(
+        False, "--kv-pull", "export the KV pool so that co-located replicas pull prefix blocks from it, "
+        "and pull them from others when a request names a source (PinKvBlocks). On CPU the pool is "
+        "allocated in /dev/shm: the container's /dev/shm must hold it (see --num-kv-blocks); on CUDA "
+        "it is exported by CUDA IPC (same GPU or peer access, one IPC namespace)",
+    )  # fmt: skip
     enforce_eager: bool = _flagged(False, "--enforce-eager", "CUDA: skip CUDA-graph capture")
     # The core's own process keeps the step loop off the GIL that gRPC serving holds
     # (engine/engine_process.py says what it measured).

@@ -18,7 +18,8 @@ as one graph they run back to back without Python or launch gaps.
 Graphs share one memory pool (with the prefill graphs too, engine/prefill_graphs.py) and are
 captured largest first, so the smaller ones reuse its blocks (capture_graphs). Capture happens
 at engine start, before the service reports SERVING. The host-side padding is pure
-(pad_decode_step); `DecodeGraphs(pool=None)` runs the same static-buffer path eagerly, which is
+(pad_decode_step, the values `_stage` writes in place into its staging buffer);
+`DecodeGraphs(pool=None)` runs the same static-buffer path eagerly, which is
 how the CPU tests exercise it. GraphSet (graphs by size, replay or uncaptured run) and
 capture_graphs are shared with the prefill graphs.
 """
@@ -32,6 +33,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from types import MappingProxyType
 
+import numpy as np
 import torch
 
 from llmserve.buckets import DECODE_GRAPH_BATCH_SIZES
@@ -80,6 +82,10 @@ def pad_decode_step(step: StepInputs, size: int) -> PaddedDecode:
         slot_mapping=step.slot_mapping + [PADDING_SLOT] * num_pad,
         context_lens=step.decode_context_lens + [0] * num_pad,
     )
+
+
+# A padding row's (input id, position, slot, context length, table row): pad_decode_step's values.
+_PADDING_COLUMN = np.array([[0], [0], [PADDING_SLOT], [0], [PADDING_ROW]], dtype=np.int32)
 
 
 class GraphSet:
@@ -154,7 +160,7 @@ class DecodeGraphs(GraphSet):
         # may not have run yet; the copy of step N-1 has (its results were read).
         pin = device.type == "cuda"
         self._host_ints = [torch.zeros(5, max_size, dtype=torch.int32, pin_memory=pin) for _ in range(2)]
-        changed_size = max_size * (1 + max_blocks_per_seq)
+        changed_size = 3 * max_size * max_blocks_per_seq  # (row, column, block id) per entry sent
         self._host_changed = [torch.zeros(changed_size, dtype=torch.int32, pin_memory=pin) for _ in range(2)]
         self._changed = torch.zeros(changed_size, dtype=torch.int32, device=device)
         self._num_staged = 0
@@ -172,7 +178,7 @@ class DecodeGraphs(GraphSet):
         the next step). `fill_input_ids` completes the staged ids on the device (placeholder
         tokens) before the replay."""
         size = graph_size_for(step.num_decodes, self.sizes)
-        self._stage(pad_decode_step(step, size), step)
+        self._stage(step, size)
         if fill_input_ids is not None:
             fill_input_ids(self.input_ids)
         return self._run(size, step.num_decodes)
@@ -184,41 +190,46 @@ class DecodeGraphs(GraphSet):
         (row_index,) = device_int32([rows], self.device)
         return self.rows.table.index_select(0, row_index)
 
-    def _stage(self, padded: PaddedDecode, step: StepInputs) -> None:
-        size, num_seqs = len(padded.input_ids), step.num_decodes
+    def _stage(self, step: StepInputs, size: int) -> None:
+        """The step's rows, then padding rows up to `size` (pad_decode_step's values, written in
+        place: no padded lists)."""
+        num_seqs = step.num_decodes
         rows = self._assign_rows(step)
         host_ints = self._host_ints[self._num_staged % 2]
         host = host_ints.numpy()
-        host[0, :size] = padded.input_ids
-        host[1, :size] = padded.positions
-        host[2, :size] = padded.slot_mapping
-        host[3, :size] = padded.context_lens
+        host[0, :num_seqs] = step.input_ids
+        host[1, :num_seqs] = step.positions
+        host[2, :num_seqs] = step.slot_mapping
+        host[3, :num_seqs] = step.decode_context_lens
         host[4, :num_seqs] = rows
-        host[4, num_seqs:size] = PADDING_ROW
+        host[:, num_seqs:size] = _PADDING_COLUMN
         self._static_ints.copy_(host_ints, non_blocking=True)  # rows past `size`: read by no graph
 
     def _assign_rows(self, step: StepInputs) -> list[int]:
-        """The decodes' rows; the changed ones written on the device (ids and block ids in one
-        copy, then one scatter, before what follows on the same stream). Takes the step's turn
-        of the staging buffers."""
+        """The decodes' rows; the entries that changed written on the device: (row, column,
+        block id) of each, in one copy, then one scatter, before what follows on the same
+        stream (a row that gained a block sends that block alone). Takes the step's turn of
+        the staging buffers."""
         rows, changed = self.rows.assign(step.decode_seq_ids, step.decode_block_tables)
         host_changed = self._host_changed[self._num_staged % 2]
         self._num_staged += 1
         if not changed:
             return rows
-        num_changed = len(changed)
-        width = max(len(self.rows.written(row)) for row in changed)
-        staged = host_changed[: num_changed * (1 + width)]
-        array = staged.numpy()
-        array[:num_changed] = changed
-        tables = array[num_changed:].reshape(num_changed, width)
-        for j, row in enumerate(changed):
+        row_ids, column_ids, block_ids = [], [], []
+        for row, first in changed:
             table = self.rows.written(row)
-            tables[j, : len(table)] = table
-            tables[j, len(table) :] = 0
-        device_staged = self._changed[: num_changed * (1 + width)]
+            row_ids += [row] * (len(table) - first)
+            column_ids += range(first, len(table))
+            block_ids += table[first:] if first else table
+        count = len(block_ids)
+        staged = host_changed[: 3 * count]
+        array = staged.numpy()
+        array[:count] = row_ids
+        array[count : 2 * count] = column_ids
+        array[2 * count :] = block_ids
+        device_staged = self._changed[: 3 * count]
         device_staged.copy_(staged, non_blocking=True)
-        self.rows.table[device_staged[:num_changed], :width] = device_staged[num_changed:].view(num_changed, width)
+        self.rows.table[device_staged[:count], device_staged[count : 2 * count]] = device_staged[2 * count :]
         return rows
 
     def _forward(self, size: int) -> torch.Tensor:

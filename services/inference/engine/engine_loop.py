@@ -9,6 +9,9 @@ Each iteration reads top to bottom:
   5. emit the outputs of 2-4 and the prefix-cache changes they made (CacheEvents, usually
      none) with the core's load, snapshot after the step (a consumer that sees a final output
      reads a load that already counts it), and the step's StepReport when it ran a batch.
+     The outputs are one StepOutputs (llmserve.engine_output): the aborts' and the step's
+     EngineOutputs, then the step's plain tokens as columns, as the core returned them (a
+     core that returns a list of EngineOutputs has no columns).
 
 A request is *in flight* from the add command until each of its sequences has produced its
 final output here: from the core, from an abort (CANCELLED, DEADLINE) or from a failure
@@ -26,11 +29,12 @@ from __future__ import annotations
 import dataclasses
 import heapq
 import logging
+import pickle
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from llmserve.engine_output import EngineOutput
+from llmserve.engine_output import EngineOutput, StepOutputs
 from llmserve.inference.engine.types import CacheEvent, EngineCore, EngineLoad, EngineRequest, StepFailed, StepReport
 from llmserve.sampling import FinishReason
 
@@ -52,24 +56,45 @@ class Stop:
     pass
 
 
-EngineCommand = AddRequest | AbortRequest | Stop
+@dataclass(slots=True)
+class CallCore:
+    """Call one of the core's CORE_CALLS with `args`; its CoreReply comes back with the
+    iteration's outputs (how the server asks the core to pin, release or pull KV blocks)."""
+
+    call_id: int
+    method: str
+    args: tuple
+
+
+@dataclass(slots=True)
+class CoreReply:
+    call_id: int
+    result: object = None
+    error: BaseException | None = None  # what the call raised (picklable: it may cross the pipe)
+
+
+# The core methods a CallCore may name (TorchEngineCore's KV pull).
+CORE_CALLS = frozenset({"kv_identity", "kv_pin", "kv_release", "kv_import", "kv_forget"})
+
+EngineCommand = AddRequest | AbortRequest | Stop | CallCore
 
 @dataclass(slots=True)
 class Iteration:
     """What one iteration of the loop produced (what `emit` is handed)."""
 
-    outputs: list[EngineOutput]
+    outputs: StepOutputs
     load: EngineLoad  # after the iteration, with the loop's request totals
     kv_events: list[CacheEvent]
     step: StepReport | None  # None: it ran no batch
     is_stopping: bool  # a Stop command was applied: every request was cancelled, the loop ends
+    replies: list[CoreReply]  # to the iteration's CallCore commands, in order
 
 
 # take_commands(block) -> the queued commands; with block=True it waits for at least one.
 TakeCommands = Callable[[bool], list[EngineCommand]]
-# emit(outputs, load, kv_events, step) -> False when nobody is left to read them (the loop then
-# ends); `step` is None when the iteration ran no batch.
-Emit = Callable[[list[EngineOutput], EngineLoad, list[CacheEvent], StepReport | None], bool]
+# emit(outputs, load, kv_events, step, replies) -> False when nobody is left to read them (the
+# loop then ends); `step` is None when the iteration ran no batch.
+Emit = Callable[[StepOutputs, EngineLoad, list[CacheEvent], StepReport | None, list[CoreReply]], bool]
 
 
 @dataclass(slots=True)
@@ -80,6 +105,7 @@ class CoreUpdate:
     outputs: list[EngineOutput]
     kv_events: list[CacheEvent]
     steps: list[StepReport]
+    replies: list[CoreReply] = dataclasses.field(default_factory=list)
     # Set once, when the core is gone (its process died): every request in flight fails with it.
     core_failure: str = ""
 
@@ -105,6 +131,7 @@ class EngineLoop:
         self._deadlines: list[tuple[int, str]] = []  # heap of (deadline_ns, request_id)
         self._last_load: EngineLoad | None = None
         self._step_report: StepReport | None = None  # the current iteration's, set by _step
+        self._replies: list[CoreReply] = []  # the current iteration's, set by _apply
         self._previous_step_ended_s: float | None = None  # None: the loop has waited since
 
     def run(self, take_commands: TakeCommands, emit: Emit) -> None:
@@ -115,9 +142,9 @@ class EngineLoop:
                 self._previous_step_ended_s = None  # the wait is not part of the next step's period
             commands = take_commands(is_idle)
             iteration = self.iterate(commands)
-            is_news = iteration.outputs or iteration.kv_events or iteration.step is not None
+            is_news = iteration.outputs or iteration.kv_events or iteration.step is not None or iteration.replies
             if (is_news or iteration.load != self._last_load) and not emit(
-                iteration.outputs, iteration.load, iteration.kv_events, iteration.step
+                iteration.outputs, iteration.load, iteration.kv_events, iteration.step, iteration.replies
             ):
                 break
             self._last_load = iteration.load
@@ -130,17 +157,19 @@ class EngineLoop:
         is_stopping = any(isinstance(command, Stop) for command in commands)
         outputs = [output for command in commands for output in self._guarded(self._apply, command)]
         outputs += self._guarded(self._abort_expired)
-        outputs += self._guarded(self._cancel_all if is_stopping else self._step)
+        stepped = StepOutputs.of(self._guarded(self._cancel_all if is_stopping else self._step))
         kv_events = self._take_kv_events()
         step, self._step_report = self._step_report, None
-        return Iteration(outputs, self._load(), kv_events, step, is_stopping)
+        replies, self._replies = self._replies, []
+        outputs = StepOutputs(outputs + stepped.outputs, stepped.tokens)
+        return Iteration(outputs, self._load(), kv_events, step, is_stopping, replies)
 
     @property
     def has_work(self) -> bool:
         """A request is in flight in the core: the next iteration steps it."""
         return self._has_work()
 
-    def _guarded(self, stage: Callable[..., list[EngineOutput]], *args) -> list[EngineOutput]:
+    def _guarded(self, stage: Callable[..., list[EngineOutput] | StepOutputs], *args) -> list[EngineOutput] | StepOutputs:
         """Core failures are handled inside each stage; this catches our own bugs, which must
         not end the loop and strand every stream."""
         try:
@@ -161,6 +190,9 @@ class EngineLoop:
             return []  # run() cancels what is in flight once every command is applied
         if isinstance(command, AbortRequest):
             return self._abort(command.request_id, FinishReason.CANCELLED, "")
+        if isinstance(command, CallCore):
+            self._replies.append(self._call(command))
+            return []
         request = command.request
         self._in_flight[request.request_id] = _InFlightRequest(
             num_prompt_tokens=len(request.prompt_token_ids),
@@ -176,6 +208,17 @@ class EngineLoop:
             return self._abort(request.request_id, FinishReason.ERROR, _describe(exc, "add_request"))
         return []
 
+    def _call(self, command: CallCore) -> CoreReply:
+        """A CallCore's answer; what it raised is the answer when it fails (the caller decides)."""
+        if command.method not in CORE_CALLS or not hasattr(self._core, command.method):
+            return CoreReply(command.call_id, error=NotImplementedError(f"this engine core has no {command.method}"))
+        try:
+            return CoreReply(command.call_id, getattr(self._core, command.method)(*command.args))
+        except Exception as exc:  # noqa: BLE001 — answered, not fatal to the loop
+            if not hasattr(exc, "reason"):
+                log.exception("core call %s failed", command.method)
+            return CoreReply(command.call_id, error=picklable_error(exc))
+
     def _abort_expired(self) -> list[EngineOutput]:
         """Every request past its deadline, aborted at this step boundary (finished requests
         leave stale heap entries, which _abort ignores)."""
@@ -190,7 +233,7 @@ class EngineLoop:
             log.info("aborted %d requests past their deadline", len({out.request_id for out in outputs}))
         return outputs
 
-    def _step(self) -> list[EngineOutput]:
+    def _step(self) -> list[EngineOutput] | StepOutputs:
         if not self._has_work():
             return []
         started_s = time.perf_counter()
@@ -205,7 +248,8 @@ class EngineLoop:
         previous_ended_s, self._previous_step_ended_s = self._previous_step_ended_s, ended_s
         period_s = None if previous_ended_s is None else ended_s - previous_ended_s
         self._step_report = self._report(ended_s - started_s, period_s)
-        for output in outputs:
+        outputs = StepOutputs.of(outputs)
+        for output in outputs.outputs:  # a final output is never a plain token
             if output.is_finished:
                 self._finish_sequence(output.request_id, output.sequence_index)
         return outputs
@@ -271,6 +315,15 @@ class EngineLoop:
         return dataclasses.replace(
             load, num_finished_total=self._num_finished_total, num_aborted_total=self._num_aborted_total
         )
+
+
+def picklable_error(exc: BaseException) -> BaseException:
+    """`exc`, or a RuntimeError saying what it was when it cannot cross a pipe."""
+    try:
+        pickle.loads(pickle.dumps(exc))
+    except Exception:  # noqa: BLE001
+        return RuntimeError(f"{type(exc).__name__}: {exc}")
+    return exc
 
 
 def _describe(exc: BaseException, where: str) -> str:

@@ -1,24 +1,50 @@
-"""EngineOutputs of the torch engine, built from the scheduler's NewTokens: one per new token,
-and for a sequence's last one the usage and timings. Pure Python."""
+"""The torch engine's outputs of a step, built from the scheduler's SampledTokens: the plain
+tokens as columns (llmserve.engine_output.TokenColumns), an EngineOutput for a token that
+carries more (logprobs, or the finish with the sequence's usage and timings). Pure Python.
+
+The common step (no sequence finishes, none asks for logprobs) takes three list
+comprehensions, whatever the batch size; a step with a few special rows filters them out.
+"""
 
 from __future__ import annotations
 
 from llmserve.inference.engine.sequence import Sequence
-from llmserve.inference.engine.step_output import NewToken
-from llmserve.engine_output import EngineOutput
+from llmserve.inference.engine.step_output import SampledTokens
+from llmserve.engine_output import EngineOutput, StepOutputs, TokenColumns
 from llmserve.sampling import FinishReason, TokenLogprob
 
 
-def token_output(token: NewToken, logprob: TokenLogprob | None, now_ns: int) -> EngineOutput:
-    seq = token.seq
-    output = EngineOutput(
-        seq.request_id, seq.sequence_index, [token.token_id], None if logprob is None else [logprob],
-        token.finish_reason, token.stop_token_id,
+def step_outputs(sampled: SampledTokens, logprobs: dict[int, TokenLogprob], now_ns: int) -> StepOutputs:
+    """`logprobs`: by row of the launch's sampled tokens (SampledTokens.rows), for the rows that
+    asked for them."""
+    seqs, token_ids = sampled.seqs, sampled.token_ids
+    if not sampled.finishes and not logprobs:
+        return StepOutputs([], _columns(seqs, token_ids))
+    finishes = {i: (reason, stop_token_id) for i, reason, stop_token_id in sampled.finishes}
+    special = set(finishes)
+    if logprobs:
+        special.update(i for i, row in enumerate(sampled.rows) if row in logprobs)
+    outputs = []
+    for i in sorted(special):
+        seq = seqs[i]
+        logprob = logprobs.get(sampled.rows[i])
+        reason, stop_token_id = finishes.get(i, (None, None))
+        output = EngineOutput(
+            seq.request_id, seq.sequence_index, [token_ids[i]], None if logprob is None else [logprob],
+            reason, stop_token_id,
+        )
+        if reason is not None:
+            output.error_message = seq.error_message
+            _fill_final(output, seq, now_ns)
+        outputs.append(output)
+    plain = [i for i in range(len(seqs)) if i not in special]
+    return StepOutputs(outputs, _columns([seqs[i] for i in plain], [token_ids[i] for i in plain]))
+
+
+def _columns(seqs: list[Sequence], token_ids: list[int]) -> TokenColumns:
+    return TokenColumns(
+        [seq.request_id for seq in seqs], [seq.sequence_index for seq in seqs], list(token_ids)
     )
-    if token.finish_reason is not None:
-        output.error_message = seq.error_message
-        _fill_final(output, seq, now_ns)
-    return output
 
 
 def error_outputs(seq: Sequence, now_ns: int) -> list[EngineOutput]:

@@ -10,9 +10,12 @@ each needs 35-60% of a core (measured on the H200, issue 9): the GPU waited on P
 the core's host work (schedule, update, sampling bookkeeping) has a core to itself.
 
 Why this channel: one message per engine step carries every output of that step, so the
-cost per token is a tuple in a pickle, not a message. Token-only outputs, the common case,
-travel as (request_id, sequence_index, token_ids) tuples: ten times cheaper to pickle than
-the dataclass (measured: 256 outputs, 46 µs vs 620 µs). Prefix-cache changes travel as they
+cost per token is a few entries of flat lists in a pickle, not a message. Plain tokens, the
+common case, travel as the step's columns (llmserve.engine_output.TokenColumns: three lists,
+request ids, sequence indexes, token ids), as the core produced them; outputs that carry more
+(finishes, logprobs, errors) as EngineOutputs. Measured at 256 outputs (issue 19,
+bench_host_step's emit): a tuple per output, built and pickled, 87 µs; the columns 31 µs; the
+dataclass per output was 620 µs. Prefix-cache changes travel as they
 were recorded, ints in tuples and lists (types.CacheEvent): an empty list in a step without
 any. The step's StepReport (its duration, period, batch size and tokens: four numbers) is what the server's
 metrics need beyond the outputs: every Prometheus object lives in the server process.
@@ -37,7 +40,6 @@ import asyncio
 import ctypes
 import logging
 import multiprocessing
-import pickle
 import signal
 import sys
 from collections.abc import Callable
@@ -47,9 +49,10 @@ from multiprocessing.connection import Connection
 from llmserve.inference.engine.config import EngineConfig
 from llmserve.inference.engine.command_pipe import CommandPipe
 from llmserve.inference.engine.engine_loop import (
-    AbortRequest, AddRequest, CoreUpdate, Deliver, Emit, EngineCommand, EngineLoop, Stop,
+    AbortRequest, AddRequest, CallCore, CoreReply, CoreUpdate, Deliver, Emit, EngineCommand, EngineLoop, Stop,
+    picklable_error,
 )
-from llmserve.engine_output import EngineOutput
+from llmserve.engine_output import EngineOutput, StepOutputs, TokenColumns
 from llmserve.inference.engine.queued_client import QueuedCoreClient
 from llmserve.inference.engine.rank_processes import RankProcesses
 from llmserve.inference.engine.rank_worker import check_tensor_parallel
@@ -61,8 +64,8 @@ log = logging.getLogger(__name__)
 
 _PR_SET_PDEATHSIG = 1
 
-# One output on the pipe: a tuple for tokens only, the dataclass when it carries more.
-_WireOutput = tuple[str, int, list[int]] | EngineOutput
+# A step's outputs on the pipe: its EngineOutputs, and its plain tokens' columns (TokenColumns.as_tuple).
+_WireOutputs = tuple[list[EngineOutput], tuple[list[str], list[int], list[int]]]
 
 
 @dataclass(slots=True)
@@ -157,18 +160,22 @@ class EngineProcess(QueuedCoreClient):
     def abort_request(self, request_id: str) -> None:
         self._pipe.send(AbortRequest(request_id))
 
+    def call_core(self, call: CallCore) -> None:
+        self._pipe.send(call)
+
     def _on_readable(self) -> None:
         update = CoreUpdate([], [], [])
         try:
             while self._output_reader.poll():
-                wire_outputs, self._load_snapshot, step_kv_events, step = self._output_reader.recv()
-                update.outputs += [_from_wire(output) for output in wire_outputs]
+                wire_outputs, self._load_snapshot, step_kv_events, step, replies = self._output_reader.recv()
+                update.outputs += from_wire(wire_outputs)
                 update.kv_events += step_kv_events
+                update.replies += replies
                 if step is not None:
                     update.steps.append(step)
         except (EOFError, OSError):
             self._on_process_exit(update)
-        if update.outputs or update.kv_events or update.steps or update.core_failure:
+        if update.outputs or update.kv_events or update.steps or update.replies or update.core_failure:
             self._deliver(update)
 
     def _on_process_exit(self, update: CoreUpdate) -> None:
@@ -224,7 +231,7 @@ def run_engine_process(
     try:
         core = create_engine_core(config, rank_store_path)
     except BaseException as exc:  # noqa: BLE001 — reported to the server, which decides
-        outputs.send(_StartFailed(_picklable(exc)))
+        outputs.send(_StartFailed(picklable_error(exc)))
         return
     outputs.send(_Ready(core.model_info, core.load()))
     EngineLoop(core).run(_command_taker(commands), _emitter(outputs))
@@ -253,10 +260,11 @@ def _command_taker(commands: Connection) -> Callable[[bool], list[EngineCommand]
 
 def _emitter(outputs: Connection) -> Emit:
     def emit(
-        step_outputs: list[EngineOutput], load: EngineLoad, kv_events: list[CacheEvent], step: StepReport | None
+        step_outputs: StepOutputs, load: EngineLoad, kv_events: list[CacheEvent], step: StepReport | None,
+        replies: list[CoreReply],
     ) -> bool:
         try:
-            outputs.send(([_to_wire(output) for output in step_outputs], load, kv_events, step))
+            outputs.send((to_wire(step_outputs), load, kv_events, step, replies))
         except (BrokenPipeError, OSError):
             return False
         return True
@@ -264,24 +272,16 @@ def _emitter(outputs: Connection) -> Emit:
     return emit
 
 
-def _to_wire(output: EngineOutput) -> _WireOutput:
-    if output.finish_reason is None and output.logprobs is None:
-        return (output.request_id, output.sequence_index, output.new_token_ids)
-    return output
+def to_wire(outputs: StepOutputs) -> _WireOutputs:
+    """What the pipe carries of a step's outputs (pickled with the rest of the message)."""
+    return outputs.outputs, outputs.tokens.as_tuple()
 
 
-def _from_wire(output: _WireOutput) -> EngineOutput:
-    if isinstance(output, tuple):
-        return EngineOutput(request_id=output[0], sequence_index=output[1], new_token_ids=output[2])
-    return output
-
-
-def _picklable(exc: BaseException) -> BaseException:
-    try:
-        pickle.loads(pickle.dumps(exc))
-    except Exception:  # noqa: BLE001
-        return RuntimeError(f"{type(exc).__name__}: {exc}")
-    return exc
+def from_wire(wire: _WireOutputs) -> list[EngineOutput]:
+    """The step's outputs as the server process's consumers read them: the EngineOutputs, then
+    one per plain token."""
+    objects, columns = wire
+    return objects + TokenColumns(*columns).outputs() if columns[2] else objects
 
 
 def exit_with_parent() -> None:

@@ -12,8 +12,8 @@ import logging
 import queue
 import threading
 
-from llmserve.inference.engine.engine_loop import CoreUpdate, Deliver, EngineCommand, EngineLoop, Stop
-from llmserve.engine_output import EngineOutput
+from llmserve.inference.engine.engine_loop import CoreReply, CoreUpdate, Deliver, EngineCommand, EngineLoop, Stop
+from llmserve.engine_output import StepOutputs
 from llmserve.inference.engine.queued_client import QueuedCoreClient
 from llmserve.inference.engine.types import CacheEvent, EngineCore, EngineLoad, StepReport
 
@@ -59,14 +59,16 @@ class EngineThread(QueuedCoreClient):
                 return commands
 
     def _emit(
-        self, outputs: list[EngineOutput], load: EngineLoad, kv_events: list[CacheEvent], step: StepReport | None
+        self, outputs: StepOutputs, load: EngineLoad, kv_events: list[CacheEvent], step: StepReport | None,
+        replies: list[CoreReply],
     ) -> bool:
         """On the thread: store the load, hand the rest to the event loop."""
         self._load_snapshot = load
-        if not outputs and not kv_events and step is None:
+        if not outputs and not kv_events and step is None and not replies:
             return True
+        update = CoreUpdate(outputs.expanded(), kv_events, [step] if step else [], replies)
         try:
-            self._event_loop.call_soon_threadsafe(self._deliver, CoreUpdate(outputs, kv_events, [step] if step else []))
+            self._event_loop.call_soon_threadsafe(self._deliver, update)
         except RuntimeError:  # the event loop is closed: nobody is left to read
             log.warning("event loop closed; engine thread exits")
             return False

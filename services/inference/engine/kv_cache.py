@@ -17,6 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
+from llmserve.inference.engine.kv_pool_export import KvPoolExport
 from llmserve.inference.models.transfers import device_tensor
 
 log = logging.getLogger(__name__)
@@ -37,11 +38,17 @@ class KVCacheSpec:
 
 
 class KVCache:
-    def __init__(self, spec: KVCacheSpec, num_blocks: int, device: torch.device):
+    def __init__(self, spec: KVCacheSpec, num_blocks: int, device: torch.device, export: KvPoolExport | None = None):
+        """`export`: allocate the pool in its transport region (--kv-pull), so that other
+        replicas can read its blocks."""
         self.spec = spec
         self.num_blocks = num_blocks
         shape = (2, spec.num_layers, num_blocks, spec.block_size, spec.num_kv_heads, spec.head_dim)
-        self.data = torch.zeros(shape, dtype=spec.dtype, device=device)
+        if export is None:
+            self.data = torch.zeros(shape, dtype=spec.dtype, device=device)
+        else:
+            self.data = export.allocate(shape, spec.dtype)
+        self.export = export
         self.layers = [(self.data[0, i], self.data[1, i]) for i in range(spec.num_layers)]
 
     @property

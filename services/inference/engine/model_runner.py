@@ -27,6 +27,7 @@ import torch
 from llmserve.inference.engine.config import EngineConfig
 from llmserve.inference.engine.cuda_graphs import DecodeGraphs, graph_batch_sizes
 from llmserve.inference.engine.kv_cache import KVCache, KVCacheSpec, plan_num_blocks
+from llmserve.inference.engine.kv_pool_export import KvPoolExport
 from llmserve.inference.models.transfers import device_int32, device_tensor
 from llmserve.inference.engine.prefill_graphs import PrefillGraphs, prefill_graph_sizes
 from llmserve.inference.engine.scheduler import ScheduledBatch
@@ -90,7 +91,8 @@ class ModelRunner:
             max_useful_blocks=config.max_num_seqs * -(-max_context_tokens // self.block_size),
         )
         num_blocks = ranks.min_int(num_blocks)  # one block table addresses every rank's pool
-        self.kv_cache = KVCache(spec, num_blocks, self.device)
+        export = KvPoolExport(self.device) if config.kv_pull else None
+        self.kv_cache = KVCache(spec, num_blocks, self.device, export)
         log.info(
             "KV cache: %d blocks x %d tokens = %d tokens, %.1f MiB (%s, %d bytes per block)",
             num_blocks, self.block_size, num_blocks * self.block_size, self.kv_cache.num_bytes / 2**20,

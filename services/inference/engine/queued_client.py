@@ -12,7 +12,7 @@ from __future__ import annotations
 import asyncio
 import queue
 
-from llmserve.inference.engine.engine_loop import AbortRequest, AddRequest, Deliver, EngineCommand
+from llmserve.inference.engine.engine_loop import AbortRequest, AddRequest, CallCore, Deliver, EngineCommand
 from llmserve.inference.engine.types import EngineLoad, EngineRequest, ModelInfo
 
 
@@ -32,6 +32,9 @@ class QueuedCoreClient:
 
     def abort_request(self, request_id: str) -> None:
         self._commands.put(AbortRequest(request_id))
+
+    def call_core(self, call: CallCore) -> None:
+        self._commands.put(call)
 
     def load(self) -> EngineLoad:
         """The snapshot taken after the latest iteration that changed it."""

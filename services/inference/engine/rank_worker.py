@@ -45,6 +45,8 @@ def check_tensor_parallel(config: EngineConfig) -> None:
         raise ValueError(f"tensor_parallel_size {size} needs the engine core in its own process (no --no-core-process)")
     if config.device.startswith("cuda:"):
         raise ValueError(f"tensor_parallel_size {size}: give --device cuda (rank r runs on cuda:r), not {config.device}")
+    if config.kv_pull:
+        raise ValueError(f"tensor_parallel_size {size} cannot be used with --kv-pull: a pull would copy rank 0's KV heads only")
     files = ModelFiles.load(config.model_path, config.model_name)
     check_splittable(DecoderConfig.from_hf(files.config), size)
 

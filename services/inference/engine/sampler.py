@@ -25,7 +25,7 @@ its input ids before the host has seen them (async scheduling).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -40,6 +40,8 @@ from llmserve.sampling import SamplingParams, TokenLogprob, TopLogprob
 class SamplerOutput:
     token_ids: list[int]
     logprobs: list[TokenLogprob | None]
+    # logprobs[row] by row, for the rows that asked for them only (empty: none did)
+    logprobs_by_row: dict[int, TokenLogprob] = field(default_factory=dict)
 
 
 @dataclass(slots=True)
@@ -80,6 +82,7 @@ class LaunchedSample:
         host = [t.tolist() for t in self._host_results]
         token_ids = host[0]
         logprobs: list[TokenLogprob | None] = [None] * len(token_ids)
+        by_row: dict[int, TokenLogprob] = {}
         rows = self._logprob_rows
         if rows is not None:
             chosen = host[1]
@@ -87,8 +90,8 @@ class LaunchedSample:
             top_values, top_ids = (host[2], host[3]) if len(host) == 4 else (no_top, no_top)
             for j, (i, k) in enumerate(zip(rows.rows, rows.num_top)):
                 alternatives = tuple(TopLogprob(t, v) for t, v in zip(top_ids[j][:k], top_values[j][:k]))
-                logprobs[i] = TokenLogprob(token_id=token_ids[i], logprob=chosen[j], top_logprobs=alternatives)
-        return SamplerOutput(token_ids, logprobs)
+                logprobs[i] = by_row[i] = TokenLogprob(token_id=token_ids[i], logprob=chosen[j], top_logprobs=alternatives)
+        return SamplerOutput(token_ids, logprobs, by_row)
 
 
 class Sampler:
@@ -104,8 +107,10 @@ class Sampler:
         """logits [num_seqs, vocab] float32, row i for seqs[i] (whose last token was just
         computed; penalties and grammars read the token history, which must be known on the
         host: reads_host_tokens)."""
+        if all(seq.is_plain for seq in seqs):  # the common batch: one argmax, no other work
+            return LaunchedSample(logits.argmax(dim=-1), None)
         logits = _apply_grammars(logits, seqs)
-        if all(seq.is_plain_greedy for seq in seqs):  # the common batch: one argmax, no other work
+        if all(seq.is_plain_greedy for seq in seqs):  # greedy rows, some with a grammar: the masked argmax
             return LaunchedSample(logits.argmax(dim=-1), None)
         logits = _apply_penalties(logits, seqs)
         logits = self._mask_stop_tokens(logits, seqs)

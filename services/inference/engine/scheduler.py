@@ -4,8 +4,8 @@ results do to them. Pure Python.
 The engine's step talks to it through one seam (besides request-level `add` and `abort`):
   schedule()                      -> ScheduledBatch: the work of the next step;
   record_launch(launch)           the batch is queued on the device (with the siblings it forks);
-  update_from_output(launch, ids) -> [NewToken]: the tokens that launch sampled, now on the
-                                  host, with the stop rules of engine/stop.py applied;
+  update_from_output(launch, ids) -> SampledTokens: the tokens that launch sampled, now on
+                                  the host, with the stop rules of engine/stop.py applied;
   take_rejected()                 -> the sequences finished with ERROR since the last call.
 At most one launch is in flight between record_launch and its update_from_output: recording a
 launch needs every computed token known (its newly full blocks enter the prefix cache), so the
@@ -43,7 +43,7 @@ from dataclasses import dataclass, field
 from llmserve.buckets import BucketConfig
 from llmserve.inference.engine.block_manager import BlockManager
 from llmserve.inference.engine.sequence import PLACEHOLDER_TOKEN, Sequence, SequenceStatus
-from llmserve.inference.engine.step_output import LaunchedBatch, NewToken
+from llmserve.inference.engine.step_output import LaunchedBatch, SampledTokens
 from llmserve.inference.engine.stop import finish_at_token, finish_by_grammar, reaches_length_limit, stop_token_ids
 from llmserve.inference.engine.waiting_queue import WaitingQueue, queue_key
 from llmserve.sampling import FinishReason
@@ -123,6 +123,7 @@ class Scheduler:
         return bool(self.running or self.waiting or self._rejected)
 
     def add(self, seq: Sequence) -> None:
+        seq.stop_ids = stop_token_ids(seq.sampling, self.config.eos_token_ids)
         if seq.num_tokens > self.config.max_seq_tokens:
             self._reject(seq)
             return
@@ -148,17 +149,24 @@ class Scheduler:
         num_preempted_before = self.num_preemptions_total
         decodes, prefills = self._running_by_kind()
         block_size = self.block_manager.block_size
-        for seq in decodes + prefills:
+        running = SequenceStatus.RUNNING
+        seqs, num_new_tokens = batch.seqs, batch.num_new_tokens
+        for seq in decodes:
             if budget == 0:
                 break
-            if seq.status is not SequenceStatus.RUNNING:
+            if seq.status is not running:
                 continue  # preempted earlier in this loop
-            if seq.num_uncomputed_tokens == 1 and seq.num_computed_tokens < len(seq.block_ids) * block_size:
-                # The common case: a decode whose token fits a block it holds (no allocation).
-                batch.seqs.append(seq)
-                batch.num_new_tokens.append(1)
+            if seq.num_computed_tokens < len(seq.block_ids) * block_size:
+                # The common case: its token fits a block it holds (no allocation).
+                seqs.append(seq)
+                num_new_tokens.append(1)
                 budget -= 1
             else:
+                budget -= self._schedule_running(seq, budget, batch)
+        for seq in prefills:
+            if budget == 0:
+                break
+            if seq.status is running:  # else preempted earlier in this step
                 budget -= self._schedule_running(seq, budget, batch)
         if self.num_preemptions_total == num_preempted_before:
             self._admit_waiting(budget, batch)
@@ -193,7 +201,7 @@ class Scheduler:
                 self.block_manager.register_computed_blocks(seq)
         self._unprocessed_launch = launch
 
-    def update_from_output(self, launch: LaunchedBatch, token_ids: list[int]) -> list[NewToken]:
+    def update_from_output(self, launch: LaunchedBatch, token_ids: list[int]) -> SampledTokens:
         """The tokens `launch` sampled (row i: launch.sampling_seqs[i]), now on the host: each
         replaces its placeholder (and advances the sequence's grammar matcher, if it has one),
         and the stop rules finish sequences (their blocks return to the pool at once). A token
@@ -201,33 +209,51 @@ class Scheduler:
         discarded."""
         assert launch is self._unprocessed_launch, "tokens come for the launch recorded last"
         self._unprocessed_launch = None
-        now_ns = time.monotonic_ns()
-        eos_token_ids, max_seq_tokens = self.config.eos_token_ids, self.config.max_seq_tokens
-        new_tokens = []
-        # One pass, the per-token work inline: at 256 sequences this loop is a step's largest
-        # host cost after scheduling (issue 19's profile).
-        for row, (seq, token_id) in enumerate(zip(launch.sampling_seqs, token_ids)):
-            if seq.status is SequenceStatus.FINISHED:
+        seqs = launch.sampling_seqs
+        finishes: list[tuple[int, FinishReason, int | None]] = []
+        kept: list[int] | None = None  # rows kept, once a row is dropped; None: every row
+        finished = SequenceStatus.FINISHED
+        # The per-token work a running sequence always needs, inline; the stop rules only for a
+        # row that may stop (a stop token, its length limit marked at launch, a grammar) or
+        # produce its first token. At 256 sequences this loop is a step's largest host cost
+        # after the forward's launch (issue 19's profile).
+        for row, (seq, token_id) in enumerate(zip(seqs, token_ids)):
+            if seq.status is finished:
+                if kept is None:
+                    kept = list(range(row))
                 continue
             seq_token_ids = seq.token_ids
             assert seq_token_ids[-1] == PLACEHOLDER_TOKEN, "only a sequence's last token is ever a placeholder"
             seq_token_ids[-1] = token_id
             seq.placeholder_row = -1
-            if not seq.first_token_ns:
-                seq.first_token_ns = now_ns
-            num_tokens = len(seq_token_ids)
-            finish_reason, stop_token_id = finish_at_token(
-                token_id, num_tokens - seq.num_prompt_tokens, num_tokens, seq.sampling,
-                stop_token_ids(seq.sampling, eos_token_ids), max_seq_tokens,
-            )
-            if finish_reason is None and seq.grammar is not None:
-                finish_reason = finish_by_grammar(seq.grammar, token_id)
-                if finish_reason is FinishReason.ERROR:
-                    seq.error_message = f"the response format's grammar refused token {token_id}"
-            if finish_reason is not None:
-                self._finish(seq, finish_reason)
-            new_tokens.append(NewToken(seq, row, token_id, finish_reason, stop_token_id))
-        return new_tokens
+            if token_id in seq.stop_ids or seq.is_finishing or seq.grammar is not None or not seq.first_token_ns:
+                finish = self._apply_stop_rules(seq, token_id)
+                if finish is not None:
+                    finishes.append((row if kept is None else len(kept), *finish))
+            if kept is not None:
+                kept.append(row)
+        if kept is None:
+            return SampledTokens(seqs, range(len(seqs)), token_ids[: len(seqs)], finishes)
+        return SampledTokens([seqs[row] for row in kept], kept, [token_ids[row] for row in kept], finishes)
+
+    def _apply_stop_rules(self, seq: Sequence, token_id: int) -> tuple[FinishReason, int | None] | None:
+        """engine/stop.py's rules at `token_id`, just recorded as `seq`'s last token; finishes
+        `seq` when one applies and returns (finish_reason, stop_token_id)."""
+        if not seq.first_token_ns:
+            seq.first_token_ns = time.monotonic_ns()
+        num_tokens = len(seq.token_ids)
+        finish_reason, stop_token_id = finish_at_token(
+            token_id, num_tokens - seq.num_prompt_tokens, num_tokens, seq.sampling, seq.stop_ids,
+            self.config.max_seq_tokens,
+        )
+        if finish_reason is None and seq.grammar is not None:
+            finish_reason = finish_by_grammar(seq.grammar, token_id)
+            if finish_reason is FinishReason.ERROR:
+                seq.error_message = f"the response format's grammar refused token {token_id}"
+        if finish_reason is None:
+            return None
+        self._finish(seq, finish_reason)
+        return finish_reason, stop_token_id
 
     def take_rejected(self) -> list[Sequence]:
         """Sequences finished with ERROR (never scheduled) since the last call."""
@@ -239,6 +265,7 @@ class Scheduler:
     def _fork(self, parent: Sequence, child: Sequence) -> None:
         """Start a sibling of `parent` (whose prompt was just computed) on the parent's blocks;
         it waits (and recomputes) instead when the running set is full or no block is free."""
+        child.stop_ids = parent.stop_ids
         if len(self.running) < self.config.max_num_seqs and self.block_manager.can_fork(parent):
             copy = self.block_manager.fork(parent, child)
             if copy is not None:

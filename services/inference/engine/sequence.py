@@ -17,14 +17,17 @@ Invariants:
 
 Who writes which field (one writer each; the others only read):
   SequenceFactory, at construction only: the identity, prompt, sampling, random-stream,
-    grammar and is_plain_greedy fields, and a forked sibling's copies of its parent's (prompt, block hashes, hash seed,
+    grammar, is_plain_greedy and is_plain fields, and a forked sibling's copies of its parent's (prompt, block hashes, hash seed,
     num_cached_tokens, was_admitted, first_scheduled_ns);
   Sequence.block_hash: block_hashes (extended lazily from token_ids);
   BlockManager: block_ids, num_registered_blocks (the block table and its prefix-cache progress);
+    block_ids is replaced by a new list at each change, never changed in place: a step's inputs
+    and the decode graphs' device rows (engine/block_table_rows.py) hold it by reference, and a
+    table that is the same object is the same table (issue 19: no copy or comparison per step);
   Scheduler: the grammar matcher's state (it accepts each token as the token replaces its
     placeholder), and everything else - status, num_computed_tokens, num_cached_tokens, was_admitted,
     token_ids after construction (placeholders and their values), placeholder_row,
-    is_finishing, first_scheduled_ns, first_token_ns, finish_reason, error_message.
+    is_finishing, first_scheduled_ns, first_token_ns, finish_reason, error_message, stop_ids.
 """
 
 from __future__ import annotations
@@ -72,6 +75,12 @@ class Sequence:
     # tokens (the sampler masks what it does not allow); None: free text.
     grammar: Any = None
     is_plain_greedy: bool = False  # sampler.is_plain_greedy(sampling): the sampler's fast path
+    # is_plain_greedy, no grammar and n == 1: nothing about its sampling reads the host or
+    # forks; a batch of only such rows skips every per-row check of the launch (issue 19).
+    is_plain: bool = False
+    # The token ids that end it with STOP (stop.stop_token_ids), set once when the scheduler
+    # takes it: the update checks each token against it without a call.
+    stop_ids: frozenset[int] = frozenset()
     # Row of the last token in the sampled tokens of the launched, not yet processed step;
     # -1 when it has no placeholder.
     placeholder_row: int = -1

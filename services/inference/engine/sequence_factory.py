@@ -46,6 +46,7 @@ class SequenceFactory:
         if seed is None:  # distinct streams per request, reproducible per engine seed
             seed = _derived_seed(self._engine_seed, self._num_requests + 1)
         self._num_requests += 1
+        grammar = self._grammar(request)
         return Sequence(
             seq_id=self._new_seq_id(),
             request_id=request.request_id,
@@ -59,7 +60,23 @@ class SequenceFactory:
             hash_seed=self._hash_namespace.seed(request.cache_salt),
             rng=self._generator(seed),
             is_plain_greedy=is_plain_greedy(request.sampling),
-            grammar=self._grammar(request),
+            grammar=grammar,
+            is_plain=is_plain_greedy(request.sampling) and grammar is None and request.sampling.n == 1,
+        )
+
+    def prefix_probe(self, request: EngineRequest) -> Sequence:
+        """A sequence of `request`'s prompt for looking its blocks up (pinning or pulling them,
+        KV pull): its hashes are the ones the request would get, and making it changes
+        nothing (no seq id, no random stream, no grammar: requests after it sample as before)."""
+        return Sequence(
+            seq_id=-1,
+            request_id=request.request_id,
+            sequence_index=0,
+            token_ids=list(request.prompt_token_ids),
+            num_prompt_tokens=len(request.prompt_token_ids),
+            sampling=request.sampling,
+            block_hashes=request.usable_block_hashes(self._block_size),
+            hash_seed=self._hash_namespace.seed(request.cache_salt),
         )
 
     def fork_siblings(

@@ -1,5 +1,9 @@
 """What one engine step launched, as the engine tells the scheduler (LaunchedBatch), and the
-tokens it sampled, as the scheduler answers once they reach the host (NewToken). Pure Python.
+tokens it sampled, as the scheduler answers once they reach the host (SampledTokens). Pure Python.
+
+SampledTokens are columns, not an object per token (issue 19): at 256 sequences the per-token
+object and its construction were a third of the update phase, and the engine turns the columns
+into its outputs' columns (llmserve.engine_output.TokenColumns) with a list comprehension each.
 """
 
 from __future__ import annotations
@@ -25,12 +29,16 @@ class LaunchedBatch:
     forks: list[tuple[Sequence, Sequence]] = field(default_factory=list)
 
 
-@dataclass(slots=True)  # not frozen: one is built per token, and a frozen init costs 2x
-class NewToken:
-    """A sampled token now known on the host (row `row` of its step's sampled tokens)."""
+@dataclass(slots=True)
+class SampledTokens:
+    """The tokens a launch sampled, now known on the host: `seqs[i]` got `token_ids[i]`, row
+    `rows[i]` of the launch's sampled tokens (sequences finished before it are left out).
+    `finishes` names the few that the token finished: (i, finish_reason, stop_token_id)."""
 
-    seq: Sequence
-    row: int
-    token_id: int
-    finish_reason: FinishReason | None
-    stop_token_id: int | None
+    seqs: list[Sequence]
+    rows: list[int] | range
+    token_ids: list[int]
+    finishes: list[tuple[int, FinishReason, int | None]] = field(default_factory=list)
+
+    def __len__(self) -> int:
+        return len(self.token_ids)

@@ -9,8 +9,9 @@ One step reads top to bottom:
             (engine/sequence_factory.py) and the Sampler queues the sampling;
   update    one launched step at a time, with its own sampled tokens: the step launched before
             (its LaunchedSample waited for) goes to Scheduler.update_from_output, whose stop
-            rules finish sequences (their blocks return to the pool at once), and an
-            EngineOutput goes out per new token (engine/engine_outputs.py); then the step just
+            rules finish sequences (their blocks return to the pool at once), and the new
+            tokens go out as columns, an EngineOutput only for a token that finishes its
+            sequence or carries logprobs (engine/engine_outputs.py); then the step just
             launched is recorded (Scheduler.record_launch: each sampled token appended as a
             placeholder, sequence.PLACEHOLDER_TOKEN; full blocks enter the prefix cache).
 
@@ -49,8 +50,10 @@ from llmserve.buckets import BucketConfig
 from llmserve.inference.engine.batch_inputs import build_step_inputs
 from llmserve.inference.engine.block_manager import BlockManager
 from llmserve.inference.engine.config import EngineConfig
-from llmserve.inference.engine.engine_outputs import error_outputs, token_output
+from llmserve.inference.engine.engine_outputs import error_outputs, step_outputs
 from llmserve.inference.engine.grammar import Grammars, GrammarStats
+from llmserve.inference.engine.kv_block_import import KvBlockImporter, KvImport, KvPullRefused, KvPullSource
+from llmserve.inference.engine.kv_pool_export import KvPoolExport, KvPoolLayout
 from llmserve.inference.engine.model_runner import ModelRunner
 from llmserve.inference.engine.sampler import LaunchedSample, Sampler, SamplerOutput, reads_host_tokens
 from llmserve.inference.engine.scheduler import ScheduledBatch, Scheduler, SchedulerConfig
@@ -58,9 +61,10 @@ from llmserve.inference.engine.sequence_factory import SequenceFactory
 from llmserve.inference.models.rank_group import SINGLE_RANK, RankGroup
 from llmserve.inference.engine.step_output import LaunchedBatch
 from llmserve.inference.engine.step_stats import UNTIMED, StepStatsLog, StepTimer, Untimed
-from llmserve.engine_output import EngineOutput
+from llmserve.engine_output import EngineOutput, StepOutputs
 from llmserve.inference.engine.types import CacheEvent, EngineLoad, EngineRequest, ModelInfo, served_context_tokens
 from llmserve.model_files import ModelFiles
+from llmserve.tensor_transport import PeerIdentity, local_identity
 
 log = logging.getLogger(__name__)
 
@@ -125,6 +129,7 @@ class TorchEngineCore:
         self.step_stats = step_stats
         self._launched: _LaunchedStep | None = None  # async scheduling: launched, not processed
         self._scheduled_batch = (0, 0)
+        self._kv_importer: KvBlockImporter | None = None  # made on the first pull
 
     # --- EngineCore interface ----------------------------------------------------------------
 
@@ -138,26 +143,31 @@ class TorchEngineCore:
     def has_requests_in_flight(self) -> bool:
         return self.scheduler.has_unfinished_sequences
 
-    def step(self) -> list[EngineOutput]:
+    def step(self) -> StepOutputs:
         """schedule -> execute -> update; with async scheduling the update is of the step the
-        previous call launched, else of this one."""
+        previous call launched, else of this one. At most one launched step is processed per
+        call, so each sequence gets at most one output."""
         timer = StepTimer(self.step_stats, self.runner.device) if self.step_stats is not None else UNTIMED
         batch = timer.measure("schedule_s", self.scheduler.schedule)
         self._scheduled_batch = (len(batch.seqs), batch.num_tokens)
-        outputs = self._rejected_outputs()
+        rejected = self._rejected_outputs()
+        processed = None
         launched = None
         if not batch.is_empty:
-            launched, outputs_before = self._launch(batch, timer)
-            outputs += outputs_before
+            launched, processed = self._launch(batch, timer)
         if self._launched is not None:
-            outputs += self._process(self._take_launched(), timer)
+            processed = self._process(self._take_launched(), timer)
         if launched is not None:
             timer.measure("record_s", self.scheduler.record_launch, launched.launch)
             self._launched = launched
             if not self.config.async_scheduling:
-                outputs += self._process(self._take_launched(), timer)
+                processed = self._process(self._take_launched(), timer)
         timer.done(len(batch.seqs), batch.num_tokens)
-        return outputs
+        if processed is None:
+            return StepOutputs(rejected)
+        if rejected:
+            processed.outputs[:0] = rejected
+        return processed
 
     def load(self) -> EngineLoad:
         """Counts are sequences for num_running / num_waiting. The request totals are the engine
@@ -185,25 +195,82 @@ class TorchEngineCore:
     def take_kv_events(self) -> list[CacheEvent]:
         return self.block_manager.take_events()
 
+    # --- KV pull (issue 22): pinning our blocks for another replica, pulling its blocks ----------
+
+    def kv_identity(self) -> PeerIdentity:
+        """Who reads pulled blocks: this process, on the pool's device (read here, not in the
+        server process, which must not initialize CUDA)."""
+        self._kv_export()  # raises: not enabled
+        return local_identity(self.runner.device)
+
+    def kv_pin(self, request: EngineRequest, max_blocks: int, consumer: PeerIdentity) -> KvPullSource:
+        """Pin the cached blocks of `request`'s prompt (at most `max_blocks`, 0: all) for
+        `consumer` to copy: held until kv_release. Nothing cached: no blocks, nothing held."""
+        export = self._kv_export()
+        seq = self._sequences.prefix_probe(request)
+        block_ids = self.block_manager.find_cached_blocks(seq)
+        if max_blocks:
+            block_ids = block_ids[:max_blocks]
+        self.block_manager.hold(block_ids)
+        export.mark_written()  # a block registered at launch may still be being computed
+        return KvPullSource(export.offer(consumer), KvPoolLayout.of(self.runner.kv_cache.data), tuple(block_ids))
+
+    def kv_release(self, block_ids: list[int]) -> None:
+        self.block_manager.release(block_ids)
+
+    def kv_import(self, request: EngineRequest, source: KvPullSource) -> KvImport:
+        """Copy the blocks of `request`'s prompt that `source` pinned and we lack into our pool
+        and prefix cache (engine/kv_block_import.py)."""
+        if self._kv_importer is None:
+            self._kv_export()  # raises: not enabled
+            self._kv_importer = KvBlockImporter(self.runner.kv_cache, self.block_manager)
+        seq = self._sequences.prefix_probe(request)
+        return self._kv_importer.import_prefix(seq, source)
+
+    def kv_forget(self, region_id: str) -> None:
+        """Drop our mapping of another replica's pool (it died or restarted): a mapping keeps
+        its memory, GPU memory included, allocated after its producer is gone."""
+        if self._kv_importer is not None:
+            self._kv_importer.forget(region_id)
+
+    def close(self) -> None:
+        """Unlink the exported KV pool's segment (--kv-pull); a process that exits without
+        calling this leaves it to its reaper."""
+        if self._kv_importer is not None:
+            self._kv_importer.close()
+        if self.runner.kv_cache.export is not None:
+            self.runner.kv_cache.export.close()
+
+    def _kv_export(self) -> KvPoolExport:
+        export = self.runner.kv_cache.export
+        if export is None:
+            raise KvPullRefused("not_enabled", "this replica does not export its KV pool (--kv-pull is off)")
+        return export
+
     def grammar_stats(self) -> GrammarStats:
         """Structured outputs' compile and mask-fill totals (bench/bench_grammar.py reads them)."""
         return self._grammars.stats
 
     # --- execute and update ------------------------------------------------------------------
 
-    def _launch(self, batch: ScheduledBatch, timer: StepTimer | Untimed) -> tuple[_LaunchedStep, list[EngineOutput]]:
+    def _launch(self, batch: ScheduledBatch, timer: StepTimer | Untimed) -> tuple[_LaunchedStep, StepOutputs | None]:
         """Queue the batch's forward and sampling on the device. Sampling with penalties or a
         grammar reads the token history on the host (reads_host_tokens), so then the step in
         flight is processed first, after the forward is queued: its outputs come back with the
-        launch."""
-        outputs: list[EngineOutput] = []
+        launch (None when it was not processed)."""
+        outputs = None
         timer.gpu_begin()
         launched_tokens = self._launched.sampled.token_ids if self._launched is not None else None
-        step_inputs = timer.measure("inputs_s", build_step_inputs, batch, self.runner.block_size)
+        sampling_indexes = batch.sampling_indexes()
+        step_inputs = timer.measure("inputs_s", build_step_inputs, batch, self.runner.block_size, sampling_indexes)
         logits = timer.measure("execute_launch_s", self.runner.execute, batch, step_inputs, launched_tokens)
-        seqs, forks, logits = self._sequences.fork_siblings(batch.sampling_seqs(), logits)
-        if self._launched is not None and any(reads_host_tokens(seq) for seq in seqs):
-            outputs = self._process(self._take_launched(), timer)
+        seqs = [batch.seqs[i] for i in sampling_indexes]
+        forks = []
+        # The common batch (Sequence.is_plain): nothing forks, nothing reads host tokens; one scan.
+        if not all(seq.is_plain for seq in seqs):
+            seqs, forks, logits = self._sequences.fork_siblings(seqs, logits)
+            if self._launched is not None and any(reads_host_tokens(seq) for seq in seqs):
+                outputs = self._process(self._take_launched(), timer)
         sampled = timer.measure("sampler_launch_s", self.sampler.launch, logits, seqs)
         timer.gpu_end()
         return _LaunchedStep(LaunchedBatch(batch, seqs, forks), sampled), outputs
@@ -212,16 +279,15 @@ class TorchEngineCore:
         step, self._launched = self._launched, None
         return step
 
-    def _process(self, step: _LaunchedStep, timer: StepTimer | Untimed) -> list[EngineOutput]:
-        """Wait for the step's sampled tokens and hand them to the scheduler: an output per new
-        token."""
+    def _process(self, step: _LaunchedStep, timer: StepTimer | Untimed) -> StepOutputs:
+        """Wait for the step's sampled tokens and hand them to the scheduler: its new tokens
+        out."""
         result = timer.measure("result_wait_s", step.sampled.result)
         return timer.measure("update_s", self._outputs_of, step.launch, result)
 
-    def _outputs_of(self, launch: LaunchedBatch, result: SamplerOutput) -> list[EngineOutput]:
-        new_tokens = self.scheduler.update_from_output(launch, result.token_ids)
-        now_ns = time.monotonic_ns()
-        return [token_output(token, result.logprobs[token.row], now_ns) for token in new_tokens]
+    def _outputs_of(self, launch: LaunchedBatch, result: SamplerOutput) -> StepOutputs:
+        sampled = self.scheduler.update_from_output(launch, result.token_ids)
+        return step_outputs(sampled, result.logprobs_by_row, time.monotonic_ns())
 
     def _rejected_outputs(self) -> list[EngineOutput]:
         now_ns = time.monotonic_ns()

@@ -24,6 +24,12 @@ naming the values. Called once, from configmap.yaml.
 {{- fail (printf "colocated: preprocess.drain preStopSleepSeconds + drainSeconds (%v + %v) must be less than the pod's inference.drain.terminationGracePeriodSeconds (%v)" $pre.preStopSleepSeconds $pre.drainSeconds $pod) }}
 {{- end }}
 {{- end }}
+{{- if and .Values.colocated.kvPull.enabled (not .Values.colocated.enabled) }}
+{{- fail "colocated.kvPull needs colocated.enabled: the replicas pull from each other on one node" }}
+{{- end }}
+{{- if and .Values.colocated.kvPull.enabled (ne .Values.gateway.routing "kv") }}
+{{- fail (printf "colocated.kvPull needs gateway.routing kv (it is %s): the kv router is what sends pull hints" .Values.gateway.routing) }}
+{{- end }}
 {{- if not (gt (int .Values.gateway.startupTimeoutSeconds) (int .Values.gateway.downstreamReadyTimeoutSeconds)) }}
 {{- fail (printf "gateway.startupTimeoutSeconds (%v) must exceed gateway.downstreamReadyTimeoutSeconds (%v): the gateway binds its port only once preprocess and inference serve" .Values.gateway.startupTimeoutSeconds .Values.gateway.downstreamReadyTimeoutSeconds) }}
 {{- end }}
@@ -67,6 +73,9 @@ naming the values. Called once, from configmap.yaml.
 {{- end }}
 {{- if and (hasPrefix "cuda" .Values.inference.device) (ne (int .Values.inference.gpus) $tp) }}
 {{- fail (printf "inference.gpus (%v) must equal inference.tensorParallel.size (%d): rank r runs on GPU r of the pod" .Values.inference.gpus $tp) }}
+{{- end }}
+{{- if .Values.colocated.kvPull.enabled }}
+{{- fail (printf "inference.tensorParallel.size %d cannot be used with colocated.kvPull: a pull would copy rank 0's KV heads only" $tp) }}
 {{- end }}
 {{- end }}
 {{- end }}

@@ -25,6 +25,9 @@
     {{- end }}
     - --routing
     - {{ $v.routing }}
+    {{- if .Values.colocated.kvPull.enabled }}
+    - --routing-kv-pull
+    {{- end }}
     {{- if include "llmserve.hasRoutingRedis" . }}
     - --redis-url
     - $(LLMSERVE_ROUTING_REDIS_URL)
@@ -114,6 +117,9 @@
     {{- if include "llmserve.hasRoutingRedis" . }}
     - --redis-url
     - $(LLMSERVE_ROUTING_REDIS_URL)
+    {{- end }}
+    {{- if .Values.colocated.kvPull.enabled }}
+    - --kv-pull
     {{- end }}
     {{- with $v.extraArgs }}
     {{- toYaml . | nindent 4 }}

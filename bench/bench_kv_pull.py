@@ -1,0 +1,200 @@
+"""KV pull against recomputing (issue 22): the first token of a request whose prefix another
+co-located replica holds, pulled from it or computed again.
+
+    python bench/bench_kv_pull.py                                # H200: the 1.5B shape, 2k and 8k prefixes
+    python bench/bench_kv_pull.py --shape llama-3.1-8b           # the 8B shape (8k: 8064 + 64 fits its 8192)
+    python bench/bench_kv_pull.py --smoke                        # CPU, tiny model: that it runs
+
+Two inference replicas, A and B, on one device, each with --kv-pull (CUDA IPC between them on
+a GPU, /dev/shm on CPU). For each --prefix-tokens length, a warm-up pair, then --repeats pairs,
+each on a fresh prefix:
+  pull       A runs prefix + 1 token (max_tokens 1), so A holds the prefix; then B gets prefix +
+             --suffix-tokens fresh tokens with a KvPullHint naming A. Its TTFT, at the client,
+             from sending to the first token: pin at A, copy, release, then the suffix's prefill;
+  recompute  B gets the same prompt under a cache salt nothing else uses: it computes it all.
+Ratio: pull / recompute TTFT, median over the repeats [target <= 0.3x]. Each pull's greedy first
+token must equal the recomputed one's, and its usage must report the prefix's blocks as pulled.
+Bandwidth, from B's /metrics over the timed pulls: bytes / the copies' time
+(llmserve_kv_pull_copy_seconds: device to device, synchronized) [target >= 1 TB/s for >= 100 MB],
+and bytes / the whole pull (pin + copy + release round trips, llmserve_kv_pull_duration_seconds).
+
+Prints a table and writes --out-dir/kv-pull-<time>.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import statistics
+import sys
+import tempfile
+import time
+import urllib.request
+from pathlib import Path
+
+import grpc
+from prometheus_client.parser import text_string_to_metric_families
+
+import bench_stack
+from stack_services import free_port
+from llmserve.tools.service_process import launch_service, stop_service
+from llmserve.v1 import common_pb2, inference_pb2, inference_pb2_grpc
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+BLOCK_SIZE = 16
+RPC_TIMEOUT_S = 600.0
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    bench_stack.add_model_arguments(parser)
+    parser.add_argument("--prefix-tokens", default="2048,8064", help="comma-separated prefix lengths")
+    parser.add_argument("--suffix-tokens", type=int, default=64, help="fresh tokens after the prefix")
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--num-kv-blocks", type=int, default=2048, help="KV blocks per replica (16 tokens each)")
+    parser.add_argument("--inference-arg", action="append", default=[], help="extra inference flag (repeatable)")
+    parser.add_argument("--startup-timeout-s", type=float, default=600.0)
+    parser.add_argument("--out-dir", type=Path, default=REPO_ROOT / "bench" / "results")
+    parser.add_argument("--smoke", action="store_true", help="CPU, tiny model, short prefixes")
+    args = parser.parse_args(argv)
+    if args.smoke:
+        args.shape, args.device, args.prefix_tokens, args.suffix_tokens = "tiny", "cpu", "96,160", 16
+        args.repeats, args.num_kv_blocks = 2, 128
+    return args
+
+
+class Replica:
+    def __init__(self, name: str, args, model_dir: Path, log_dir: Path):
+        self.metrics_port = free_port()
+        self.service = launch_service("inference", [
+            "--model", str(model_dir), "--device", args.device, "--num-kv-blocks", str(args.num_kv_blocks),
+            "--block-size", str(BLOCK_SIZE), "--kv-pull", "--replica-id", name,
+            "--metrics-port", str(self.metrics_port), *args.inference_arg,
+        ], log_dir / name)
+        self._channel: grpc.Channel | None = None
+        self.stub: inference_pb2_grpc.InferenceServiceStub | None = None
+
+    def connect(self) -> None:
+        self._channel = grpc.insecure_channel(self.service.address)
+        self.stub = inference_pb2_grpc.InferenceServiceStub(self._channel)
+
+    def first_token(self, request: inference_pb2.GenerateTokensRequest) -> tuple[float, int, common_pb2.Usage]:
+        """(TTFT in ms at the client, the first token, the usage) of a max_tokens 1 request."""
+        started_s = time.perf_counter()
+        responses = self.stub.GenerateTokens(request, timeout=RPC_TIMEOUT_S)
+        first = next(responses)
+        ttft_ms = (time.perf_counter() - started_s) * 1000
+        last = first
+        for last in responses:
+            pass
+        return ttft_ms, first.token_ids[0], last.usage
+
+    def metric_sums(self) -> dict[str, float]:
+        with urllib.request.urlopen(f"http://127.0.0.1:{self.metrics_port}/metrics", timeout=10) as response:
+            text = response.read().decode()
+        sums: dict[str, float] = {}
+        for family in text_string_to_metric_families(text):
+            if family.name.startswith("llmserve_kv_pull"):
+                for sample in family.samples:
+                    sums[sample.name] = sums.get(sample.name, 0.0) + sample.value
+        return sums
+
+    def stop(self) -> None:
+        if self._channel is not None:
+            self._channel.close()
+        stop_service(self.service)
+
+
+def request(name: str, prompt: list[int], *, salt: str = "", source: Replica | None = None, num_blocks: int = 0):
+    pb = inference_pb2.GenerateTokensRequest(
+        request_id=name, prompt_token_ids=prompt, cache_salt=salt,
+        sampling=common_pb2.SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True),
+    )
+    if source is not None:
+        pb.kv_pull.CopyFrom(inference_pb2.KvPullHint(source_address=source.service.address, num_blocks=num_blocks))
+    return pb
+
+
+def fresh_tokens(count: int, seed: int, num_ids: int) -> list[int]:
+    """Seeded random ids in 10 .. 10 + num_ids: no two seeds' prompts share a block."""
+    rng = random.Random(seed)
+    return [10 + rng.randrange(num_ids) for _ in range(count)]
+
+
+def measure(a: Replica, b: Replica, prefix_tokens: int, args, seed: int) -> dict:
+    """One pull and one recompute of a fresh prefix of `prefix_tokens`."""
+    num_ids = 400 if args.shape == "tiny" else 10_000  # below every vocabulary the shapes have
+    prefix = fresh_tokens(prefix_tokens, seed, num_ids)
+    prompt = prefix + fresh_tokens(args.suffix_tokens, seed + 1_000_003, num_ids)
+    a.first_token(request(f"hold-{seed}", prefix + [1]))
+    num_blocks = prefix_tokens // BLOCK_SIZE
+    pull_ms, pulled_token, usage = b.first_token(request(f"pull-{seed}", prompt, source=a, num_blocks=num_blocks))
+    recompute_ms, recomputed_token, plain = b.first_token(request(f"recompute-{seed}", prompt, salt=f"fresh-{seed}"))
+    return {
+        "pull_ms": pull_ms, "recompute_ms": recompute_ms, "pulled_tokens": usage.pulled_tokens,
+        "expected_pulled_tokens": min(num_blocks, (len(prompt) - 1) // BLOCK_SIZE) * BLOCK_SIZE,
+        "recompute_cached_tokens": plain.cached_tokens, "same_first_token": pulled_token == recomputed_token,
+    }
+
+
+def run_length(a: Replica, b: Replica, prefix_tokens: int, args) -> dict:
+    measure(a, b, prefix_tokens, args, seed=prefix_tokens * 1000)  # warm-up: shapes, the first mapping
+    before = b.metric_sums()
+    runs = [measure(a, b, prefix_tokens, args, seed=prefix_tokens * 1000 + 1 + i) for i in range(args.repeats)]
+    after = b.metric_sums()
+    delta = {name: after.get(name, 0.0) - before.get(name, 0.0) for name in after}
+    pulled_bytes = delta.get("llmserve_kv_pull_bytes_total", 0.0)
+    copy_s = delta.get("llmserve_kv_pull_copy_seconds_sum", 0.0)
+    pull_s = delta.get("llmserve_kv_pull_duration_seconds_sum", 0.0)
+    pull_ms = statistics.median(run["pull_ms"] for run in runs)
+    recompute_ms = statistics.median(run["recompute_ms"] for run in runs)
+    return {
+        "prefix_tokens": prefix_tokens, "runs": runs, "pull_ttft_ms": round(pull_ms, 3),
+        "recompute_ttft_ms": round(recompute_ms, 3), "pull_over_recompute": round(pull_ms / recompute_ms, 4),
+        "bytes_per_pull": pulled_bytes / len(runs),
+        "copy_gb_per_s": round(pulled_bytes / copy_s / 1e9, 2) if copy_s else None,
+        "pull_gb_per_s": round(pulled_bytes / pull_s / 1e9, 2) if pull_s else None,
+        "all_pulled": all(run["pulled_tokens"] == run["expected_pulled_tokens"] for run in runs),
+        "all_same_first_token": all(run["same_first_token"] for run in runs),
+        "recompute_cached_nothing": all(run["recompute_cached_tokens"] == 0 for run in runs),
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    log_dir = args.out_dir / f"kv-pull-{stamp}-logs"
+    rows = []
+    with tempfile.TemporaryDirectory(prefix="bench-kv-pull-") as tmp:
+        model_dir = bench_stack.build_model(args, Path(tmp) / "model")
+        replicas = [Replica(name, args, model_dir, log_dir) for name in ("a", "b")]
+        try:
+            for replica in replicas:  # started together, then waited for (both load at once)
+                replica.service.wait_until_serving(args.startup_timeout_s)
+                replica.connect()
+            for prefix_tokens in (int(length) for length in args.prefix_tokens.split(",")):
+                rows.append(run_length(*replicas, prefix_tokens, args))
+                print(f"{prefix_tokens} tokens: pull {rows[-1]['pull_ttft_ms']:.2f} ms, "
+                      f"recompute {rows[-1]['recompute_ttft_ms']:.2f} ms", flush=True)
+        finally:
+            for replica in replicas:
+                replica.stop()
+    print(f"| prefix tokens | MB pulled | TTFT pull ms | TTFT recompute ms | pull / recompute | copy GB/s "
+          f"| pull GB/s (with round trips) | checks |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- |")
+    for row in rows:
+        checks = row["all_pulled"] and row["all_same_first_token"] and row["recompute_cached_nothing"]
+        print(f"| {row['prefix_tokens']} | {row['bytes_per_pull'] / 1e6:.1f} | {row['pull_ttft_ms']:.2f} | "
+              f"{row['recompute_ttft_ms']:.2f} | {row['pull_over_recompute']} | {row['copy_gb_per_s']} | "
+              f"{row['pull_gb_per_s']} | {'ok' if checks else 'FAILED'} |")
+    args.out_dir.mkdir(parents=True, exist_ok=True)
+    out = args.out_dir / f"kv-pull-{stamp}.json"
+    out.write_text(json.dumps({"rows": rows, "args": {k: str(v) for k, v in vars(args).items()}}, indent=1))
+    print(f"wrote {out}")
+    ok = all(row["all_pulled"] and row["all_same_first_token"] and row["recompute_cached_nothing"] for row in rows)
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

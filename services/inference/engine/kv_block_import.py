@@ -1,0 +1,141 @@
+"""Copying a prompt's prefix blocks out of another replica's KV pool into ours (issue 22, KV
+pull; docs/transport.md), on the engine core's thread.
+
+The source replica has pinned the blocks (they stay put until it releases them) and said where
+they are (KvPullSource: its region's offer, its pool's layout, its block ids for the prompt's
+first blocks). Here, for the blocks of the prompt this replica does not already cache:
+  1. take free blocks for them (BlockManager.allocate, as for a prompt being admitted);
+  2. copy them from the mapped source region, a run of consecutive source blocks per ref;
+  3. register them in the prefix cache under the prompt's chained hashes (as if computed here);
+  4. let them go: they stay cached, most recently freed, for the request submitted next.
+Anything that does not fit (another layout, no free blocks, a path without a mapping) pulls
+nothing: the request recomputes those tokens. The source's region is mapped once, on the first
+pull from it, and kept (TensorConsumer).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import torch
+
+from llmserve.inference.engine.block_manager import BlockManager
+from llmserve.inference.engine.kv_cache import KVCache
+from llmserve.inference.engine.kv_pool_export import KvPoolLayout
+from llmserve.inference.engine.sequence import Sequence
+from llmserve.tensor_transport import RegionOffer, TensorConsumer, TransportPath
+
+
+@dataclass(frozen=True, slots=True)
+class KvPullSource:
+    """Where another replica holds (pinned) the first blocks of a prompt."""
+
+    offer: RegionOffer  # its pool's region, offered to this replica
+    layout: KvPoolLayout
+    block_ids: tuple[int, ...]  # its block ids of the prompt's blocks 0, 1, ..., in order
+
+
+@dataclass(frozen=True, slots=True)
+class KvImport:
+    """What one pull copied, for the server's metrics (the engine core's own counters are not
+    scraped when it runs in a process of its own)."""
+
+    num_blocks: int
+    num_bytes: int
+    path: TransportPath
+    opened_region: bool  # the source's region was mapped for this pull (its first from there)
+    copy_s: float = 0.0  # the copies alone, done (synchronized on CUDA): the pull's bandwidth
+
+
+class KvPullRefused(Exception):
+    """The pull cannot be made; `reason` is a metric label (llmserve_kv_pull_failures_total)."""
+
+    def __init__(self, reason: str, message: str):
+        super().__init__(message)
+        self.reason = reason
+
+    def __reduce__(self):  # crosses the engine-core pipe as a CoreReply's error
+        return (KvPullRefused, (self.reason, str(self)))
+
+
+class KvBlockImporter:
+    def __init__(self, kv_cache: KVCache, block_manager: BlockManager):
+        self._kv_cache = kv_cache
+        self._block_manager = block_manager
+        self._layout = KvPoolLayout.of(kv_cache.data)
+        self._consumer = TensorConsumer()
+
+    def import_prefix(self, seq: Sequence, source: KvPullSource) -> KvImport:
+        """Pull the blocks of `seq`'s prompt that the source holds and we do not (none: nothing
+        to pull). Raises KvPullRefused when it cannot."""
+        self._check(source)
+        if not self._block_manager.enable_prefix_caching:
+            raise KvPullRefused("prefix_caching_off", "pulled blocks are found through the prefix cache, which is off")
+        block_manager, block_size = self._block_manager, self._block_manager.block_size
+        cached_ids = block_manager.find_cached_blocks(seq)
+        num_source = min(len(source.block_ids), (seq.num_tokens - 1) // block_size)
+        num_pulled = num_source - len(cached_ids)
+        if num_pulled <= 0:
+            return KvImport(0, 0, source.offer.path, False)
+        if not block_manager.allocate(seq, num_pulled * block_size, cached_ids):
+            raise KvPullRefused("no_free_blocks", f"{num_pulled} free blocks are not there to pull into")
+        num_opened_before = self._consumer.num_regions_opened
+        try:
+            self._open(source.offer)
+            copy_started_s = time.perf_counter()
+            self._copy(source, source.block_ids[len(cached_ids) : num_source], seq.block_ids[len(cached_ids) : num_source])
+            copy_s = time.perf_counter() - copy_started_s
+            seq.num_computed_tokens = num_source * block_size
+            block_manager.register_computed_blocks(seq)
+        finally:
+            block_manager.free(seq)
+            seq.num_computed_tokens = 0
+        opened_region = self._consumer.num_regions_opened > num_opened_before
+        return KvImport(num_pulled, num_pulled * source.layout.bytes_per_block, source.offer.path, opened_region, copy_s)
+
+    def forget(self, region_id: str) -> None:
+        self._consumer.close(region_id)
+
+    def close(self) -> None:
+        self._consumer.close_all()
+
+    def _open(self, offer: RegionOffer) -> None:
+        try:
+            self._consumer.open(offer)
+        except OSError as error:  # its segment is gone: the source died (its reaper unlinked it)
+            raise KvPullRefused("source_gone", f"the source's region cannot be mapped: {error}") from error
+
+    def _check(self, source: KvPullSource) -> None:
+        if source.offer.path is TransportPath.INLINE:
+            raise KvPullRefused("no_shared_memory", "the source's pool cannot be mapped here (no shm or CUDA IPC path)")
+        if not self._layout.can_exchange_with(source.layout):
+            raise KvPullRefused("layout_mismatch", f"the source's pool {source.layout} differs from ours {self._layout}")
+
+    def _copy(self, source: KvPullSource, source_ids: tuple[int, ...], target_ids: list[int]) -> None:
+        """One strided copy per run of blocks consecutive on both sides (fresh blocks usually
+        are: the free queue hands them out in order), every layer's k and v at once."""
+        pool = _raw(self._kv_cache.data)
+        for start, length in _consecutive_runs(list(zip(source_ids, target_ids))):
+            ref = source.layout.block_run_ref(source.offer.region_id, source_ids[start], length)
+            first_target = target_ids[start]
+            pool[:, :, first_target : first_target + length].copy_(_raw(self._consumer.view(ref)), non_blocking=True)
+        if pool.device.type == "cuda":
+            # Deliberate sync: the source releases its pin once we answer, so the copies must be done.
+            torch.cuda.current_stream(pool.device).synchronize()
+
+
+def _raw(tensor: torch.Tensor) -> torch.Tensor:
+    """float8 pools are copied as bytes (indexing float8 tensors is not supported everywhere)."""
+    return tensor.view(torch.uint8) if tensor.element_size() == 1 else tensor
+
+
+def _consecutive_runs(id_pairs: list[tuple[int, int]]) -> list[tuple[int, int]]:
+    """(start index, length) of each run of (source, target) block ids that both go up by one."""
+    runs: list[tuple[int, int]] = []
+    for index, (source_id, target_id) in enumerate(id_pairs):
+        if runs and id_pairs[index - 1] == (source_id - 1, target_id - 1):
+            runs[-1] = (runs[-1][0], runs[-1][1] + 1)
+        else:
+            runs.append((index, 1))
+    return runs
