@@ -181,3 +181,17 @@ def test_a_row_split_bias_is_held_by_rank_0_only():
 def test_an_unsplittable_shape_is_refused_naming_it(size, shape, named):
     with pytest.raises(ValueError, match=named):
         check_splittable(config(**shape), size)
+
+
+def test_each_rank_takes_the_gpu_after_its_replicas_first():
+    """Rank r on cuda:B+r, B the index --device names: replicas of one host on GPUs of their own."""
+    from llmserve.inference.engine.config import EngineConfig
+    from llmserve.inference.engine.rank_worker import rank_config
+
+    def devices(device: str) -> list[str]:
+        config = EngineConfig(model_path=Path("unused"), model_name="unused", device=device, tensor_parallel_size=2)
+        return [rank_config(config, rank).device for rank in range(2)]
+
+    assert devices("cuda") == ["cuda:0", "cuda:1"]
+    assert devices("cuda:2") == ["cuda:2", "cuda:3"]
+    assert devices("cpu") == ["cpu", "cpu"]

@@ -103,7 +103,7 @@ class EngineConfig:
     # One engine-core process per rank (engine/rank_worker.py, docs/parallelism.md).
     tensor_parallel_size: int = _flagged(
         1, "--tensor-parallel-size", "torch backend: split the model's heads, MLP and vocabulary over N "
-        "processes, one per GPU (--device cuda: rank r on cuda:r, NCCL) or N CPU processes (gloo); "
+        "processes, one per GPU (--device cuda:B: rank r on cuda:B+r, B 0 for cuda; NCCL) or N CPU processes (gloo); "
         "every rank keeps its own KV pool; rank 0 schedules",
         group=MODEL_GROUP, metavar="N",
     )  # fmt: skip

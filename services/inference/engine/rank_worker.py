@@ -11,7 +11,8 @@ pool is addressed by rank 0's block tables. So a rank is only ever told what to 
 rank that dies cannot be replaced: the server sees its process end (engine_process.py) and
 fails the engine.
 
-On CUDA rank r runs on cuda:r of the visible devices (`rank_config`).
+On CUDA rank r runs on cuda:B+r of the visible devices, B the index --device names (`cuda`: 0),
+so `llmserve serve --replicas N` can give replica i the GPUs i*size .. i*size+size-1 (`rank_config`).
 """
 
 from __future__ import annotations
@@ -28,10 +29,12 @@ log = logging.getLogger(__name__)
 
 
 def rank_config(config: EngineConfig, rank: int) -> EngineConfig:
-    """The engine config rank `rank` builds with: its own GPU on CUDA, else `config` unchanged."""
+    """The engine config rank `rank` builds with: its own GPU on CUDA (cuda:B+rank, B the index
+    config.device names, 0 for "cuda"), else `config` unchanged."""
     if not config.device.startswith("cuda"):
         return config
-    return dataclasses.replace(config, device=f"cuda:{rank}")
+    _, _, index = config.device.partition(":")
+    return dataclasses.replace(config, device=f"cuda:{int(index or 0) + rank}")
 
 
 def check_tensor_parallel(config: EngineConfig) -> None:
@@ -43,8 +46,6 @@ def check_tensor_parallel(config: EngineConfig) -> None:
         raise ValueError(f"tensor_parallel_size {size} needs the torch backend, not {config.backend!r}")
     if not config.core_process:
         raise ValueError(f"tensor_parallel_size {size} needs the engine core in its own process (no --no-core-process)")
-    if config.device.startswith("cuda:"):
-        raise ValueError(f"tensor_parallel_size {size}: give --device cuda (rank r runs on cuda:r), not {config.device}")
     if config.kv_pull:
         raise ValueError(f"tensor_parallel_size {size} cannot be used with --kv-pull: a pull would copy rank 0's KV heads only")
     files = ModelFiles.load(config.model_path, config.model_name)
