@@ -111,6 +111,15 @@ SHAPES = {
         rope_theta=500000.0, max_position_embeddings=8192, rms_norm_eps=1e-5, bos_token_id=151643,
         eos_token_id=151643,
     ),
+    # Llama-3.1-70B's body (meta-llama/Llama-3.1-70B config.json), Qwen tokenizer vocabulary as
+    # above: ~141 GB in bf16, built on --device, so a tensor-parallel run of it (bench_tensor_parallel)
+    # needs a checkpoint made elsewhere (--model) or a host that builds it on the CPU.
+    "llama-3.1-70b": dict(
+        architecture="LlamaForCausalLM", hidden_size=8192, intermediate_size=28672, num_hidden_layers=80,
+        num_attention_heads=64, num_key_value_heads=8, vocab_size=151936, tie_word_embeddings=False,
+        rope_theta=500000.0, max_position_embeddings=8192, rms_norm_eps=1e-5, bos_token_id=151643,
+        eos_token_id=151643,
+    ),
     # The default model's body (HuggingFaceTB/SmolLM2-135M-Instruct's config.json), for runs where
     # its 538 MB of weights cannot travel; pass its tokenizer (shared/assets/tokenizers/smollm2).
     "smollm2-135m": dict(
@@ -307,13 +316,19 @@ def run_async(args, options, model_dir: Path, plans: stack_drivers.Plans, on_cel
     asyncio.run(main())
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = parse_args(argv)
+def bench_engine_options(args) -> dict:
+    """The engine options of every path: --device, room for the most streams, then --engine-arg."""
     parser = argparse.ArgumentParser(prog="--engine-arg")
     add_engine_arguments(parser)
     base = ["--device", args.device, "--max-num-seqs", str(max(256, *args.streams))]
     options = engine_options(parser.parse_args(base + args.engine_arg))
     options["dtype"] = options["dtype"] or default_dtype(options["device"])  # explicit in the JSON
+    return options
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    options = bench_engine_options(args)
     stem = time.strftime("stack-%Y%m%d-%H%M%S")
     report = stack_report.Report(args.out_dir / f"{stem}.json", settings=vars(args), engine_options=options)
     with tempfile.TemporaryDirectory(prefix="bench-stack-") as tmp:

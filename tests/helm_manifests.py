@@ -39,6 +39,10 @@ MODES: dict[str, tuple[tuple[str, ...], dict[str, Any]]] = {
     "model-pvc": ((), {"model": {"volume": {"type": "pvc", "pvc": {"claimName": "models"}}, "fetch": {"enabled": False}}}),
     "model-hostpath": ((), {"model": {"volume": {"type": "hostPath", "hostPath": {"path": "/var/lib/llmserve"}}}}),
     "cpu-colocated": (("values-cpu.yaml", "values-colocated.yaml"), {}),
+    # One replica on 4 GPUs of a pod (docs/parallelism.md); on CPU, 3 gloo ranks (the default
+    # model's 9 heads and 3 KV heads split 3 ways).
+    "tensor-parallel": ((), {"inference": {"gpus": 4, "tensorParallel": {"size": 4}}}),
+    "cpu-tensor-parallel": (("values-cpu.yaml",), {"inference": {"tensorParallel": {"size": 3}}}),
     "colocated-kv-pull": (("values-colocated.yaml",), {"colocated": {"kvPull": {"enabled": True}}}),
 }
 

@@ -214,3 +214,13 @@ def test_bench_transport_measures_every_cpu_path(tmp_path):
         for cell in by_size.values():
             assert cell["repeats"] == 3 and 0 < cell["min_ms"] <= cell["median_ms"] <= cell["max_ms"]
     assert report["ping_ms"]["repeats"] == 2 * 3  # pooled over the two paths that use the pipe
+
+
+def test_bench_tensor_parallel_compares_sizes_on_cpu(tmp_path):
+    report = run_bench("bench_tensor_parallel.py", ["--smoke", "--out-dir", str(tmp_path)], tmp_path)
+    assert not report["errors"]
+    assert [(row["size"], row["streams"]) for row in report["rows"]] == [(1, 1), (1, 4), (2, 1), (2, 4)]
+    assert all(row["num_succeeded"] == row["num_requests"] > 0 for row in report["rows"])
+    assert [row["output_ratio"] for row in report["rows"] if row["size"] == 1] == [1.0, 1.0]
+    (tp2_decode,) = [row for row in report["rows"] if (row["size"], row["streams"]) == (2, 1)]
+    assert tp2_decode["weight_floor_ms_per_gpu"] * 2 == pytest.approx(report["rows"][0]["weight_floor_ms_per_gpu"], rel=1e-3)

@@ -117,7 +117,12 @@ def test_schema_rejects_bad_values(values, path):
         ({"gateway": {"apiKeys": {"enabled": True}}}, "not wired"),
         ({"inference": {"device": "cpu"}}, "gpus is 1 but inference.device is cpu"),
         ({"shared": {"buckets": [512, 128]}}, "strictly increasing"),
+        ({"inference": {"tensorParallel": {"size": 2}}}, r"inference.gpus \(1\) must equal inference.tensorParallel.size \(2\)"),
+        ({"inference": {"gpus": 2, "device": "cuda:1", "tensorParallel": {"size": 2}}}, "needs inference.device cuda"),
+        ({"inference": {"gpus": 2, "backend": "hf", "tensorParallel": {"size": 2}}}, "needs inference.backend torch"),
         ({"colocated": {"kvPull": {"enabled": True}}}, "colocated.kvPull needs colocated.enabled"),
+        ({"inference": {"gpus": 2, "tensorParallel": {"size": 2}}, "colocated": {"enabled": True, "kvPull": {"enabled": True}}},
+         "cannot be used with colocated.kvPull"),
         ({"colocated": {"enabled": True, "kvPull": {"enabled": True}}, "gateway": {"routing": "round-robin"}},
          "colocated.kvPull needs gateway.routing kv"),
     ],
@@ -278,6 +283,24 @@ def test_cpu_values_need_no_gpu(rendered):
     assert "nvidia.com/gpu" not in inference["resources"]["limits"]
     assert flag_value(inference["args"], "--device") == "cpu"
     assert "nodeSelector" not in pod.spec and "tolerations" not in pod.spec
+
+
+@pytest.mark.parametrize(("mode", "size", "gpus"), [("tensor-parallel", 4, 4), ("cpu-tensor-parallel", 3, None)])
+def test_a_tensor_parallel_replica_is_one_pod_with_its_gpus_and_a_memory_shm(rendered, mode, size, gpus):
+    (pod,) = [pod for pod in pod_templates(rendered[mode]) if pod.workload.endswith("-inference")]
+    inference = pod.container("inference")
+    (args,) = [args for _pod, container, _env, args in service_containers(rendered[mode]) if container is inference]
+    assert parse_inference_args(args).tensor_parallel_size == size
+    assert inference["resources"]["limits"].get("nvidia.com/gpu") == gpus
+    (shm,) = [v for v in pod.spec["volumes"] if v["name"] == "shm"]
+    assert shm["emptyDir"] == {"medium": "Memory", "sizeLimit": "1Gi"}
+    assert {"name": "shm", "mountPath": "/dev/shm"} in inference["volumeMounts"]
+
+
+def test_one_process_replicas_get_no_split_and_no_shm(rendered):
+    (pod,) = [pod for pod in pod_templates(rendered["default"]) if pod.workload.endswith("-inference")]
+    assert "--tensor-parallel-size" not in pod.container("inference")["args"]
+    assert "shm" not in {v["name"] for v in pod.spec["volumes"]}
 
 
 def test_colocated_pod_shares_processes_and_a_memory_shm(rendered):

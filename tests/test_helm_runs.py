@@ -319,7 +319,7 @@ def _stop(pod: LocalPod) -> dict[str, int | None]:
     return codes
 
 
-@pytest.mark.parametrize("mode", ["cpu", "cpu-colocated"])
+@pytest.mark.parametrize("mode", ["cpu", "cpu-colocated", "cpu-tensor-parallel"])
 def test_the_cpu_values_run_serve_and_answer_every_probe(mode, default_model_dir, tmp_path):
     _serve_and_stop(render(mode), default_model_dir, tmp_path)
 

@@ -184,6 +184,8 @@ def test_serve_replicas_get_ids_and_one_gpu_each_on_cuda(tiny_model_dir):
 
     cuda = serve_config("--replicas", "3", "--device", "cuda")
     assert [replica_flags(cuda, i) for i in range(3)] == [("cuda:0", "replica-0"), ("cuda:1", "replica-1"), ("cuda:2", "replica-2")]
+    split = serve_config("--replicas", "2", "--device", "cuda", "--tensor-parallel-size", "2")
+    assert [replica_flags(split, i)[0] for i in range(2)] == ["cuda:0", "cuda:2"]  # ranks on 0-1 and 2-3
     shared = serve_config("--replicas", "2", "--device", "cuda:1")
     assert [replica_flags(shared, i) for i in range(2)] == [("cuda:1", "replica-0"), ("cuda:1", "replica-1")]
     with pytest.raises(ValueError, match="--replicas must be >= 1"):

@@ -82,10 +82,14 @@ def inference_argv(config: ServeConfig, common: list[str], replica: int) -> list
 
 
 def replica_engine_options(config: ServeConfig, replica: int) -> dict:
-    """Replica `replica`'s engine options: device "cuda" means one GPU each (cuda:0, cuda:1, ...);
-    any other device (cpu, an explicit cuda:N) is shared by every replica."""
+    """Replica `replica`'s engine options: device "cuda" means GPUs of its own, one per rank
+    (tensor parallel size k: replica i on cuda:i*k, its ranks on cuda:i*k .. i*k+k-1, rank r on
+    its device's index + r); any other device (cpu, an explicit cuda:N) is shared by every
+    replica. All GPUs stay visible to every replica: a KV pull between replicas maps the other
+    GPU's memory (CUDA IPC with peer access), which hiding it would forbid."""
     if config.num_replicas > 1 and config.engine["device"] == "cuda":
-        return {**config.engine, "device": f"cuda:{replica}"}
+        ranks = config.engine.get("tensor_parallel_size") or 1
+        return {**config.engine, "device": f"cuda:{replica * ranks}"}
     return config.engine
 
 

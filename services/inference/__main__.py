@@ -12,6 +12,7 @@ import argparse
 import asyncio
 import logging
 import socket
+from collections.abc import Callable
 from pathlib import Path
 
 from llmserve.inference.async_engine import AsyncEngine
@@ -27,7 +28,9 @@ from llmserve.inference.servicer import SERVICE_NAME, InferenceServicer
 from llmserve.message_limits import token_ids_request_bytes
 from llmserve.model_files import ModelFiles
 from llmserve.prefix_index.redis_config import add_redis_arguments, redis_config_from_args
-from llmserve.server import configure_logging, create_server, exit_with_parent, serve_until_signal, write_port_file
+from llmserve.server import (
+    RunningServer, configure_logging, create_server, exit_with_parent, serve_until_signal, write_port_file,
+)
 from llmserve.metrics_endpoint import start_metrics_endpoint
 from llmserve.server_flags import add_server_arguments, observability_options, server_options
 from llmserve.v1 import inference_pb2_grpc
@@ -98,6 +101,7 @@ async def serve(config: InferenceConfig) -> None:
         kv_events.replica_id = f"{socket.gethostname()}-{running.port}"
     _log_startup(engine, kv_events.replica_id, running.port)
     publisher = _start_redis_publisher(config, kv_events)
+    engine.on_core_failure(_not_serving_on_failure(running))
     await running.set_serving(True)
     write_port_file(config.port_file, running.port)
     await serve_until_signal(
@@ -105,6 +109,20 @@ async def serve(config: InferenceConfig) -> None:
     )
     if publisher is not None:
         await publisher  # ended by kv_events.close(), having dropped this replica's entries
+
+
+def _not_serving_on_failure(running: RunningServer) -> Callable[[str], None]:
+    """Health NOT_SERVING once the engine is gone (its requests already failed with the reason):
+    the replica stays up to say so, and its orchestrator replaces it."""
+    tasks: set[asyncio.Task] = set()
+
+    def on_failure(message: str) -> None:
+        log.error("the engine failed: %s; health NOT_SERVING", message)
+        task = asyncio.ensure_future(running.set_serving(False))
+        tasks.add(task)
+        task.add_done_callback(tasks.discard)
+
+    return on_failure
 
 
 def _start_redis_publisher(config: InferenceConfig, kv_events: KvEventLog) -> asyncio.Task | None:

@@ -103,6 +103,12 @@ class AsyncEngine:
         self._kv_event_sink: KvEventSink | None = None
         self._is_accepting = False
         self._none_in_flight = asyncio.Event()
+        self._on_core_failure: list[Callable[[str], None]] = []
+
+    def on_core_failure(self, callback: Callable[[str], None]) -> None:
+        """Call `callback(message)` on the loop once the core is gone (its process, or a
+        tensor-parallel rank's, died): the service then reports NOT_SERVING."""
+        self._on_core_failure.append(callback)
         self._none_in_flight.set()
         self._calls: dict[int, asyncio.Future] = {}  # call_id → the caller's future (call_core)
         self._num_calls = 0
@@ -212,6 +218,8 @@ class AsyncEngine:
         outputs = update.outputs
         if update.core_failure:
             outputs = outputs + self._failed_outputs(outputs, update.core_failure)
+            for callback in self._on_core_failure:
+                callback(update.core_failure)
         if not outputs:
             return  # admission measures its rates per delivery of outputs
         deliveries = self._account(outputs)

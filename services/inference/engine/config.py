@@ -100,6 +100,13 @@ class EngineConfig:
         group=MODEL_GROUP, choices=BACKENDS,
     )  # fmt: skip
     device: str = _flagged("cpu", "--device", "cpu, cuda or cuda:N", group=MODEL_GROUP)
+    # One engine-core process per rank (engine/rank_worker.py, docs/parallelism.md).
+    tensor_parallel_size: int = _flagged(
+        1, "--tensor-parallel-size", "torch backend: split the model's heads, MLP and vocabulary over N "
+        "processes, one per GPU (--device cuda:B: rank r on cuda:B+r, B 0 for cuda; NCCL) or N CPU processes (gloo); "
+        "every rank keeps its own KV pool; rank 0 schedules",
+        group=MODEL_GROUP, metavar="N",
+    )  # fmt: skip
     dtype: str = _flagged(
         "float32", "--dtype", "weights and activations (default: float32 on cpu, bfloat16 on cuda)",
         group=MODEL_GROUP, choices=DTYPES, unset_by_default=True,  # unset: default_dtype(device)
@@ -218,7 +225,7 @@ class EngineConfig:
         ):
             if getattr(self, name) not in allowed:
                 raise ValueError(f"{name} must be one of {allowed}, got {getattr(self, name)!r}")
-        for name in ("block_size_tokens", "max_waiting_requests", "max_waiting_prompt_tokens", "kv_overcommit"):
+        for name in ("block_size_tokens", "tensor_parallel_size", "max_waiting_requests", "max_waiting_prompt_tokens", "kv_overcommit"):
             value = getattr(self, name)
             if value is not None and value <= 0:
                 raise ValueError(f"{name} must be positive, got {value}")

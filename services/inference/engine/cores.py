@@ -14,6 +14,7 @@ from __future__ import annotations
 import importlib
 
 from llmserve.inference.engine.config import BACKENDS, EngineConfig
+from llmserve.inference.engine.rank_worker import rank_config
 from llmserve.inference.engine.types import EngineCore
 
 # backend → (module, class) of the EngineCore; imported only when that backend is chosen.
@@ -31,13 +32,23 @@ class BackendUnavailable(RuntimeError):
     """The chosen backend's module (or a library it needs) cannot be imported here."""
 
 
-def create_engine_core(config: EngineConfig) -> EngineCore:
-    """The EngineCore for a core backend (`hf`, `torch`), weights loaded."""
+def create_engine_core(config: EngineConfig, rank_store_path: str | None = None) -> EngineCore:
+    """The EngineCore for a core backend (`hf`, `torch`), weights loaded. `rank_store_path`: the
+    rendezvous of a tensor-parallel engine (config.tensor_parallel_size > 1), whose rank 0
+    this core is (engine/rank_processes.py spawns the other ranks)."""
     if config.backend in CLIENT_CLASSES:
         raise ValueError(f"backend {config.backend!r} runs its own engine, not an EngineCore: use create_engine")
     if config.backend not in _CORE_CLASSES:
         raise ValueError(f"backend must be one of {BACKENDS}, got {config.backend!r}")
-    return load_backend_class(config.backend, *_CORE_CLASSES[config.backend])(config)
+    core_class = load_backend_class(config.backend, *_CORE_CLASSES[config.backend])
+    if rank_store_path is None:
+        return core_class(config)
+    import torch
+
+    from llmserve.inference.models.rank_group import RankGroup
+
+    ranks = RankGroup.join(rank_store_path, config.tensor_parallel_size, 0, torch.device(rank_config(config, 0).device))
+    return core_class(rank_config(config, 0), ranks=ranks)
 
 
 def load_backend_class(backend: str, module_name: str, class_name: str):

@@ -27,6 +27,11 @@ The core is built in the child (weights, KV pool, CUDA graphs): the server proce
 imports torch's device state, and a CUDA context is never forked (the child is spawned).
 If the child dies, the update says so (CoreUpdate.core_failure): AsyncEngine, which owns the
 requests, ends every one in flight with ERROR, and the engine stops accepting.
+
+Tensor parallelism (config.tensor_parallel_size N > 1): the engine-core process is rank 0 and
+the server spawns ranks 1..N-1 beside it (engine/rank_processes.py). The server watches every
+rank's process: when one ends while serving, the engine fails as if the core had died, the
+message naming the rank, and the other ranks are ended (they would wait in a collective).
 """
 
 from __future__ import annotations
@@ -49,6 +54,8 @@ from llmserve.inference.engine.engine_loop import (
 )
 from llmserve.engine_output import EngineOutput, StepOutputs, TokenColumns
 from llmserve.inference.engine.queued_client import QueuedCoreClient
+from llmserve.inference.engine.rank_processes import RankProcesses
+from llmserve.inference.engine.rank_worker import check_tensor_parallel
 from llmserve.inference.engine.types import CacheEvent, EngineLoad, EngineRequest, ModelInfo, StepReport
 from llmserve.observability import ObservabilityConfig
 from llmserve.server import configure_logging
@@ -84,18 +91,27 @@ class EngineProcess(QueuedCoreClient):
         log_level: str = "INFO",
         observability: ObservabilityConfig = ObservabilityConfig(),
     ):
+        check_tensor_parallel(config)
         context = multiprocessing.get_context("spawn")
         command_reader, self._command_writer = context.Pipe(duplex=False)
         self._output_reader, output_writer = context.Pipe(duplex=False)
+        self._ranks = (
+            RankProcesses(config, context, log_level, observability) if config.tensor_parallel_size > 1 else None
+        )
         self._process = context.Process(
             target=run_engine_process,
-            args=(config, log_level, observability, command_reader, output_writer),
+            args=(config, log_level, observability, command_reader, output_writer,
+                  self._ranks.store_path if self._ranks else None),
             name="engine-core",
-        )
+        )  # fmt: skip
         self._process.start()
         command_reader.close()
         output_writer.close()
-        ready = self._wait_until_ready()
+        try:
+            ready = self._wait_until_ready()
+        except BaseException:
+            self._end_ranks()
+            raise
         super().__init__(ready.model_info, ready.load)
         self._pipe: CommandPipe | None = None  # made by start, on the event loop
         self._is_running = False
@@ -104,6 +120,9 @@ class EngineProcess(QueuedCoreClient):
         while not self._output_reader.poll(0.5):
             if not self._process.is_alive():
                 raise RuntimeError(f"the engine-core process exited with code {self._process.exitcode} while starting")
+            if self._ranks is not None and self._ranks.dead_rank():
+                self._process.kill()
+                raise RuntimeError(f"{self._ranks.dead_rank()} while starting")
         message = self._output_reader.recv()
         if isinstance(message, _StartFailed):
             self._process.join()
@@ -115,6 +134,8 @@ class EngineProcess(QueuedCoreClient):
     def start(self, loop: asyncio.AbstractEventLoop, deliver: Deliver) -> None:
         self._event_loop, self._deliver = loop, deliver
         loop.add_reader(self._output_reader.fileno(), self._on_readable)
+        for sentinel in self._ranks.sentinels if self._ranks else ():
+            loop.add_reader(sentinel, self._on_rank_exit)
         self._pipe = CommandPipe(self._command_writer, loop)
         self._is_running = True
         log.info("engine core runs in process %d", self._process.pid)
@@ -126,9 +147,12 @@ class EngineProcess(QueuedCoreClient):
     async def stop(self) -> None:
         """Cancel every request in flight, then end the process and wait for it (off the event
         loop, which must keep running to receive the CANCELLED outputs)."""
+        self._is_running = False  # from here a rank's exit is the stop's, not a failure
         self._pipe.send(Stop())
         await asyncio.to_thread(self._process.join)
-        self._is_running = False
+        if self._ranks is not None:
+            self._stop_watching_ranks()
+            await asyncio.to_thread(self._ranks.join)
 
     def add_request(self, request: EngineRequest) -> None:
         self._pipe.send(AddRequest(request))
@@ -158,29 +182,65 @@ class EngineProcess(QueuedCoreClient):
         """The pipe closed: after a stop (which cancelled everything first, so nothing is left
         to fail) or because the process died (what is still in flight fails)."""
         self._event_loop.remove_reader(self._output_reader.fileno())
-        update.core_failure = "the engine-core process died"
+        if not self._is_running:
+            return  # stopped: what stop() waits for
+        dead_rank = self._ranks.dead_rank() if self._ranks is not None else ""
+        update.core_failure = dead_rank or "the engine-core process died"
         self._is_running = False
+        if self._ranks is not None:
+            self._stop_watching_ranks()
+            self._end_ranks()
+
+    def _on_rank_exit(self) -> None:
+        """A rank's process ended. While serving, the engine cannot go on without it: the core
+        process and the other ranks are ended and every request in flight fails."""
+        self._stop_watching_ranks()
+        if not self._is_running:
+            return
+        self._event_loop.remove_reader(self._output_reader.fileno())
+        self._is_running = False
+        failure = self._ranks.dead_rank()
+        log.error("%s: the engine stops", failure)
+        self._process.kill()
+        self._end_ranks()
+        self._event_loop.run_in_executor(None, self._process.join)  # reap it off the loop
+        self._deliver(CoreUpdate([], [], [], core_failure=failure))
+
+    def _stop_watching_ranks(self) -> None:
+        for sentinel in self._ranks.sentinels:
+            self._event_loop.remove_reader(sentinel)
+
+    def _end_ranks(self) -> None:
+        if self._ranks is not None:
+            self._ranks.end()
 
 
 # --- the engine-core process ----------------------------------------------------------------
 
 
 def run_engine_process(
-    config: EngineConfig, log_level: str, observability: ObservabilityConfig, commands: Connection, outputs: Connection
+    config: EngineConfig, log_level: str, observability: ObservabilityConfig, commands: Connection, outputs: Connection,
+    rank_store_path: str | None = None,
 ) -> None:
     """The process's main: build the core, then run the loop until Stop (or the server process
-    goes away)."""
-    _exit_with_parent()
+    goes away). `rank_store_path`: tensor parallelism's rendezvous; this process is rank 0."""
+    exit_with_parent()
     configure_logging("engine-core", log_level, observability)
     from llmserve.inference.engine.cores import create_engine_core  # the child's imports, not the server's
 
     try:
-        core = create_engine_core(config)
+        core = create_engine_core(config, rank_store_path)
     except BaseException as exc:  # noqa: BLE001 — reported to the server, which decides
         outputs.send(_StartFailed(picklable_error(exc)))
         return
     outputs.send(_Ready(core.model_info, core.load()))
     EngineLoop(core).run(_command_taker(commands), _emitter(outputs))
+    if rank_store_path is not None:
+        from llmserve.inference.models.rank_group import exit_without_teardown
+
+        core.stop_ranks()
+        outputs.close()
+        exit_without_teardown()
 
 
 def _command_taker(commands: Connection) -> Callable[[bool], list[EngineCommand]]:
@@ -224,7 +284,7 @@ def from_wire(wire: _WireOutputs) -> list[EngineOutput]:
     return objects + TokenColumns(*columns).outputs() if columns[2] else objects
 
 
-def _exit_with_parent() -> None:
+def exit_with_parent() -> None:
     """SIGTERM when the server process dies, even by SIGKILL: a GPU must not stay held."""
     if sys.platform == "linux":
         ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)

@@ -19,6 +19,7 @@ enforce_eager; other steps run eagerly.
 from __future__ import annotations
 
 import logging
+import os
 from collections.abc import Iterable
 
 import torch
@@ -39,24 +40,37 @@ from llmserve.inference.models.attention_backend import (
 from llmserve.inference.models.decoder_config import DecoderConfig
 from llmserve.inference.models.loader import load_model, torch_dtype
 from llmserve.inference.models.quantization import quantize_linears
+from llmserve.inference.models.rank_group import SINGLE_RANK, RankGroup
+from llmserve.inference.models.tensor_parallel import TensorParallel
+from llmserve.inference.engine.step_broadcast import StepBroadcast
 from llmserve.model_files import ModelFiles
 
 log = logging.getLogger(__name__)
 
+RANKS_OUT_OF_STEP_EXIT_CODE = 70  # rank 0 of a split engine, after a step that failed
+
 
 class ModelRunner:
+    """`ranks`: the tensor-parallel group this runner is one rank of (models/rank_group.py). Every
+    rank builds its slice of the model and its own KV pool of the same number of blocks; rank 0's
+    `execute` first broadcasts the step (engine/step_broadcast.py), which the other ranks run
+    with `execute_step` (engine/rank_worker.py)."""
+
     def __init__(self, config: EngineConfig, files: ModelFiles, max_context_tokens: int,
-                 weights: Iterable[tuple[str, torch.Tensor]] | None = None):
+                 weights: Iterable[tuple[str, torch.Tensor]] | None = None, ranks: RankGroup = SINGLE_RANK):
         self.device = torch.device(config.device)
         self.dtype = torch_dtype(config.dtype)
         self.block_size = config.block_size_tokens
         self.model_config = DecoderConfig.from_hf(files.config)
+        tp = TensorParallel(self.model_config, ranks)
+        local_config = tp.local_config()  # this rank's heads, KV heads and vocabulary rows
+        self._step_broadcast = StepBroadcast(ranks, self.device) if ranks.size > 1 and ranks.is_leader else None
         log.info("loading %s (%s) on %s as %s", files.path, files.architecture, self.device, config.dtype)
         attention_name = resolve_attention_backend(config.attention_backend, self.device)
-        self.attention = create_attention_backend(attention_name, self.model_config, self.block_size, self.device)
+        self.attention = create_attention_backend(attention_name, local_config, self.block_size, self.device)
         if config.kv_cache_dtype == "fp8" and not self.attention.supports_fp8_kv_cache:
             raise ValueError(f"kv_cache_dtype 'fp8' needs the triton attention backend, not {self.attention.name!r}")
-        self.model = load_model(files.path, self.model_config, self.device, self.dtype, self.attention, weights)
+        self.model = load_model(files.path, local_config, self.device, self.dtype, self.attention, weights, tp)
         if config.quantization != "none":
             # Before sizing the KV pool: the freed bf16 matrices become KV blocks.
             log.info("quantizing the linear layers: %s", config.quantization)
@@ -64,7 +78,7 @@ class ModelRunner:
         spec = KVCacheSpec(
             num_layers=self.model_config.num_layers,
             block_size=self.block_size,
-            num_kv_heads=self.model_config.num_kv_heads,
+            num_kv_heads=local_config.num_kv_heads,
             head_dim=self.model_config.head_dim,
             dtype=torch.float8_e4m3fn if config.kv_cache_dtype == "fp8" else self.dtype,
         )
@@ -76,6 +90,7 @@ class ModelRunner:
             memory_fraction=config.kv_memory_fraction,
             max_useful_blocks=config.max_num_seqs * -(-max_context_tokens // self.block_size),
         )
+        num_blocks = ranks.min_int(num_blocks)  # one block table addresses every rank's pool
         export = KvPoolExport(self.device) if config.kv_pull else None
         self.kv_cache = KVCache(spec, num_blocks, self.device, export)
         log.info(
@@ -106,8 +121,26 @@ class ModelRunner:
         """float32 logits [num_sampling_seqs, vocab]: one row per sequence that samples, in batch
         order; `step` is the batch's inputs (build_step_inputs). `launched_tokens`: the in-flight
         step's sampled ids (on the device), where the placeholder input tokens of this batch are
-        read from. Queues the work; does not wait."""
-        self.kv_cache.copy_blocks(batch.block_copies)
+        read from. Queues the work; does not wait. Split over ranks, the other ranks get the
+        step first and run it alongside."""
+        if self._step_broadcast is None:
+            return self.execute_step(batch.block_copies, step, launched_tokens)
+        try:
+            self._step_broadcast.send(batch.block_copies, step, launched_tokens)
+            return self.execute_step(batch.block_copies, step, launched_tokens)
+        except Exception:  # noqa: BLE001
+            # The other ranks wait in a collective this rank will never join (or one of them
+            # is gone): no later step can run. Ending the process ends the engine, and the
+            # server, which watches every rank, fails its requests saying which rank died.
+            log.critical("a tensor-parallel step failed on rank 0: the ranks are out of step", exc_info=True)
+            os._exit(RANKS_OUT_OF_STEP_EXIT_CODE)
+
+    @torch.inference_mode()
+    def execute_step(
+        self, block_copies: list[tuple[int, int]], step: StepInputs, launched_tokens: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """`execute` on the step's parts: what every rank runs."""
+        self.kv_cache.copy_blocks(block_copies)
         fill = self._placeholder_filler(step, launched_tokens)
         if self.decode_graphs is not None and self.decode_graphs.can_run(step):
             return self._sampled_rows(self.decode_graphs.run(step, fill), step.logits_indices)
@@ -126,6 +159,11 @@ class ModelRunner:
             fill(input_ids)
         hidden = self.model(input_ids, positions, self.kv_cache.layers, meta)
         return self.model.compute_logits(hidden[logits_indices])
+
+    def stop_ranks(self) -> None:
+        """Rank 0: tell the other ranks that no step follows (they leave their loop)."""
+        if self._step_broadcast is not None:
+            self._step_broadcast.stop()
 
     def _placeholder_filler(self, step: StepInputs, launched_tokens: torch.Tensor | None):
         """A function that writes the step's placeholder input ids into a device ids tensor, or None."""

@@ -58,6 +58,7 @@ from llmserve.inference.engine.model_runner import ModelRunner
 from llmserve.inference.engine.sampler import LaunchedSample, Sampler, SamplerOutput, reads_host_tokens
 from llmserve.inference.engine.scheduler import ScheduledBatch, Scheduler, SchedulerConfig
 from llmserve.inference.engine.sequence_factory import SequenceFactory
+from llmserve.inference.models.rank_group import SINGLE_RANK, RankGroup
 from llmserve.inference.engine.step_output import LaunchedBatch
 from llmserve.inference.engine.step_stats import UNTIMED, StepStatsLog, StepTimer, Untimed
 from llmserve.engine_output import EngineOutput, StepOutputs
@@ -85,16 +86,24 @@ class TorchEngineCore:
         weights: Iterable[tuple[str, torch.Tensor]] | None = None,
         step_stats: StepStatsLog | None = None,
         sampler: Sampler | None = None,
+        ranks: RankGroup = SINGLE_RANK,
     ):
         """`weights`: (HF name, tensor) pairs to serve instead of the checkpoint's safetensors
         (e.g. a transformers model's state_dict().items()); `step_stats`: where each step's
         measurements go (none are taken while it is None; it may be set between steps);
         `sampler`: one built on the model's EOS ids instead of the default (benchmarks
-        observe the logits through it)."""
+        observe the logits through it); `ranks`: the tensor-parallel group this core is rank 0
+        of (it schedules and samples; the runner hands every step to the other ranks)."""
+        if config.tensor_parallel_size != ranks.size:
+            raise ValueError(
+                f"tensor_parallel_size {config.tensor_parallel_size} needs its rank processes: serve it with "
+                f"EngineProcess (the inference service), or create_engine_core with their rendezvous"
+            )
         self.config = config
         files = ModelFiles.load(config.model_path, config.model_name)
         max_context_tokens = served_context_tokens(config, files)
-        self.runner = ModelRunner(config, files, max_context_tokens, weights)
+        self.runner = ModelRunner(config, files, max_context_tokens, weights, ranks)
+        self._ranks = ranks
         num_blocks = self.runner.kv_cache.num_blocks
         self.block_manager = BlockManager(num_blocks, config.block_size_tokens, config.enable_prefix_caching)
         max_seq_tokens = min(max_context_tokens, num_blocks * config.block_size_tokens)
@@ -177,6 +186,11 @@ class TorchEngineCore:
     def scheduled_batch(self) -> tuple[int, int]:
         """The batch the latest step() launched (with async scheduling, it processed the one before)."""
         return self._scheduled_batch
+
+    def stop_ranks(self) -> None:
+        """After the last step: the other tensor-parallel ranks leave their loop, and so does this one."""
+        self.runner.stop_ranks()
+        self._ranks.leave()
 
     def take_kv_events(self) -> list[CacheEvent]:
         return self.block_manager.take_events()

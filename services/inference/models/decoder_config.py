@@ -111,3 +111,20 @@ def _sliding_windows(config: dict, architecture: str, num_layers: int) -> tuple[
         first_sliding = int(config.get("max_window_layers", num_layers))
         return tuple(int(window) if i >= first_sliding else None for i in range(num_layers))
     return (None,) * num_layers
+
+
+def check_splittable(config: DecoderConfig, size: int) -> None:
+    """ValueError naming the shape that `size` ranks cannot split."""
+    if size < 1:
+        raise ValueError(f"tensor_parallel_size must be at least 1, got {size}")
+    if config.num_heads % size:
+        raise ValueError(f"tensor_parallel_size {size} does not divide the model's {config.num_heads} attention heads")
+    kv = config.num_kv_heads
+    if (kv >= size and kv % size) or (kv < size and size % kv):
+        raise ValueError(
+            f"tensor_parallel_size {size} and the model's {kv} KV heads: one must divide the other"
+        )
+    if config.intermediate_size % size:
+        raise ValueError(
+            f"tensor_parallel_size {size} does not divide the model's intermediate size {config.intermediate_size}"
+        )

@@ -24,12 +24,14 @@ from llmserve.inference.models.attention_backend import AttentionBackend, KVLaye
 from llmserve.inference.models.decoder_config import DecoderConfig
 from llmserve.inference.models.layers import MergedLinear, RMSNorm
 from llmserve.inference.models.rope import rope_inv_freq
+from llmserve.inference.models.tensor_parallel import TensorParallel
 
 
 class LlamaAttention(nn.Module):
-    def __init__(self, config: DecoderConfig, layer_index: int, attention: AttentionBackend):
+    def __init__(self, config: DecoderConfig, layer_index: int, attention: AttentionBackend, tp: TensorParallel):
         super().__init__()
         self.attention = attention
+        self.tp = tp
         self.num_heads = config.num_heads
         self.num_kv_heads = config.num_kv_heads
         self.head_dim = config.head_dim
@@ -53,27 +55,29 @@ class LlamaAttention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         out = self.attention.attend(q, k, v, rope, kv_cache, meta, self.scale, self.sliding_window)
         out = out.reshape(num_tokens, self.num_heads * self.head_dim)
-        return self.attention.ops.residual_projection(self.o_proj, out)
+        return self.tp.reduce(self.attention.ops.residual_projection(self.o_proj, out))
 
 
 class LlamaMLP(nn.Module):
-    def __init__(self, config: DecoderConfig, attention: AttentionBackend):
+    def __init__(self, config: DecoderConfig, attention: AttentionBackend, tp: TensorParallel):
         super().__init__()
         self.ops = attention.ops
+        self.tp = tp
         size = config.intermediate_size
         self.gate_up_proj = MergedLinear(config.hidden_size, [size, size], ["gate_proj", "up_proj"], config.mlp_bias)
         self.down_proj = nn.Linear(size, config.hidden_size, bias=config.mlp_bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.ops.residual_projection(self.down_proj, self.ops.silu_and_mul(self.gate_up_proj(x)))
+        activated = self.ops.silu_and_mul(self.gate_up_proj(x))
+        return self.tp.reduce(self.ops.residual_projection(self.down_proj, activated))
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, config: DecoderConfig, layer_index: int, attention: AttentionBackend):
+    def __init__(self, config: DecoderConfig, layer_index: int, attention: AttentionBackend, tp: TensorParallel):
         super().__init__()
         self.ops = attention.ops
-        self.self_attn = LlamaAttention(config, layer_index, attention)
-        self.mlp = LlamaMLP(config, attention)
+        self.self_attn = LlamaAttention(config, layer_index, attention, tp)
+        self.mlp = LlamaMLP(config, attention, tp)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
@@ -90,21 +94,25 @@ class LlamaDecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
-    def __init__(self, config: DecoderConfig, attention: AttentionBackend):
+    def __init__(self, config: DecoderConfig, attention: AttentionBackend, tp: TensorParallel):
         super().__init__()
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(LlamaDecoderLayer(config, i, attention) for i in range(config.num_layers))
+        self.layers = nn.ModuleList(LlamaDecoderLayer(config, i, attention, tp) for i in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
 
 class LlamaForCausalLM(nn.Module):
-    """Parameter names match HF checkpoints except the fused qkv_proj / gate_up_proj."""
+    """Parameter names match HF checkpoints except the fused qkv_proj / gate_up_proj.
 
-    def __init__(self, config: DecoderConfig, attention: AttentionBackend):
+    Split over ranks (`tp`, models/tensor_parallel.py), `config` is this rank's slice
+    (TensorParallel.local_config) and the collectives join the slices; unsplit they are identities."""
+
+    def __init__(self, config: DecoderConfig, attention: AttentionBackend, tp: TensorParallel | None = None):
         super().__init__()
         self.config = config
         self.attention = attention
-        self.model = LlamaModel(config, attention)
+        self.tp = tp if tp is not None else TensorParallel(config)
+        self.model = LlamaModel(config, attention, self.tp)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         # Not a buffer: computed on CPU (as transformers does) even when the parameters are
         # built on the meta device, and moved with `place_rope` after `to_empty`.
@@ -126,7 +134,7 @@ class LlamaForCausalLM(nn.Module):
         meta,  # the attention backend's metadata for this step (its build_metadata)
     ) -> torch.Tensor:
         """Hidden states [num_tokens, hidden_size] after the final norm."""
-        hidden = self.model.embed_tokens(input_ids)
+        hidden = self.tp.embed(self.model.embed_tokens, input_ids)
         rope = self.attention.rope_tables(positions, self.inv_freq, hidden.dtype)
         residual = None
         for layer, kv_cache in zip(self.model.layers, kv_caches):
@@ -134,5 +142,5 @@ class LlamaForCausalLM(nn.Module):
         return self.attention.ops.add_and_norm(self.model.norm, hidden, residual)[0]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """float32 logits [num_rows, vocab_size] for the rows that sample."""
-        return self.attention.ops.logits(self.lm_head, hidden)
+        """float32 logits [num_rows, vocab_size] for the rows that sample (every rank gets all)."""
+        return self.tp.gather_logits(self.attention.ops.logits(self.lm_head, hidden))

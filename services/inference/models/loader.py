@@ -20,6 +20,7 @@ from llmserve.inference.models.attention_backend import AttentionBackend
 from llmserve.inference.models.decoder_config import DecoderConfig
 from llmserve.inference.models.layers import MergedLinear
 from llmserve.inference.models.llama import LlamaForCausalLM
+from llmserve.inference.models.tensor_parallel import TensorParallel
 
 log = logging.getLogger(__name__)
 
@@ -48,12 +49,16 @@ def safetensors_files(model_dir: Path) -> list[Path]:
 
 def load_model(
     model_dir: Path, config: DecoderConfig, device: torch.device, dtype: torch.dtype, attention: AttentionBackend,
-    weights: Iterable[tuple[str, torch.Tensor]] | None = None,
+    weights: Iterable[tuple[str, torch.Tensor]] | None = None, tp: TensorParallel | None = None,
 ) -> LlamaForCausalLM:
-    """`weights`: (HF name, tensor) pairs to load instead of the directory's safetensors."""
+    """`weights`: (HF name, tensor) pairs to load instead of the directory's safetensors;
+    `tp`: this rank's slice of a model split over ranks (`config` is then its local_config()),
+    each tensor sliced as it is read."""
     if weights is None:
         weights = _checkpoint_tensors(safetensors_files(Path(model_dir)))
-    return build_model(config, device, dtype, weights, attention)
+    if tp is not None:
+        weights = tp.shard_weights(weights)
+    return build_model(config, device, dtype, weights, attention, tp)
 
 
 def build_model(
@@ -62,11 +67,12 @@ def build_model(
     dtype: torch.dtype,
     named_tensors: Iterable[tuple[str, torch.Tensor]],
     attention: AttentionBackend,
+    tp: TensorParallel | None = None,
 ) -> LlamaForCausalLM:
     """Our decoder from (checkpoint name, tensor) pairs in HF naming: a checkpoint's tensors, or
     a transformers model's `state_dict().items()` (benchmarks build random weights on the GPU)."""
     with torch.device("meta"):
-        model = LlamaForCausalLM(config, attention)
+        model = LlamaForCausalLM(config, attention, tp)
     model = model.to(dtype).to_empty(device=device)
     model.tie_weights()  # re-tie: to_empty gives every parameter fresh storage
     model.place_rope(device)

@@ -63,4 +63,19 @@ naming the values. Called once, from configmap.yaml.
 {{- if and (not .Values.inference.gpus) (hasPrefix "cuda" .Values.inference.device) }}
 {{- fail (printf "inference.device is %s but inference.gpus is 0: no GPU would be allocated" .Values.inference.device) }}
 {{- end }}
+{{- $tp := int .Values.inference.tensorParallel.size }}
+{{- if gt $tp 1 }}
+{{- if ne .Values.inference.backend "torch" }}
+{{- fail (printf "inference.tensorParallel.size %d needs inference.backend torch, not %s" $tp .Values.inference.backend) }}
+{{- end }}
+{{- if hasPrefix "cuda:" .Values.inference.device }}
+{{- fail (printf "inference.tensorParallel.size %d needs inference.device cuda (rank r runs on GPU r of the pod), not %s" $tp .Values.inference.device) }}
+{{- end }}
+{{- if and (hasPrefix "cuda" .Values.inference.device) (ne (int .Values.inference.gpus) $tp) }}
+{{- fail (printf "inference.gpus (%v) must equal inference.tensorParallel.size (%d): rank r runs on GPU r of the pod" .Values.inference.gpus $tp) }}
+{{- end }}
+{{- if .Values.colocated.kvPull.enabled }}
+{{- fail (printf "inference.tensorParallel.size %d cannot be used with colocated.kvPull: a pull would copy rank 0's KV heads only" $tp) }}
+{{- end }}
+{{- end }}
 {{- end }}

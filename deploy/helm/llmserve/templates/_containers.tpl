@@ -106,6 +106,10 @@
     - {{ $v.backend }}
     - --device
     - {{ $v.device }}
+    {{- if gt (int $v.tensorParallel.size) 1 }}
+    - --tensor-parallel-size
+    - {{ $v.tensorParallel.size | quote }}
+    {{- end }}
     {{- with $v.dtype }}
     - --dtype
     - {{ . }}
@@ -135,7 +139,7 @@
     {{- toYaml .Values.securityContext | nindent 4 }}
   volumeMounts:
     {{- include "llmserve.volumeMounts" . | nindent 4 }}
-    {{- if .Values.colocated.enabled }}
+    {{- if include "llmserve.inferenceShmSize" . }}
     - name: shm
       mountPath: /dev/shm
     {{- end }}

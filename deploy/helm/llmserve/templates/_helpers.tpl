@@ -88,3 +88,11 @@ llmserve.io/scrape: "true"
 {{- define "llmserve.hasPromptCacheRedis" -}}
 {{- if or (eq .Values.redis.mode "builtin") (and (eq .Values.redis.mode "external") (or .Values.redis.external.promptCacheUrl .Values.redis.external.existingSecret)) }}true{{ end }}
 {{- end }}
+
+{{/* The size of the inference pod's memory-backed /dev/shm, or "" for none: co-located
+preprocess (the same-host transport) or tensor parallelism (NCCL's intra-node buffers). */}}
+{{- define "llmserve.inferenceShmSize" -}}
+{{- if .Values.colocated.enabled }}{{ .Values.colocated.shmSizeLimit }}
+{{- else if gt (int .Values.inference.tensorParallel.size) 1 }}{{ .Values.inference.tensorParallel.shmSizeLimit }}
+{{- end }}
+{{- end }}

@@ -1,0 +1,70 @@
+"""StepBroadcast: rank 0 hands each step it schedules to the other tensor-parallel ranks.
+
+The scheduler, the block manager and the sampler run once, on rank 0 (engine/torch_engine.py);
+the other ranks only run the forward (engine/rank_worker.py). For a step they need what rank
+0's ModelRunner.execute reads: the block copies (copy-on-fork), the step's inputs (ids,
+positions, slots, block tables: every rank's KV pool is addressed by the same block table),
+and, with async scheduling, the token ids sampled by the step in flight that fill this step's
+placeholder rows. Those ids exist only on rank 0's device: they follow the message as a device
+broadcast, stream-ordered, so rank 0 does not wait for its sampling to finish (NCCL; gloo on
+CPU is synchronous anyway).
+
+The message is pickled over the host group (gloo): a list-of-ints StepInputs at a few hundred
+rows is tens of microseconds to pickle. A message of None ends the other ranks' loop.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from llmserve.inference.models.rank_group import RankGroup
+from llmserve.inference.models.step_inputs import StepInputs
+
+
+@dataclass(slots=True)
+class StepMessage:
+    block_copies: list[tuple[int, int]]
+    inputs: StepInputs
+    # The in-flight step's sampled ids follow when this step reads them: their count and dtype.
+    num_launched_tokens: int = 0
+    launched_dtype: torch.dtype = torch.int64
+
+
+@dataclass(slots=True)
+class ReceivedStep:
+    block_copies: list[tuple[int, int]]
+    inputs: StepInputs
+    launched_tokens: torch.Tensor | None  # on this rank's device
+
+
+class StepBroadcast:
+    def __init__(self, group: RankGroup, device: torch.device):
+        self._group = group
+        self._device = device
+
+    def send(self, block_copies: list[tuple[int, int]], step: StepInputs, launched_tokens: torch.Tensor | None) -> None:
+        """Rank 0: this step, before it runs its own forward."""
+        reads_launched = bool(step.placeholder_rows) and launched_tokens is not None
+        message = StepMessage(block_copies, step)
+        if reads_launched:
+            message.num_launched_tokens, message.launched_dtype = launched_tokens.numel(), launched_tokens.dtype
+        self._group.broadcast_object(message)
+        if reads_launched:
+            self._group.broadcast_tensor(launched_tokens.contiguous())
+
+    def stop(self) -> None:
+        """Rank 0: no step follows."""
+        self._group.broadcast_object(None)
+
+    def receive(self) -> ReceivedStep | None:
+        """The other ranks: the next step (blocks until rank 0 sends it), or None: stop."""
+        message: StepMessage | None = self._group.broadcast_object()
+        if message is None:
+            return None
+        launched = None
+        if message.num_launched_tokens:
+            launched = torch.empty(message.num_launched_tokens, dtype=message.launched_dtype, device=self._device)
+            self._group.broadcast_tensor(launched)
+        return ReceivedStep(message.block_copies, message.inputs, launched)
