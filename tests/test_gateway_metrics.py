@@ -160,12 +160,13 @@ def test_finished_and_refused_requests_move_every_counter_by_their_usage_and_tim
         assert moved(before, after, gateway_name(f"{name}_seconds_sum")) == pytest.approx(
             sum(getattr(r.timings, field) for r in finished) / 1e9, abs=1e-6
         ), name
-    # One gap per token after each request's first; together they span first to last token.
+    # One gap per token after each request's first; together they span first to last token (zero
+    # when a loaded machine coalesced every token into the first message).
     assert moved(before, after, gateway_name("inter_token_latency_seconds_count")) == sum(
         r.usage.completion_tokens - 1 for r in finished
     )
     e2e_after_first = sum(r.timings.total_time_ns - r.timings.time_to_first_token_ns for r in finished) / 1e9
-    assert 0 < moved(before, after, gateway_name("inter_token_latency_seconds_sum")) <= e2e_after_first + 1e-6
+    assert 0 <= moved(before, after, gateway_name("inter_token_latency_seconds_sum")) <= e2e_after_first + 1e-6
     # One replica: routed by load, nothing predicted.
     assert moved(before, after, routing_name("decisions_total"), replica="r0", reason="load") == 2
     assert moved(before, after, routing_name("predicted_cached_tokens_total"), replica="r0") == 0

@@ -104,14 +104,14 @@ class AsyncEngine:
         self._is_accepting = False
         self._none_in_flight = asyncio.Event()
         self._on_core_failure: list[Callable[[str], None]] = []
+        self._none_in_flight.set()
+        self._calls: dict[int, asyncio.Future] = {}  # call_id → the caller's future (call_core)
+        self._num_calls = 0
 
     def on_core_failure(self, callback: Callable[[str], None]) -> None:
         """Call `callback(message)` on the loop once the core is gone (its process, or a
         tensor-parallel rank's, died): the service then reports NOT_SERVING."""
         self._on_core_failure.append(callback)
-        self._none_in_flight.set()
-        self._calls: dict[int, asyncio.Future] = {}  # call_id → the caller's future (call_core)
-        self._num_calls = 0
 
     # --- lifecycle --------------------------------------------------------------------------
 
