@@ -206,6 +206,23 @@ def test_blocks_land_in_scattered_free_blocks_intact(pull_engines):
     assert generate(b, "on-b", prompt) == (generate(plain, "recomputed", prompt)[0], 6 * BLOCK_SIZE)
 
 
+def test_a_gather_in_chunks_lands_every_block_where_its_run_would(pull_engines):
+    """Scattered targets with a gather budget of two blocks: three chunks, the same bytes."""
+    from llmserve.inference.engine.kv_block_import import KvBlockImporter
+
+    a, b, plain = pull_engines
+    prompt = make_prompt(PROMPT_TOKENS, seed=13)
+    generate(a, "on-a", prompt)
+    b._kv_importer = KvBlockImporter(b.runner.kv_cache, b.block_manager, gather_bytes=2 * a.runner.kv_cache.data[:, :, 0].nbytes)
+    odd = list(range(1, 13, 2))
+    b.block_manager.hold(odd)
+    try:
+        assert pull(a, b, prompt) == 6 * BLOCK_SIZE
+        assert torch.equal(pool_blocks(b, prompt), pool_blocks(a, prompt))
+    finally:
+        b.block_manager.release(odd)
+
+
 def test_runs_follow_both_sides_block_ids():
     from llmserve.inference.engine.kv_block_import import _consecutive_runs
 
