@@ -307,6 +307,9 @@ def test_cuda_ipc_between_two_processes_on_one_gpu():
 
     consumer.close_all()
     torch.cuda.synchronize()
+    # The closed consumer gave its reference back, the killed one could not: withdraw gives back
+    # only the latter's (giving back both left the region in torch's limbo, never freed).
+    assert (peer.ask("references_held", index), peer.ask("references_held", killed_index)) == (0, 1)
     peer.ask("withdraw", index)
     peer.ask("withdraw", killed_index)
     peer.ask("free")

@@ -21,6 +21,7 @@ import torch
 from prometheus_client import REGISTRY
 
 from llmserve.tensor_transport import TensorConsumer, TensorProducer, local_identity
+from llmserve.tensor_transport.cuda_ipc import references_held
 from llmserve.tensor_transport.identity import SHM_DIR
 from llmserve.tensor_transport.messages import DTYPES, TensorRef, TransportPath
 from llmserve.tensor_transport.shm_reaper import process_reaper
@@ -193,6 +194,7 @@ class _ProducerPeer:
             "offer": self.offer,
             "write": self.write,
             "withdraw": lambda index: self.producer.withdraw(self.offers.pop(index)),
+            "references_held": lambda index: references_held(self.producer._cuda_offers[self.offers[index]]),
             "free": self.free,
             "memory_allocated": self.memory_allocated,
         })

@@ -6,7 +6,7 @@ a larger cudaMalloc block: the export names the block and the storage's offset i
 reference counter in a small shared-memory file (/dev/shm/torch_<pid>_<n>) that keeps the memory
 allocated while the consumer holds it, and an event that orders the consumer's first read after
 the producer's writes. One export per consumer: each holds one reference of its own, which
-the producer can give back for it (`release_reference`) if the consumer dies holding it.
+the producer gives back for it (`release_reference`) if the consumer died holding it.
 
 Consumer: `open_export(export, device_index)` rebuilds the tensor (cudaIpcOpenMemHandle: slow,
 hundreds of ms the first time, so it is done once per region, at connection time). The rebuilt
@@ -21,6 +21,7 @@ which completes after the earlier.
 from __future__ import annotations
 
 import inspect
+import struct
 from dataclasses import dataclass
 
 import torch
@@ -60,10 +61,29 @@ def open_export(export: CudaExport, device_index: int) -> torch.Tensor:
 
 
 def release_reference(export: CudaExport) -> None:
-    """Give back the reference `export` gave its consumer, for a consumer that will not (it
-    died). Only once the consumer is gone: the memory may be freed after it."""
+    """Give back the reference `export` gave its consumer, if the consumer did not (it died
+    holding it). Only once the consumer is gone (closed or dead): the memory may then be freed.
+    A consumer that closed its mapping gave its reference back itself; releasing it again took
+    the counter to -1, which torch reads as unsigned, so the region stayed in its limbo forever
+    (64 MiB held after free in the H200 test)."""
+    if references_held(export) <= 0:
+        return
     bound = _REBUILD_SIGNATURE.bind(*export.args).arguments
     torch.UntypedStorage._release_ipc_counter_cuda(bound["ref_counter_handle"], bound["ref_counter_offset"])
+
+
+# torch maps its counter files with RefcountedMapAllocator: a header of 64 bytes (its alignment),
+# then one int64 per exported storage.
+_COUNTER_FILE_HEADER_BYTES = 64
+
+
+def references_held(export: CudaExport) -> int:
+    """How many references to `export`'s storage its consumers hold: 1 from the export until the
+    consumer's mapping of it is dropped, 0 after."""
+    offset = _REBUILD_SIGNATURE.bind(*export.args).arguments["ref_counter_offset"]
+    with open(f"/dev/shm/{export.ref_counter_name}", "rb") as counters:
+        counters.seek(_COUNTER_FILE_HEADER_BYTES + 8 * offset)
+        return struct.unpack("q", counters.read(8))[0]
 
 
 class RegionEvent:
