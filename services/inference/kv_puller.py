@@ -5,8 +5,8 @@ request is submitted (issue 22; docs/transport.md, "KV pull").
     PinKvBlocks(prompt, salt, our identity) ─────────────▶ pins its cached blocks of the prompt
     ◀──────────── pin id, block ids, pool layout, region offer
     engine core: kv_import (map the region once, copy the blocks we lack, register them)
-    ReleaseKvBlocks(pin id) ─────────────────────────────▶ unpins (else its lease does)
-    then the request is submitted: the scheduler finds the prefix in our cache.
+    the request is submitted: the scheduler finds the prefix in our cache
+    ReleaseKvBlocks(pin id) ─────────────────────────────▶ unpins (else its lease does), meanwhile
 
 A pull never fails the request: whatever goes wrong (the source gone or refusing, the blocks
 evicted, no shared memory, no room) pulls less or nothing, and the engine computes the rest.
@@ -60,6 +60,7 @@ class KvPuller:
         # The region each source's pool was last offered as: mapped in the engine core until the
         # source is gone or restarted (a mapping keeps a dead process's memory allocated).
         self._regions: dict[str, str] = {}
+        self._releases: set[asyncio.Task] = set()  # ReleaseKvBlocks calls not yet answered
 
     async def pull(self, request: EngineRequest, hint: KvPullHint) -> int:
         """Pull what the source holds of `request`'s prompt; returns the tokens pulled (0 when
@@ -82,7 +83,9 @@ class KvPuller:
         try:
             imported = await self._import(request, pinned)
         finally:
-            await asyncio.shield(self._release(stub, pinned.pin_id))
+            # The copies are done when the import answers: the request need not wait for the
+            # source to hear of it (a round trip through the source's core between its steps).
+            self._release_soon(stub, pinned.pin_id)
         if hint.num_blocks > len(pinned.block_ids):
             _fell_back("evicted", f"{hint.source_address} held {len(pinned.block_ids)} of {hint.num_blocks} blocks")
         if imported is None:
@@ -91,6 +94,8 @@ class KvPuller:
         return imported.num_blocks * pinned.layout.block_size_tokens
 
     async def close(self) -> None:
+        if self._releases:
+            await asyncio.wait(self._releases, timeout=RELEASE_TIMEOUT_S)
         for channel, _ in self._stubs.values():
             await channel.close()
         self._stubs.clear()
@@ -129,6 +134,11 @@ class KvPuller:
         except (ServiceError, NotImplementedError, ValueError) as error:
             _fell_back("engine", f"{type(error).__name__}: {error}")
         return None
+
+    def _release_soon(self, stub: inference_pb2_grpc.InferenceServiceStub, pin_id: str) -> None:
+        task = asyncio.ensure_future(self._release(stub, pin_id))
+        self._releases.add(task)
+        task.add_done_callback(self._releases.discard)
 
     async def _release(self, stub: inference_pb2_grpc.InferenceServiceStub, pin_id: str) -> None:
         try:
