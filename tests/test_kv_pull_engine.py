@@ -14,6 +14,7 @@ import pickle
 
 import pytest
 import torch
+from prometheus_client import REGISTRY
 
 from llmserve.inference.engine.kv_block_import import KvPullRefused
 from llmserve.inference.engine.kv_pool_export import KvPoolLayout
@@ -70,8 +71,12 @@ def test_pulled_prefix_gives_the_same_tokens_as_recomputing(pull_engines):
     prompt = make_prompt(PROMPT_TOKENS, seed=3)
     generate(a, "on-a", prompt)
     assert a.runner.kv_cache.export is not None
+    bytes_before = REGISTRY.get_sample_value("llmserve_transport_bytes_total", {"path": "shm"}) or 0.0
     num_pulled = pull(a, b, prompt)
     assert num_pulled == 6 * BLOCK_SIZE
+    # The transport counts the blocks read, not the source's whole pool that they were read from.
+    bytes_read = REGISTRY.get_sample_value("llmserve_transport_bytes_total", {"path": "shm"}) - bytes_before
+    assert bytes_read == 6 * KvPoolLayout.of(a.runner.kv_cache.data).bytes_per_block
     assert torch.equal(pool_blocks(b, prompt), pool_blocks(a, prompt))
     pulled_tokens, num_cached = generate(b, "on-b", prompt)
     recomputed_tokens, num_cached_plain = generate(plain, "recomputed", prompt)

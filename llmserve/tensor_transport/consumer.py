@@ -51,7 +51,9 @@ class TensorConsumer:
         self.num_regions_opened += 1
         record_region_opened(offer.path)
 
-    def view(self, ref: TensorRef) -> torch.Tensor:
+    def view(self, ref: TensorRef, num_bytes_read: int | None = None) -> torch.Tensor:
+        """`num_bytes_read`: what will be read of the view, for the transfer metrics, when not
+        all of it (a KV pull views the source's whole pool to gather some blocks)."""
         if ref.inline_bytes is not None:
             tensor = from_bytes(ref.inline_bytes, ref.shape, ref.torch_dtype)
             record_transfer(TransportPath.INLINE, ref.num_bytes)
@@ -62,7 +64,7 @@ class TensorConsumer:
         if mapping.event is not None:
             mapping.event.wait()
         tensor = tensor_view(mapping.data, ref)
-        record_transfer(mapping.path, ref.num_bytes)
+        record_transfer(mapping.path, ref.num_bytes if num_bytes_read is None else num_bytes_read)
         return tensor
 
     def copy_into(self, ref: TensorRef, out: torch.Tensor) -> None:

@@ -5,8 +5,8 @@ The source replica has pinned the blocks (they stay put until it releases them) 
 they are (KvPullSource: its region's offer, its pool's layout, its block ids for the prompt's
 first blocks). Here, for the blocks of the prompt this replica does not already cache:
   1. take free blocks for them (BlockManager.allocate, as for a prompt being admitted);
-  2. copy them from the mapped source region: one copy when they are one run on both sides,
-     else a gather by block ids;
+  2. copy them from the mapped source region: a gather by block ids, or one copy when they
+     are one run on both sides (run by run from another GPU);
   3. register them in the prefix cache under the prompt's chained hashes (as if computed here);
   4. let them go: they stay cached, most recently freed, for the request submitted next.
 Anything that does not fit (another layout, no free blocks, a path without a mapping) pulls
@@ -120,27 +120,34 @@ class KvBlockImporter:
             raise KvPullRefused("layout_mismatch", f"the source's pool {source.layout} differs from ours {self._layout}")
 
     def _copy(self, source: KvPullSource, source_ids: tuple[int, ...], target_ids: list[int]) -> None:
-        """Every layer's k and v of the blocks at once: one strided copy when the blocks are one
-        run on both sides, else a gather by block ids in chunks of at most `_GATHER_BYTES`.
-        A copy per run was the first design: on the H200 an 8k-token import copied 231 MB in
-        22 ms (10 GB/s), as if each of its blocks were a run of its own (inferred, not profiled)."""
+        """Every layer's k and v of the blocks at once: a gather by block ids (in chunks of at
+        most `_gather_bytes`) when the blocks are not one run on both sides, else one strided
+        copy. A copy per run was the first design: on the H200 an 8k-token import copied 231 MB
+        in 22 ms (10 GB/s), as if each of its blocks were a run of its own (inferred, not
+        profiled). A source on another GPU is copied run by run: a gather would need a
+        temporary on the source's GPU, whose memory its own pool holds."""
         pool = _raw(self._kv_cache.data)
+        whole = source.layout.block_run_ref(source.offer.region_id, 0, source.layout.num_blocks)
+        num_bytes = len(source_ids) * source.layout.bytes_per_block
+        source_pool = _raw(self._consumer.view(whole, num_bytes))  # orders the reads after the source's writes
         runs = _consecutive_runs(list(zip(source_ids, target_ids)))
-        if len(runs) == 1:
-            ref = source.layout.block_run_ref(source.offer.region_id, source_ids[0], len(source_ids))
-            pool[:, :, target_ids[0] : target_ids[0] + len(target_ids)].copy_(_raw(self._consumer.view(ref)), non_blocking=True)
-        elif runs:
-            self._gather(source, source_ids, target_ids, pool)
+        if len(runs) > 1 and source_pool.device == pool.device:
+            self._gather(source_pool, source_ids, target_ids, pool)
+        else:
+            for start, length in runs:
+                first_source, first_target = source_ids[start], target_ids[start]
+                pool[:, :, first_target : first_target + length].copy_(
+                    source_pool[:, :, first_source : first_source + length], non_blocking=True
+                )
         if pool.device.type == "cuda":
             # Deliberate sync: the source releases its pin once we answer, so the copies must be done.
             torch.cuda.current_stream(pool.device).synchronize()
 
-    def _gather(self, source: KvPullSource, source_ids: tuple[int, ...], target_ids: list[int], pool: torch.Tensor) -> None:
-        whole_source = source.layout.block_run_ref(source.offer.region_id, 0, source.layout.num_blocks)
-        source_pool = _raw(self._consumer.view(whole_source))
+    def _gather(self, source_pool: torch.Tensor, source_ids: tuple[int, ...], target_ids: list[int], pool: torch.Tensor) -> None:
         source_index = torch.tensor(source_ids, dtype=torch.int64).to(pool.device, non_blocking=True)
         target_index = torch.tensor(target_ids, dtype=torch.int64).to(pool.device, non_blocking=True)
-        blocks_per_chunk = max(1, self._gather_bytes // source.layout.bytes_per_block)
+        bytes_per_block = pool[:, :, 0].nbytes
+        blocks_per_chunk = max(1, self._gather_bytes // bytes_per_block)
         for start in range(0, len(source_ids), blocks_per_chunk):
             chunk = slice(start, start + blocks_per_chunk)
             # index_select then index_copy_: the blocks pass through a temporary of the chunk's size.
