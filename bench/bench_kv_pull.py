@@ -11,7 +11,9 @@ each on a fresh prefix:
   pull       A runs prefix + 1 token (max_tokens 1), so A holds the prefix; then B gets prefix +
              --suffix-tokens fresh tokens with a KvPullHint naming A. Its TTFT, at the client,
              from sending to the first token: pin at A, copy, release, then the suffix's prefill;
-  recompute  B gets the same prompt under a cache salt nothing else uses: it computes it all.
+  recompute  B gets the same prompt under a cache salt nothing else uses: it computes it all;
+  cached     B gets the same prompt again, now in its own cache: the floor a pull approaches
+             (what is left is the pull's pin, copy and round trips).
 Ratio: pull / recompute TTFT, median over the repeats [target <= 0.3x]. Each pull's greedy first
 token must equal the recomputed one's, and its usage must report the prefix's blocks as pulled.
 Bandwidth, from B's /metrics over the timed pulls: bytes / the copies' time
@@ -131,8 +133,11 @@ def measure(a: Replica, b: Replica, prefix_tokens: int, args, seed: int) -> dict
     num_blocks = prefix_tokens // BLOCK_SIZE
     pull_ms, pulled_token, usage = b.first_token(request(f"pull-{seed}", prompt, source=a, num_blocks=num_blocks))
     recompute_ms, recomputed_token, plain = b.first_token(request(f"recompute-{seed}", prompt, salt=f"fresh-{seed}"))
+    cached_ms, cached_token, own = b.first_token(request(f"cached-{seed}", prompt))
     return {
-        "pull_ms": pull_ms, "recompute_ms": recompute_ms, "pulled_tokens": usage.pulled_tokens,
+        "pull_ms": pull_ms, "recompute_ms": recompute_ms, "cached_ms": cached_ms,
+        "cached_tokens_own": own.cached_tokens, "same_cached_token": cached_token == recomputed_token,
+        "pulled_tokens": usage.pulled_tokens,
         "expected_pulled_tokens": min(num_blocks, (len(prompt) - 1) // BLOCK_SIZE) * BLOCK_SIZE,
         "recompute_cached_tokens": plain.cached_tokens, "same_first_token": pulled_token == recomputed_token,
     }
@@ -149,14 +154,16 @@ def run_length(a: Replica, b: Replica, prefix_tokens: int, args) -> dict:
     pull_s = delta.get("llmserve_kv_pull_duration_seconds_sum", 0.0)
     pull_ms = statistics.median(run["pull_ms"] for run in runs)
     recompute_ms = statistics.median(run["recompute_ms"] for run in runs)
+    cached_ms = statistics.median(run["cached_ms"] for run in runs)
     return {
         "prefix_tokens": prefix_tokens, "runs": runs, "pull_ttft_ms": round(pull_ms, 3),
         "recompute_ttft_ms": round(recompute_ms, 3), "pull_over_recompute": round(pull_ms / recompute_ms, 4),
+        "cached_ttft_ms": round(cached_ms, 3), "cached_over_recompute": round(cached_ms / recompute_ms, 4),
         "bytes_per_pull": pulled_bytes / len(runs),
         "copy_gb_per_s": round(pulled_bytes / copy_s / 1e9, 2) if copy_s else None,
         "pull_gb_per_s": round(pulled_bytes / pull_s / 1e9, 2) if pull_s else None,
         "all_pulled": all(run["pulled_tokens"] == run["expected_pulled_tokens"] for run in runs),
-        "all_same_first_token": all(run["same_first_token"] for run in runs),
+        "all_same_first_token": all(run["same_first_token"] and run["same_cached_token"] for run in runs),
         "recompute_cached_nothing": all(run["recompute_cached_tokens"] == 0 for run in runs),
     }
 
@@ -180,13 +187,14 @@ def main(argv: list[str] | None = None) -> int:
         finally:
             for replica in replicas:
                 replica.stop()
-    print(f"| prefix tokens | MB pulled | TTFT pull ms | TTFT recompute ms | pull / recompute | copy GB/s "
-          f"| pull GB/s (with round trips) | checks |")
-    print("| --- | --- | --- | --- | --- | --- | --- | --- |")
+    print(f"| prefix tokens | MB pulled | TTFT pull ms | TTFT recompute ms | TTFT cached on B ms | pull / recompute "
+          f"| cached / recompute | copy GB/s | pull GB/s (with round trips) | checks |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     for row in rows:
         checks = row["all_pulled"] and row["all_same_first_token"] and row["recompute_cached_nothing"]
         print(f"| {row['prefix_tokens']} | {row['bytes_per_pull'] / 1e6:.1f} | {row['pull_ttft_ms']:.2f} | "
-              f"{row['recompute_ttft_ms']:.2f} | {row['pull_over_recompute']} | {row['copy_gb_per_s']} | "
+              f"{row['recompute_ttft_ms']:.2f} | {row['cached_ttft_ms']:.2f} | {row['pull_over_recompute']} | "
+              f"{row['cached_over_recompute']} | {row['copy_gb_per_s']} | "
               f"{row['pull_gb_per_s']} | {'ok' if checks else 'FAILED'} |")
     args.out_dir.mkdir(parents=True, exist_ok=True)
     out = args.out_dir / f"kv-pull-{stamp}.json"
