@@ -63,17 +63,20 @@ async def create_server(
     *,
     max_receive_bytes: int,
     interceptors: Iterable[grpc.aio.ServerInterceptor] = (),
+    options: Iterable[tuple[str, int]] = (),
 ) -> RunningServer:
     """Build, register and start a server on `address` ("host:port"; port 0 = any free port).
 
     `register` adds the service's servicers; `service_names` are their full names (for health
     and reflection). A request over `max_receive_bytes` (llmserve.message_limits) is refused with
     RESOURCE_EXHAUSTED before it is parsed (llmserve.undecodable; grpc's own limit is a backstop
-    above it). The server starts NOT_SERVING; call `set_serving(True)` once ready.
+    above it). `options`: more of grpc's channel arguments. The server starts NOT_SERVING; call
+    `set_serving(True)` once ready.
     """
     options = (
         ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
         ("grpc.max_receive_message_length", max(max_receive_bytes, MAX_MESSAGE_BYTES)),
+        *options,
     )
     error_mapping = ErrorMappingInterceptor(max_request_bytes=max_receive_bytes)
     server = grpc.aio.server(interceptors=(error_mapping, *interceptors), options=options)

@@ -1,6 +1,7 @@
 """`python -m llmserve.gateway --workers 2`: two gateway processes on one port, as real processes.
 
 Many clients on their own channels all succeed and both workers serve some (`x-gateway-worker`);
+one channel's calls move between workers as its connections age (--max-connection-age-s);
 SIGTERM to the parent drains every worker (a stream in flight finishes, exit 0); a worker that
 dies takes the gateway down with a log line naming it.
 """
@@ -59,11 +60,11 @@ def worker_pids(log_text: str) -> dict[int, int]:
 stack = stack_fixture(gateway_args=["--workers", str(NUM_WORKERS)])
 
 
-def start_second_gateway(stack, model_dir, log_dir):
+def start_second_gateway(stack, model_dir, log_dir, *extra_args: str):
     """Another two-worker gateway in front of the stack's hops (one these tests may stop or break)."""
     args = [
         "--model", str(model_dir), "--preprocess", stack["preprocess"].address,
-        "--inference", stack["inference"].address, "--workers", str(NUM_WORKERS),
+        "--inference", stack["inference"].address, "--workers", str(NUM_WORKERS), *extra_args,
     ]
     return running_service("gateway", args, log_dir)
 
@@ -109,6 +110,29 @@ def test_sigterm_drains_every_worker(stack, tiny_model_dir, tmp_path):
         log_text = gateway.log_path.read_text()
         for worker_id in range(NUM_WORKERS):
             assert re.search(rf" gateway/{worker_id} \S+: signal received: draining", log_text), log_text
+
+
+def test_an_aged_connection_moves_and_its_stream_in_flight_finishes(stack, tiny_model_dir, tmp_path):
+    """--max-connection-age-s 0.5: one client channel's calls land on both workers (each age
+    ends its connection with GOAWAY; the next call connects again and the kernel places it
+    afresh), and a stream that outlives several ages ends with all its tokens (held unread
+    behind a small window meanwhile; --max-unread-s 0, so the slow-reader bound leaves it)."""
+    with start_second_gateway(stack, tiny_model_dir, tmp_path, "--max-connection-age-s", "0.5", "--max-unread-s", "0") as gateway:
+        with grpc.insecure_channel(gateway.address, options=SMALL_WINDOW) as channel:
+            stub = gateway_pb2_grpc.GatewayServiceStub(channel)
+            long_stream = stub.GenerateStream(gateway_pb2.GenerateStreamRequest(params=params(DRAIN_MAX_TOKENS)), timeout=600.0)
+            first = next(long_stream)  # in flight on the first connection
+            started_on = dict(long_stream.initial_metadata())["x-gateway-worker"]
+            workers, num_calls = set(), 0
+            while workers != {str(i) for i in range(NUM_WORKERS)} and num_calls < MAX_CHANNELS:
+                time.sleep(0.6)  # past the age (±10% jitter): the connection used last has gone
+                _, call = stub.Generate.with_call(gateway_pb2.GenerateRequest(params=params(2)), timeout=60.0)
+                workers.add(dict(call.initial_metadata())["x-gateway-worker"])
+                num_calls += 1
+            assert workers == {str(i) for i in range(NUM_WORKERS)}, f"{num_calls} calls, all on worker {workers}"
+            rest = list(long_stream)  # read only now: it waited, unread, across every age
+            assert rest[-1].request_id == first.request_id and started_on in workers
+            assert rest[-1].result.usage.completion_tokens == DRAIN_MAX_TOKENS
 
 
 def test_a_dead_worker_takes_the_gateway_down(stack, tiny_model_dir, tmp_path):

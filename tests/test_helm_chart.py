@@ -232,6 +232,13 @@ def test_gateway_finds_replicas_through_the_headless_service(rendered, mode):
 
 
 @modes
+def test_gateway_connections_age_so_added_pods_get_clients(rendered, mode):
+    [(_pod, _gateway, _env, args)] = [c for c in service_containers(rendered[mode]) if c[1]["name"] == "gateway"]
+    parsed = PARSERS["gateway"](args)
+    assert parsed.max_connection_age_s == 300.0  # values.yaml's gateway.maxConnectionAgeSeconds
+
+
+@modes
 def test_args_parse_with_the_services_own_parsers(rendered, mode):
     for _pod, container, _env, args in service_containers(rendered[mode]):
         assert not [arg for arg in args if "$(" in arg], "every $(VAR) is defined"

@@ -14,6 +14,7 @@ import sys
 from pathlib import Path
 
 from llmserve.gateway.config import DEFAULT_DOWNSTREAM_READY_TIMEOUT_S, GatewayConfig
+from llmserve.gateway.connection_age import DEFAULT_MAX_CONNECTION_AGE_S
 from llmserve.gateway.discovery import Target
 from llmserve.gateway.slow_reader_flags import add_slow_reader_arguments, slow_reader_bounds
 from llmserve.gateway.routing_flags import add_routing_arguments, routing_options
@@ -35,6 +36,12 @@ def build_parser() -> argparse.ArgumentParser:
         "--workers", type=int, default=1, metavar="N",
         help="gateway processes sharing the port (SO_REUSEPORT: the kernel spreads connections over them); "
         "each uses up to a core, about one per 8k output tokens/s (default: %(default)s)",
+    )
+    server.add_argument(
+        "--max-connection-age-s", type=float, default=DEFAULT_MAX_CONNECTION_AGE_S, metavar="SECONDS",
+        help="ask a client connection to go after about this long (HTTP/2 GOAWAY: its streams in flight "
+        "finish, its next call connects again), so that connections spread again over --workers and over "
+        "gateway pods added since; 0 never (default: %(default)s)",
     )
     server.add_argument(
         "--http-port", type=int, default=None, metavar="PORT",
@@ -85,6 +92,7 @@ def config_from_args(args: argparse.Namespace) -> GatewayConfig:
         log_level=args.log_level,
         downstream_ready_timeout_s=args.downstream_ready_timeout_s,
         num_workers=args.workers,
+        max_connection_age_s=args.max_connection_age_s,
         http_port=args.http_port,
         slow_readers=slow_reader_bounds(args),
         **routing_options(args),

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from llmserve.gateway.config import GatewayConfig
+from llmserve.gateway.connection_age import connection_age_options
 from llmserve.gateway.detokenizer import Detokenizer
 from llmserve.gateway.generation import GenerationPipeline
 from llmserve.gateway.inference_client import ModelCard
@@ -90,6 +91,7 @@ async def start_gateway(config: GatewayConfig, worker_id: int = 0) -> RunningGat
         lambda s: gateway_pb2_grpc.add_GatewayServiceServicer_to_server(servicer, s),
         (SERVICE_NAME,),
         max_receive_bytes=max_receive_bytes,
+        options=connection_age_options(config.max_connection_age_s),
     )
     http = None
     if config.http_port is not None:

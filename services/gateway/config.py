@@ -6,6 +6,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from llmserve.config_checks import check_at_least
+from llmserve.gateway.connection_age import DEFAULT_MAX_CONNECTION_AGE_S
 from llmserve.gateway.discovery import DEFAULT_RESOLVE_INTERVAL_S, Target
 from llmserve.gateway.router import RoutingConfig
 from llmserve.gateway.slow_reader import SlowReaderBounds
@@ -35,6 +36,10 @@ class GatewayConfig:
     downstream_ready_timeout_s: float = DEFAULT_DOWNSTREAM_READY_TIMEOUT_S
     # Gateway processes sharing the port (SO_REUSEPORT); 1 serves in the gateway process itself.
     num_workers: int = 1
+    # After this long a client connection is asked to go (GOAWAY; its streams in flight finish)
+    # and the client's next call connects again, wherever the kernel or a load balancer puts
+    # it now (connection_age.py). 0: never.
+    max_connection_age_s: float = DEFAULT_MAX_CONNECTION_AGE_S
     # When a stream's client counts as not reading and its request is aborted.
     slow_readers: SlowReaderBounds = SlowReaderBounds()
     routing: RoutingConfig = RoutingConfig()
@@ -55,6 +60,7 @@ class GatewayConfig:
             raise ValueError("at least one inference address is required")
         check_at_least("grace_period_s", self.grace_period_s, 0)
         check_at_least("num_workers", self.num_workers, 1)
+        check_at_least("max_connection_age_s", self.max_connection_age_s, 0)
         if self.http_port == 0 and self.num_workers > 1:
             raise ValueError("--http-port 0 picks a port per worker: give a port to share with --workers > 1")
 

@@ -19,6 +19,8 @@
     - {{ $v.downstreamReadyTimeoutSeconds | quote }}
     - --workers
     - {{ $v.workers | quote }}
+    - --max-connection-age-s
+    - {{ $v.maxConnectionAgeSeconds | quote }}
     {{- if $v.httpPort }}
     - --http-port
     - {{ $v.httpPort | quote }}
