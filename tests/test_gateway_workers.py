@@ -8,6 +8,7 @@ dies takes the gateway down with a log line naming it.
 
 from __future__ import annotations
 
+import http.client
 import os
 import re
 import signal
@@ -23,7 +24,7 @@ from llmserve.tools.launcher import common_argv, gateway_argv
 from llmserve.tools.serve_config import ServeConfig, default_gateway_workers, serve_config_from_args
 from llmserve.tools.service_process import ServiceProcess
 from llmserve.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc
-from tests.procs import running_service, stack_fixture
+from tests.procs import free_port, running_service, stack_fixture
 
 NUM_WORKERS = 2
 NUM_CLIENTS = 24
@@ -116,8 +117,22 @@ def test_an_aged_connection_moves_and_its_stream_in_flight_finishes(stack, tiny_
     """--max-connection-age-s 0.5: one client channel's calls land on both workers (each age
     ends its connection with GOAWAY; the next call connects again and the kernel places it
     afresh), and a stream that outlives several ages ends with all its tokens (held unread
-    behind a small window meanwhile; --max-unread-s 0, so the slow-reader bound leaves it)."""
-    with start_second_gateway(stack, tiny_model_dir, tmp_path, "--max-connection-age-s", "0.5", "--max-unread-s", "0") as gateway:
+    behind a small window meanwhile; --max-unread-s 0, so the slow-reader bound leaves it). The
+    HTTP face's keep-alive connections age too."""
+    http_port = free_port()
+    with start_second_gateway(stack, tiny_model_dir, tmp_path, "--max-connection-age-s", "0.5", "--max-unread-s", "0",
+                              "--http-port", str(http_port)) as gateway:
+        # HTTP keep-alive ages too: a response once the connection is past its age says so, and closes it.
+        keep_alive = http.client.HTTPConnection("127.0.0.1", http_port, timeout=30)
+        keep_alive.request("GET", "/v1/models")
+        fresh = keep_alive.getresponse()
+        fresh.read()
+        time.sleep(0.6)
+        keep_alive.request("GET", "/v1/models")
+        aged = keep_alive.getresponse()
+        aged.read()
+        assert (fresh.getheader("Connection"), aged.getheader("Connection")) == (None, "close")
+        keep_alive.close()
         with grpc.insecure_channel(gateway.address, options=SMALL_WINDOW) as channel:
             stub = gateway_pb2_grpc.GatewayServiceStub(channel)
             long_stream = stub.GenerateStream(gateway_pb2.GenerateStreamRequest(params=params(DRAIN_MAX_TOKENS)), timeout=600.0)

@@ -39,9 +39,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     server.add_argument(
         "--max-connection-age-s", type=float, default=DEFAULT_MAX_CONNECTION_AGE_S, metavar="SECONDS",
-        help="ask a client connection to go after about this long (HTTP/2 GOAWAY: its streams in flight "
-        "finish, its next call connects again), so that connections spread again over --workers and over "
-        "gateway pods added since; 0 never (default: %(default)s)",
+        help="ask a client connection to go after about this long (gRPC: HTTP/2 GOAWAY, its streams in "
+        "flight finish; HTTP: `Connection: close` on its next response), so that clients connect again and "
+        "spread again over --workers and over gateway pods added since; 0 never (default: %(default)s)",
     )
     server.add_argument(
         "--http-port", type=int, default=None, metavar="PORT",

@@ -97,7 +97,10 @@ async def start_gateway(config: GatewayConfig, worker_id: int = 0) -> RunningGat
     if config.http_port is not None:
         from llmserve.gateway.openai_http import start_http_server
 
-        http = await start_http_server(servicer, detokenizer, config.host, config.http_port, max_body_bytes=max_receive_bytes)
+        http = await start_http_server(
+            servicer, detokenizer, config.host, config.http_port, max_body_bytes=max_receive_bytes,
+            max_connection_age_s=config.max_connection_age_s,
+        )
     await server.set_serving(True)
     log.info(
         "gateway serving %s (%s, backend %s) on %s:%d; preprocess %s, inference %s (%d live, routing %s, index %s)",

@@ -38,6 +38,7 @@ import grpc
 from aiohttp import web
 
 from llmserve.client_text import quoted
+from llmserve.gateway.connection_age import age_http_connections
 from llmserve.errors import InvalidArgument, ServiceError, Unavailable
 from llmserve.gateway.detokenizer import Detokenizer
 from llmserve.gateway.generation import GenerationDelta, GenerationResult
@@ -399,14 +400,17 @@ class HttpServer:
 
 
 async def start_http_server(
-    servicer: GatewayServicer, detokenizer: Detokenizer, host: str, port: int, *, max_body_bytes: int
+    servicer: GatewayServicer, detokenizer: Detokenizer, host: str, port: int, *, max_body_bytes: int,
+    max_connection_age_s: float = 0.0,
 ) -> HttpServer:
     """Bound and serving on return. The port is shared by the gateway's workers (SO_REUSEPORT),
-    as the gRPC one is."""
+    as the gRPC one is, and its connections age as the gRPC ones do (connection_age.py)."""
     api = OpenAIHttpApi(servicer, detokenizer, max_body_bytes=max_body_bytes)
+    app = api.app()
+    age_http_connections(app, max_connection_age_s)
     # handler_cancellation: a client that disconnects cancels its handler, so its generation
     # closes and inference aborts the request (frees its KV blocks).
-    runner = web.AppRunner(api.app(), handler_cancellation=True, access_log=None)
+    runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
     await runner.setup()
     site = web.TCPSite(runner, host, port, reuse_port=True)
     await site.start()
