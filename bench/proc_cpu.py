@@ -80,6 +80,15 @@ def child_pids(pid: int) -> list[int]:
     return children
 
 
+def command_line(pid: int) -> str:
+    """`pid`'s command line, its arguments joined by spaces ("" once it is gone)."""
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return f.read().replace(b"\0", b" ").decode(errors="replace").strip()
+    except (FileNotFoundError, ProcessLookupError):
+        return ""
+
+
 def snapshot(role_pids: dict[str, list[int]], *, names: dict[int, str] | None = None) -> Snapshot:
     """CPU ticks of every role's processes and threads now; `names` overrides thread names by
     tid (the Python thread names of this process)."""
@@ -102,13 +111,15 @@ def snapshot(role_pids: dict[str, list[int]], *, names: dict[int, str] | None = 
 
 
 def cpu_usage(before: Snapshot, after: Snapshot, window_s: float) -> dict[str, dict]:
-    """Per role: CPU% of its processes over `window_s`, and its busiest threads."""
+    """Per role: CPU% of its processes over `window_s` (all, and each), and its busiest threads."""
     scale = 100.0 / CLOCK_TICKS_PER_S / max(window_s, 1e-9)
     usage: dict[str, dict] = {}
     for pid, (role, ticks) in after.process_ticks.items():
         previous = before.process_ticks.get(pid)
-        role_usage = usage.setdefault(role, {"cpu_pct": 0.0, "threads": []})
-        role_usage["cpu_pct"] += (ticks - (previous[1] if previous else 0)) * scale
+        role_usage = usage.setdefault(role, {"cpu_pct": 0.0, "threads": [], "processes": []})
+        pct = (ticks - (previous[1] if previous else 0)) * scale
+        role_usage["cpu_pct"] += pct
+        role_usage["processes"].append({"pid": pid, "cpu_pct": pct})  # in the role's order: its first process first
     for key, (role, name, ticks) in after.thread_ticks.items():
         previous = before.thread_ticks.get(key)
         pct = (ticks - (previous[2] if previous else 0)) * scale

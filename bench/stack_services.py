@@ -74,8 +74,10 @@ def run_services(path: str, args, options, model_dir: Path, plans: stack_drivers
         # the inference server's engine-core process (absent with --no-core-process)
         engine_core = [pid for server in service_pids["inference"] for pid in proc_cpu.child_pids(server)]
         roles = {"bench": [os.getpid(), *clients], "engine-core": engine_core, **service_pids}
-        if "gateway" in roles:  # with --workers N the gateway's children serve
-            roles["gateway"] = [*roles["gateway"], *proc_cpu.child_pids(roles["gateway"][0])]
+        if "gateway" in roles:  # with --workers N the gateway's children serve (not multiprocessing's tracker)
+            workers = [pid for pid in proc_cpu.child_pids(roles["gateway"][0])
+                       if "resource_tracker" not in proc_cpu.command_line(pid)]
+            roles["gateway"] = [*roles["gateway"], *workers]
         return roles
 
     front = services["gateway" if path in STACK_PATHS else "inference"]

@@ -125,10 +125,11 @@ def test_bench_stack_measures_every_path_on_cpu(tmp_path):
 def test_bench_stack_repeats_cells_and_sends_text_prompts(tmp_path):
     """--repeat 2: every cell twice (new prompts), each compared with the core loop's same repeat,
     and min/median/max per (path, streams); --prompt-form text: the gateway paths' prompts (gRPC
-    and the OpenAI HTTP API) are text that preprocess tokenizes to the core loop's prompt lengths."""
+    and the OpenAI HTTP API) are text that preprocess tokenizes to the core loop's prompt lengths;
+    two gateway workers, each one's CPU reported."""
     paths = ("core", "gateway", "http")
     report = run_bench("bench_stack.py", ["--smoke", "--paths", ",".join(paths), "--repeat", "2", "--prompt-form", "text",
-                                          "--out-dir", str(tmp_path)], tmp_path)
+                                          "--gateway-arg", "--workers 2", "--out-dir", str(tmp_path)], tmp_path)
     assert report["errors"] == {}
     rows = {(row["path"], row["streams"], row["repeat"]): row for row in report["rows"]}
     assert set(rows) == {(path, streams, repeat) for path in paths for streams in (1, 4) for repeat in (1, 2)}
@@ -136,6 +137,9 @@ def test_bench_stack_repeats_cells_and_sends_text_prompts(tmp_path):
         assert row["num_succeeded"] == row["num_requests"], row["first_errors"]
         assert row["prompt_tokens_per_request"] == rows[("core", streams, repeat)]["prompt_tokens_per_request"]
         assert row["output_ratio_vs_core"] > 0
+        # --workers 2: each worker's CPU, for the spread between them (not the parent's)
+        workers = row["gateway_worker_cpu_pct"]
+        assert (len(workers) == 2 and all(pct >= 0 for pct in workers)) if path != "core" else workers is None
     spreads = {(entry["path"], entry["streams"]): entry for entry in report["spread"]}
     assert set(spreads) == {(path, streams) for path in paths for streams in (1, 4)}
     for (path, streams), entry in spreads.items():
