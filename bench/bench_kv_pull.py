@@ -18,7 +18,9 @@ Ratio: pull / recompute TTFT, median over the repeats [target <= 0.3x]. Each pul
 token must equal the recomputed one's, and its usage must report the prefix's blocks as pulled.
 Bandwidth, from B's /metrics over the timed pulls: bytes / the copies' time
 (llmserve_kv_pull_copy_seconds: device to device, synchronized) [target >= 1 TB/s for >= 100 MB],
-and bytes / the whole pull (pin + copy + release round trips, llmserve_kv_pull_duration_seconds).
+and bytes / the whole pull (the pin and import round trips, llmserve_kv_pull_duration_seconds);
+and ms per pull of its phases at B (llmserve_kv_pull_phase_seconds): the pin's round trip to A,
+the import's to B's engine core, the core's own work in it, the copies in that.
 
 Prints a table and writes --out-dir/kv-pull-<time>.json.
 """
@@ -98,8 +100,9 @@ class Replica:
         sums: dict[str, float] = {}
         for family in text_string_to_metric_families(text):
             if family.name.startswith("llmserve_kv_pull"):
-                for sample in family.samples:
-                    sums[sample.name] = sums.get(sample.name, 0.0) + sample.value
+                for sample in family.samples:  # by phase where there is one, else summed over labels
+                    name = f"{sample.name}/{sample.labels['phase']}" if "phase" in sample.labels else sample.name
+                    sums[name] = sums.get(name, 0.0) + sample.value
         return sums
 
     def stop(self) -> None:
@@ -162,10 +165,17 @@ def run_length(a: Replica, b: Replica, prefix_tokens: int, args) -> dict:
         "bytes_per_pull": pulled_bytes / len(runs),
         "copy_gb_per_s": round(pulled_bytes / copy_s / 1e9, 2) if copy_s else None,
         "pull_gb_per_s": round(pulled_bytes / pull_s / 1e9, 2) if pull_s else None,
+        # ms per pull of each phase at B (llmserve_kv_pull_phase_seconds), and of the copies
+        "phase_ms": {phase: round(delta.get(f"llmserve_kv_pull_phase_seconds_sum/{phase}", 0.0) / len(runs) * 1000, 3)
+                     for phase in ("pin", "import", "import_work")} | {"copy": round(copy_s / len(runs) * 1000, 3)},
         "all_pulled": all(run["pulled_tokens"] == run["expected_pulled_tokens"] for run in runs),
         "all_same_first_token": all(run["same_first_token"] and run["same_cached_token"] for run in runs),
         "recompute_cached_nothing": all(run["recompute_cached_tokens"] == 0 for run in runs),
     }
+
+
+def _phases_cell(phase_ms: dict) -> str:
+    return f"{phase_ms['pin']} / {phase_ms['import']} ({phase_ms['import_work']}, {phase_ms['copy']})"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -188,14 +198,15 @@ def main(argv: list[str] | None = None) -> int:
             for replica in replicas:
                 replica.stop()
     print(f"| prefix tokens | MB pulled | TTFT pull ms | TTFT recompute ms | TTFT cached on B ms | pull / recompute "
-          f"| cached / recompute | copy GB/s | pull GB/s (with round trips) | checks |")
-    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+          f"| cached / recompute | copy GB/s | pull GB/s (with round trips) | ms per pull: pin / import (work, copy) "
+          f"| checks |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     for row in rows:
         checks = row["all_pulled"] and row["all_same_first_token"] and row["recompute_cached_nothing"]
         print(f"| {row['prefix_tokens']} | {row['bytes_per_pull'] / 1e6:.1f} | {row['pull_ttft_ms']:.2f} | "
               f"{row['recompute_ttft_ms']:.2f} | {row['cached_ttft_ms']:.2f} | {row['pull_over_recompute']} | "
               f"{row['cached_over_recompute']} | {row['copy_gb_per_s']} | "
-              f"{row['pull_gb_per_s']} | {'ok' if checks else 'FAILED'} |")
+              f"{row['pull_gb_per_s']} | {_phases_cell(row['phase_ms'])} | {'ok' if checks else 'FAILED'} |")
     args.out_dir.mkdir(parents=True, exist_ok=True)
     out = args.out_dir / f"kv-pull-{stamp}.json"
     out.write_text(json.dumps({"rows": rows, "args": {k: str(v) for k, v in vars(args).items()}}, indent=1))

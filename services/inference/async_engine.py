@@ -192,6 +192,12 @@ class AsyncEngine:
         """Call the core's `method` (engine_loop.CORE_CALLS) between two of its steps and return
         what it returned; raises what it raised, NotImplementedError for a core that takes no
         calls, Unavailable when the core is gone. Cancelling the wait does not undo the call."""
+        return await self.call_core_soon(method, *args)
+
+    def call_core_soon(self, method: str, *args) -> asyncio.Future:
+        """`call_core`, sent now: the core applies it before any command sent after this returns
+        (a submit included), and the future gets what it returned or raised. Raises
+        NotImplementedError and Unavailable at once."""
         call_core = getattr(self._client, "call_core", None)
         if call_core is None:
             raise NotImplementedError(f"the {self.model_info.backend} backend's engine takes no core calls")
@@ -201,7 +207,7 @@ class AsyncEngine:
         call = CallCore(self._num_calls, method, args)
         future = self._calls[call.call_id] = asyncio.get_running_loop().create_future()
         call_core(call)
-        return await future
+        return future
 
     # --- outputs ----------------------------------------------------------------------------
 

@@ -38,21 +38,40 @@ _FAILURES = Counter(
     "llmserve_kv_pull_failures", "KV pulls that recomputed some or all of the prefix instead, by reason", ["reason"]
 )
 _DURATION = Histogram(
-    "llmserve_kv_pull_duration_seconds", "A pull: pin at the source, copy, release",
+    "llmserve_kv_pull_duration_seconds", "A pull: pin at the source, then import (the release is not waited for)",
     buckets=(0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0),
 )
 _COPY = Histogram(
     "llmserve_kv_pull_copy_seconds", "A pull's copies alone, from the mapped source pool into ours",
     buckets=(0.00001, 0.00003, 0.0001, 0.0003, 0.001, 0.003, 0.01, 0.03, 0.1, 0.3, 1.0),
 )
+# Where a pull's time goes, at the puller: the PinKvBlocks round trip to the source ("pin": its
+# server, its core between two of its steps, and back), the kv_import sent to our own core until
+# it answers ("import": the core answers with the outputs of the pass that applied it, so this
+# includes the step that follows, the request's first) and the core's own work on the import
+# ("import_work": lookups, allocation, copies, registration; the copies alone are
+# llmserve_kv_pull_copy_seconds). Only pin and import_work are on the first token's path beside
+# the request's own step.
+PHASES = ("pin", "import", "import_work")
+_PHASE = Histogram(
+    "llmserve_kv_pull_phase_seconds", "A pull's phases at the puller: pin (round trip to the source), import "
+    "(sent to our engine core until answered, with the step after it), import_work (the core's own work on it)", ["phase"],
+    buckets=(0.0001, 0.0003, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.3, 1.0),
+)
+_PHASE_BY_NAME = {phase: _PHASE.labels(phase=phase) for phase in PHASES}
 _PINNED_BLOCKS = Counter("llmserve_kv_pin_blocks", "KV blocks this replica pinned for pullers")
 _LEASES_EXPIRED = Counter("llmserve_kv_pin_leases_expired", "Pins released by their lease, not by their puller")
 for _reason in FAILURE_REASONS:
     _FAILURES.labels(reason=_reason)
 
 
+def record_phase(phase: str, seconds: float) -> None:
+    _PHASE_BY_NAME[phase].observe(seconds)
+
+
 def record_pulled(imported: KvImport, duration_s: float) -> None:
     path = imported.path.value
+    record_phase("import_work", imported.work_s)
     _PULLED_BLOCKS.labels(path=path).inc(imported.num_blocks)
     _PULLED_BYTES.labels(path=path).inc(imported.num_bytes)
     if imported.opened_region:

@@ -4,9 +4,11 @@ request is submitted (issue 22; docs/transport.md, "KV pull").
     target (this replica)                                  source (KvPullHint.source_address)
     PinKvBlocks(prompt, salt, our identity) ─────────────▶ pins its cached blocks of the prompt
     ◀──────────── pin id, block ids, pool layout, region offer
-    engine core: kv_import (map the region once, copy the blocks we lack, register them)
-    the request is submitted: the scheduler finds the prefix in our cache
-    ReleaseKvBlocks(pin id) ─────────────────────────────▶ unpins (else its lease does), meanwhile
+    engine core: kv_import (map the region once, copy the blocks we lack, register them), sent
+    and then, not waiting for it, the request: the core applies both in one pass between two
+    steps, the import first, so the scheduler finds the prefix in our cache
+    ReleaseKvBlocks(pin id) ─────────────────────────────▶ unpins (else its lease does), once
+    the core has answered the import
 
 A pull never fails the request: whatever goes wrong (the source gone or refusing, the blocks
 evicted, no shared memory, no room) pulls less or nothing, and the engine computes the rest.
@@ -25,7 +27,7 @@ import grpc
 from llmserve.errors import ServiceError
 from llmserve.inference import kv_pull_metrics as metrics
 from llmserve.inference.async_engine import AsyncEngine
-from llmserve.inference.engine.kv_block_import import KvImport, KvPullRefused
+from llmserve.inference.engine.kv_block_import import KvPullRefused
 from llmserve.inference.engine.types import EngineRequest
 from llmserve.inference.kv_pull_wire import identity_to_pb, pin_from_pb
 from llmserve.tensor_transport import PeerIdentity
@@ -49,6 +51,20 @@ class KvPullHint:
     num_blocks: int  # the blocks the source is believed to hold; 0: unknown
 
 
+@dataclass(frozen=True, slots=True)
+class PendingImport:
+    """An import sent to our engine core and not waited for: `imported` is the core's answer
+    (KvImport, or the refusal), set before the outputs of the step that follows it."""
+
+    imported: asyncio.Future
+    block_size_tokens: int
+
+    def num_tokens(self) -> int:
+        """The tokens pulled, once the core has answered (0 before, and when it refused)."""
+        done = self.imported.done() and not self.imported.cancelled() and self.imported.exception() is None
+        return self.imported.result().num_blocks * self.block_size_tokens if done else 0
+
+
 class KvPuller:
     """Used on the event loop."""
 
@@ -60,39 +76,42 @@ class KvPuller:
         # The region each source's pool was last offered as: mapped in the engine core until the
         # source is gone or restarted (a mapping keeps a dead process's memory allocated).
         self._regions: dict[str, str] = {}
-        self._releases: set[asyncio.Task] = set()  # ReleaseKvBlocks calls not yet answered
+        self._releases: set[asyncio.Task] = set()  # imports not yet answered, releases not yet sent
 
-    async def pull(self, request: EngineRequest, hint: KvPullHint) -> int:
-        """Pull what the source holds of `request`'s prompt; returns the tokens pulled (0 when
-        it fell back to recomputing everything)."""
+    async def pull(self, request: EngineRequest, hint: KvPullHint) -> PendingImport | None:
+        """Pin what the source holds of `request`'s prompt and send our engine core the import,
+        not waiting for it: the request submitted next is applied after it, in the same pass
+        between two steps. None when it fell back to recomputing everything (never raises)."""
         started_s = time.perf_counter()
         stub = self._stub(hint.source_address)
         try:
             identity = await self._reader_identity()
         except (KvPullRefused, ServiceError, NotImplementedError) as error:
-            return _fell_back(getattr(error, "reason", "engine"), f"{type(error).__name__}: {error}")
+            _fell_back(getattr(error, "reason", "engine"), f"{type(error).__name__}: {error}")
+            return None
         try:
             pinned = await stub.PinKvBlocks(self._pin_request(request, hint, identity), timeout=PIN_TIMEOUT_S)
+            metrics.record_phase("pin", time.perf_counter() - started_s)
         except grpc.aio.AioRpcError as error:
             if error.code() == grpc.StatusCode.UNAVAILABLE:
                 await self._forget(hint.source_address, "")
-            return _fell_back(_rpc_reason(error), f"PinKvBlocks at {hint.source_address}: {error.code().name} {error.details()}")
+            _fell_back(_rpc_reason(error), f"PinKvBlocks at {hint.source_address}: {error.code().name} {error.details()}")
+            return None
         await self._forget(hint.source_address, pinned.region.region_id)
         if not pinned.pin_id:
-            return _fell_back("nothing_cached", f"{hint.source_address} holds none of the prompt")
-        try:
-            imported = await self._import(request, pinned)
-        finally:
-            # The copies are done when the import answers: the request need not wait for the
-            # source to hear of it (a round trip through the source's core between its steps).
-            self._release_soon(stub, pinned.pin_id)
+            _fell_back("nothing_cached", f"{hint.source_address} holds none of the prompt")
+            return None
         if hint.num_blocks > len(pinned.block_ids):
             _fell_back("evicted", f"{hint.source_address} held {len(pinned.block_ids)} of {hint.num_blocks} blocks")
-        if imported is None:
-            return 0
-        metrics.record_pulled(imported, time.perf_counter() - started_s)
-        return imported.num_blocks * pinned.layout.block_size_tokens
-
+        try:
+            imported = self._engine.call_core_soon("kv_import", request, pin_from_pb(pinned))
+        except (ServiceError, NotImplementedError, ValueError) as error:
+            self._release_soon(stub, pinned.pin_id)
+            _fell_back("engine", f"{type(error).__name__}: {error}")
+            return None
+        pending = PendingImport(imported, pinned.layout.block_size_tokens)
+        self._track(self._finish(pending, stub, pinned.pin_id, started_s))
+        return pending
     async def close(self) -> None:
         if self._releases:
             await asyncio.wait(self._releases, timeout=RELEASE_TIMEOUT_S)
@@ -125,18 +144,28 @@ class KvPuller:
             puller=identity_to_pb(identity), lease_ms=PIN_LEASE_MS,
         )
 
-    async def _import(self, request: EngineRequest, pinned: inference_pb2.PinKvBlocksResponse) -> KvImport | None:
-        """What the engine core pulled; None when it fell back."""
+    async def _finish(self, pending: PendingImport, stub: inference_pb2_grpc.InferenceServiceStub, pin_id: str,
+                      started_s: float) -> None:
+        """Once the core answered the import: count it (or its fallback), then release the pin
+        (the copies are done when the core answers)."""
+        import_sent_s = time.perf_counter()
         try:
-            return await self._engine.call_core("kv_import", request, pin_from_pb(pinned))
+            imported = await pending.imported
         except KvPullRefused as refused:
             _fell_back(refused.reason, str(refused))
         except (ServiceError, NotImplementedError, ValueError) as error:
             _fell_back("engine", f"{type(error).__name__}: {error}")
-        return None
+        else:
+            metrics.record_phase("import", time.perf_counter() - import_sent_s)
+            metrics.record_pulled(imported, time.perf_counter() - started_s)
+        finally:
+            await self._release(stub, pin_id)
 
     def _release_soon(self, stub: inference_pb2_grpc.InferenceServiceStub, pin_id: str) -> None:
-        task = asyncio.ensure_future(self._release(stub, pin_id))
+        self._track(self._release(stub, pin_id))
+
+    def _track(self, work) -> None:
+        task = asyncio.ensure_future(work)
         self._releases.add(task)
         task.add_done_callback(self._releases.discard)
 

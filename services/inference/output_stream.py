@@ -24,6 +24,7 @@ from llmserve.engine_output import EngineOutput, coalesced
 from llmserve.errors import Cancelled, ServiceError
 from llmserve.inference.async_engine import AsyncEngine
 from llmserve.inference.engine.types import EngineRequest
+from llmserve.inference.kv_puller import PendingImport
 
 
 class OutputStream:
@@ -34,7 +35,7 @@ class OutputStream:
         self._open_request_ids: set[str] = set()  # started here, their last output not yet produced
         self._has_news = asyncio.Event()
         self._pulls: dict[str, asyncio.Task] = {}  # request id → its prefix pull, before it is started
-        self._num_pulled_tokens: dict[str, int] = {}  # request id → its prefix tokens pulled, until its last output
+        self._pulled: dict[str, PendingImport] = {}  # request id → the import of its prefix, until its last output
 
     @property
     def has_open_requests(self) -> bool:
@@ -45,27 +46,28 @@ class OutputStream:
         """Outputs or refusals wait to be taken."""
         return bool(self._outputs or self._refusals)
 
-    def start(self, request: EngineRequest, num_pulled_tokens: int = 0) -> None:
-        """Submit the request; raises the engine's refusal (nothing started then).
-        `num_pulled_tokens`: its prefix tokens pulled from another replica just before."""
+    def start(self, request: EngineRequest, pulled: PendingImport | None = None) -> None:
+        """Submit the request; raises the engine's refusal (nothing started then). `pulled`:
+        the import of its prefix from another replica, sent to the core just before."""
         self._engine.submit(request, self._on_output)
         self._open_request_ids.add(request.request_id)
-        if num_pulled_tokens:
-            self._num_pulled_tokens[request.request_id] = num_pulled_tokens
+        if pulled is not None:
+            self._pulled[request.request_id] = pulled
 
-    def start_after_pull(self, request: EngineRequest, pull: Coroutine[Any, Any, int]) -> None:
-        """Start the request once `pull` (KvPuller.pull: never raises) has pulled its prefix;
-        it is open here from now on. A refusal then is reported as by `refuse`."""
+    def start_after_pull(self, request: EngineRequest, pull: Coroutine[Any, Any, PendingImport | None]) -> None:
+        """Start the request once `pull` (KvPuller.pull: never raises) has pinned its prefix at
+        the source and sent the import; it is open here from now on. A refusal then is reported
+        as by `refuse`."""
         self._open_request_ids.add(request.request_id)
         self._pulls[request.request_id] = asyncio.ensure_future(self._pull_then_start(request, pull))
 
-    async def _pull_then_start(self, request: EngineRequest, pull: Coroutine[Any, Any, int]) -> None:
+    async def _pull_then_start(self, request: EngineRequest, pull: Coroutine[Any, Any, PendingImport | None]) -> None:
         try:
-            num_pulled_tokens = await pull
+            pulled = await pull
         finally:
             self._pulls.pop(request.request_id, None)  # abort and close take it out first
         try:
-            self.start(request, num_pulled_tokens)
+            self.start(request, pulled)  # no await since the import was sent: the core takes it first
         except ServiceError as error:
             self._open_request_ids.discard(request.request_id)
             self.refuse(request.request_id, error)
@@ -119,11 +121,14 @@ class OutputStream:
         self._open_request_ids.clear()
 
     def _on_output(self, output: EngineOutput, is_last: bool) -> None:
-        if output.is_finished and output.request_id in self._num_pulled_tokens:
-            # pulled blocks evicted before admission were recomputed: at most what was cached
-            output.num_pulled_tokens = min(self._num_pulled_tokens[output.request_id], output.num_cached_tokens)
+        if output.is_finished and output.request_id in self._pulled:
+            # The core answered the import before this output (AsyncEngine delivers replies
+            # first). Pulled blocks evicted before the request's prefill were recomputed: at
+            # most what was cached counts.
+            num_pulled = self._pulled[output.request_id].num_tokens()
+            output.num_pulled_tokens = min(num_pulled, output.num_cached_tokens)
             if is_last:
-                del self._num_pulled_tokens[output.request_id]
+                del self._pulled[output.request_id]
         self._outputs.append(output)
         self._has_news.set()
         if is_last:

@@ -63,10 +63,10 @@ class InferenceServicer(inference_pb2_grpc.InferenceServiceServicer):
         stream = OutputStream(self._engine)
         engine_request = request_from_pb(request, self._engine.model_info, arrival_ns, deadline)
         hint = hint_from_pb(request)
-        num_pulled_tokens = 0
+        pulled = None
         if hint is not None and self._kv_pull is not None:
-            num_pulled_tokens = await self._kv_pull.puller.pull(engine_request, hint)
-        stream.start(engine_request, num_pulled_tokens)
+            pulled = await self._kv_pull.puller.pull(engine_request, hint)
+        stream.start(engine_request, pulled)  # no await since the import was sent: the core takes it first
         try:
             async for output in stream.outputs():
                 tokens, deadline_error = split_at_deadline(output)

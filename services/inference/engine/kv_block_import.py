@@ -16,6 +16,7 @@ pull from it, and kept (TensorConsumer).
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from dataclasses import dataclass
 
@@ -47,6 +48,7 @@ class KvImport:
     path: TransportPath
     opened_region: bool  # the source's region was mapped for this pull (its first from there)
     copy_s: float = 0.0  # the copies alone, done (synchronized on CUDA): the pull's bandwidth
+    work_s: float = 0.0  # all of the import in the engine core: lookups, allocation, copies, registration
 
 
 class KvPullRefused(Exception):
@@ -76,6 +78,11 @@ class KvBlockImporter:
     def import_prefix(self, seq: Sequence, source: KvPullSource) -> KvImport:
         """Pull the blocks of `seq`'s prompt that the source holds and we do not (none: nothing
         to pull). Raises KvPullRefused when it cannot."""
+        started_s = time.perf_counter()
+        imported = self._import_prefix(seq, source)
+        return dataclasses.replace(imported, work_s=time.perf_counter() - started_s)
+
+    def _import_prefix(self, seq: Sequence, source: KvPullSource) -> KvImport:
         self._check(source)
         if not self._block_manager.enable_prefix_caching:
             raise KvPullRefused("prefix_caching_off", "pulled blocks are found through the prefix cache, which is off")
