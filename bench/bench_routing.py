@@ -4,6 +4,7 @@
     python bench/bench_routing.py --policies kv,round-robin,least-loaded --concurrency 96
     python bench/bench_routing.py --smoke                          # CPU, tiny model: that it runs
     python bench/bench_routing.py --policies kv-pull,kv,round-robin   # issue 22: kv routing with KV pull
+    python bench/bench_routing.py --gpu-per-replica                # issue 23: replica k on GPU k (4 GPUs)
 
 For each routing policy, a fresh stack (preprocess, --replicas inference replicas on the same
 device, a gateway with `--routing POLICY` over all of them) serves the same seeded workload:
@@ -66,6 +67,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     bench_stack.add_model_arguments(parser)
     parser.add_argument("--policies", default="kv,round-robin")
     parser.add_argument("--replicas", type=int, default=4)
+    parser.add_argument("--gpu-per-replica", action="store_true",
+                        help="replica k on GPU k (cuda:k), not every replica on --device (issue 23: a multi-GPU host)")
     parser.add_argument("--num-kv-blocks", type=int, default=1536, help="KV blocks per replica (16 tokens each): below the system prompts plus what is in flight")
     parser.add_argument("--prefix-groups", type=int, default=32)
     parser.add_argument("--prefix-tokens", type=int, default=2048)
@@ -81,6 +84,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--out-dir", type=Path, default=REPO_ROOT / "bench" / "results")
     parser.add_argument("--smoke", action="store_true", help="CPU, tiny model, a few conversations")
     args = parser.parse_args(argv)
+    if args.gpu_per_replica and not args.device.startswith("cuda"):
+        parser.error("--gpu-per-replica places replicas on GPUs: give --device cuda")
     if args.smoke:
         args.shape, args.device, args.replicas, args.num_kv_blocks = "tiny", "cpu", 3, 64
         args.prefix_groups, args.prefix_tokens, args.conversations, args.turns = 3, 96, 12, 2
@@ -120,10 +125,15 @@ def ideal_cached_tokens(planned, output_tokens: int, prefix_lengths: dict[int, i
 POLICY_FLAGS = {"kv-pull": ("kv", ["--routing-kv-pull"], ["--kv-pull"])}
 
 
+def replica_device(args, k: int) -> str:
+    """Replica k's --device: its own GPU with --gpu-per-replica, else the one every replica shares."""
+    return f"cuda:{k}" if args.gpu_per_replica else args.device
+
+
 def start_stack(args, policy: str, model_dir: Path, log_dir: Path) -> list:
     model = ["--model", str(model_dir)]
     routing, gateway_flags, inference_flags = POLICY_FLAGS.get(policy, (policy, [], []))
-    engine = ["--device", args.device, "--num-kv-blocks", str(args.num_kv_blocks), "--block-size", str(BLOCK_SIZE),
+    engine = ["--num-kv-blocks", str(args.num_kv_blocks), "--block-size", str(BLOCK_SIZE),
               *inference_flags, *args.inference_arg]
     services = []
     try:
@@ -132,8 +142,8 @@ def start_stack(args, policy: str, model_dir: Path, log_dir: Path) -> list:
         # The replicas load and capture their CUDA graphs at once: all started, then waited for
         # (from this thread: a service dies with the thread that started it, PR_SET_PDEATHSIG).
         for k in range(args.replicas):
-            services.append(launch_service("inference", [*model, *engine, "--replica-id", f"replica-{k}"],
-                                           log_dir / f"inference-{k}"))
+            services.append(launch_service("inference", [*model, "--device", replica_device(args, k), *engine,
+                                                         "--replica-id", f"replica-{k}"], log_dir / f"inference-{k}"))
         for service in services[1:]:
             service.wait_until_serving(args.startup_timeout_s)
         replicas = [arg for service in services[1:] for arg in ("--inference", service.address)]

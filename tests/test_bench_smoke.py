@@ -176,6 +176,13 @@ def test_bench_routing_compares_policies_on_cpu(tmp_path):
         assert row["mean_load_per_replica"] is None or len(row["mean_load_per_replica"]) == 3
 
 
+def test_bench_routing_places_replica_k_on_gpu_k_only_on_cuda():
+    """--gpu-per-replica (issue 23's multi-GPU routing run): refused off CUDA, with why."""
+    completed = subprocess.run([sys.executable, str(REPO_ROOT / "bench" / "bench_routing.py"), "--gpu-per-replica", "--device", "cpu"],
+                               capture_output=True, text=True, timeout=120)
+    assert completed.returncode == 2 and "--gpu-per-replica places replicas on GPUs" in completed.stderr
+
+
 def test_bench_grammar_measures_the_libraries_and_the_engine_on_cpu(tiny_model_dir, tmp_path):
     """Library mode on the tiny tokenizer, whichever of the three libraries are installed (llguidance
     is, with the `structured` extra): every schema's instance walks through its mask. Engine mode:
