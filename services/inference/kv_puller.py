@@ -113,8 +113,10 @@ class KvPuller:
         self._track(self._finish(pending, stub, pinned.pin_id, started_s))
         return pending
     async def close(self) -> None:
-        if self._releases:
-            await asyncio.wait(self._releases, timeout=RELEASE_TIMEOUT_S)
+        if self._releases:  # the last releases; a pin not released in time ends with its lease
+            _, pending = await asyncio.wait(self._releases, timeout=RELEASE_TIMEOUT_S)
+            for task in pending:
+                task.cancel()
         for channel, _ in self._stubs.values():
             await channel.close()
         self._stubs.clear()
