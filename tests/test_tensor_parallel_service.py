@@ -15,11 +15,13 @@ import sys
 
 import grpc
 import pytest
+import torch
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from llmserve.inference.async_engine import AsyncEngine
 from llmserve.inference.engine.config import EngineConfig
 from llmserve.inference.engine.engine_process import EngineProcess
+from llmserve.inference.engine.rank_worker import check_gpus_for_ranks
 from llmserve.inference.engine.torch_engine import TorchEngineCore
 from llmserve.inference.servicer import SERVICE_NAME
 from llmserve.v1 import common_pb2, inference_pb2, inference_pb2_grpc
@@ -128,6 +130,10 @@ async def test_two_ranks_serve_the_one_process_tokens_and_a_dead_rank_fails_the_
         (["--tensor-parallel-size", "3"], "tensor_parallel_size 3 does not divide the model's 4 attention heads"),
         (["--tensor-parallel-size", "2", "--backend", "hf"], "tensor_parallel_size 2 needs the torch backend"),
         (["--tensor-parallel-size", "2", "--kv-pull"], "tensor_parallel_size 2 cannot be used with --kv-pull"),
+        pytest.param(
+            ["--tensor-parallel-size", "2", "--device", "cuda:0"], "tensor_parallel_size 2 on cuda:0 needs GPUs 0..1, and",
+            marks=pytest.mark.skipif(torch.cuda.device_count() >= 2, reason="this host has the GPUs"),
+        ),
     ],
 )
 async def test_a_split_the_engine_cannot_run_exits_with_the_reason(tiny_model_dir, tmp_path, flags, reason):
@@ -138,6 +144,13 @@ async def test_a_split_the_engine_cannot_run_exits_with_the_reason(tiny_model_di
     )  # fmt: skip
     assert result.returncode == 1
     assert reason in result.stderr + result.stdout
+
+
+async def test_ranks_need_their_gpus_visible():
+    check_gpus_for_ranks("cuda:2", 2, num_gpus=4)  # GPUs 2 and 3
+    check_gpus_for_ranks("cpu", 8, num_gpus=0)
+    with pytest.raises(ValueError, match=r"tensor_parallel_size 2 on cuda:3 needs GPUs 3..4, and 4 are visible here"):
+        check_gpus_for_ranks("cuda:3", 2, num_gpus=4)
 
 
 async def test_a_split_engine_stops_cleanly_every_rank_exiting_by_itself(tiny_model_dir):

@@ -20,6 +20,8 @@ from __future__ import annotations
 import dataclasses
 import logging
 
+import torch
+
 from llmserve.inference.engine.config import EngineConfig
 from llmserve.inference.models.decoder_config import DecoderConfig, check_splittable
 from llmserve.model_files import ModelFiles
@@ -48,8 +50,23 @@ def check_tensor_parallel(config: EngineConfig) -> None:
         raise ValueError(f"tensor_parallel_size {size} needs the engine core in its own process (no --no-core-process)")
     if config.kv_pull:
         raise ValueError(f"tensor_parallel_size {size} cannot be used with --kv-pull: a pull would copy rank 0's KV heads only")
+    check_gpus_for_ranks(config.device, size)
     files = ModelFiles.load(config.model_path, config.model_name)
     check_splittable(DecoderConfig.from_hf(files.config), size)
+
+
+def check_gpus_for_ranks(device: str, size: int, num_gpus: int | None = None) -> None:
+    """Rank r runs on the device's index + r (rank_config): ValueError, naming what is missing,
+    when those GPUs are not all visible here, before any rank is spawned to find out alone."""
+    if not device.startswith("cuda"):
+        return
+    first = torch.device(device).index or 0
+    num_gpus = torch.cuda.device_count() if num_gpus is None else num_gpus
+    if first + size > num_gpus:
+        raise ValueError(
+            f"tensor_parallel_size {size} on {device} needs GPUs {first}..{first + size - 1}, and "
+            f"{num_gpus} {'is' if num_gpus == 1 else 'are'} visible here (CUDA_VISIBLE_DEVICES, the pod's GPU count)"
+        )
 
 
 def run_rank_worker(
