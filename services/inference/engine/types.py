@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from llmserve.block_hash import HASH_VERSION, HashNamespace
+from llmserve.engine_output import EngineOutput
 from llmserve.sampling import SamplingParams
 
 
