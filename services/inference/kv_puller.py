@@ -110,8 +110,9 @@ class KvPuller:
             _fell_back("engine", f"{type(error).__name__}: {error}")
             return None
         pending = PendingImport(imported, pinned.layout.block_size_tokens)
-        self._track(self._finish(pending, stub, pinned.pin_id, started_s))
+        self._track(self._finish(pending, stub, pinned.pin_id, started_s, time.perf_counter()))
         return pending
+
     async def close(self) -> None:
         if self._releases:  # the last releases; a pin not released in time ends with its lease
             _, pending = await asyncio.wait(self._releases, timeout=RELEASE_TIMEOUT_S)
@@ -147,15 +148,14 @@ class KvPuller:
         )
 
     async def _finish(self, pending: PendingImport, stub: inference_pb2_grpc.InferenceServiceStub, pin_id: str,
-                      started_s: float) -> None:
+                      started_s: float, import_sent_s: float) -> None:
         """Once the core answered the import: count it (or its fallback), then release the pin
         (the copies are done when the core answers)."""
-        import_sent_s = time.perf_counter()
         try:
             imported = await pending.imported
         except KvPullRefused as refused:
             _fell_back(refused.reason, str(refused))
-        except (ServiceError, NotImplementedError, ValueError) as error:
+        except Exception as error:  # noqa: BLE001 — the core's failure, whatever it was: we recompute
             _fell_back("engine", f"{type(error).__name__}: {error}")
         else:
             metrics.record_phase("import", time.perf_counter() - import_sent_s)
