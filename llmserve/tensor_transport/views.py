@@ -15,12 +15,27 @@ from llmserve.tensor_transport.messages import TensorRef
 
 
 def tensor_view(data: torch.Tensor, ref: TensorRef) -> torch.Tensor:
-    """The tensor `ref` names inside `data` (a region's bytes: uint8, 1-D), as a view: no copy."""
+    """The tensor `ref` names inside `data` (a region's bytes: uint8, 1-D), as a view: no copy.
+    One as_strided over the region seen as the ref's dtype where the region's size allows it
+    (a slice, a dtype view and a shape view cost ~3x as much per transfer), else through a slice."""
     check_fits(ref, data.numel())
-    window = data[ref.offset_bytes : ref.offset_bytes + ref.span_bytes].view(ref.torch_dtype)
+    dtype = ref.torch_dtype
+    itemsize = dtype.itemsize
+    if data.numel() % itemsize == 0:  # check_fits made the offset a multiple of the itemsize
+        strides = ref.strides if ref.strides is not None else _contiguous_strides(ref.shape)
+        return data.view(dtype).as_strided(ref.shape, strides, ref.offset_bytes // itemsize)
+    window = data[ref.offset_bytes : ref.offset_bytes + ref.span_bytes].view(dtype)
     if ref.strides is None:
         return window.view(ref.shape)
     return window.as_strided(ref.shape, ref.strides)
+
+
+def _contiguous_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
+    strides, step = [], 1
+    for size in reversed(shape):
+        strides.append(step)
+        step *= max(size, 1)
+    return tuple(reversed(strides))
 
 
 def check_fits(ref: TensorRef, region_num_bytes: int) -> None:
