@@ -96,6 +96,23 @@ async def call_hop(service: str, rpc, request, client_fields: Mapping[str, str] 
         raise error_from_rpc(service, error, client_fields) from None
 
 
+def error_from_broken_stream(
+    service: str, error: grpc.aio.AioRpcError, client_fields: Mapping[str, str] | None = None
+) -> ServiceError:
+    """The error for each request left waiting on a multiplexed stream that ended with `error`.
+    The call ended, not a request: none of them was answered, so they are UNAVAILABLE whatever
+    code the call ended with (a killed server's connection surfaces as UNAVAILABLE or as INTERNAL
+    "Internal error from Core", depending on when the reset lands), and a caller that may resend
+    (a stateless hop, a request with no output yet) does. Only UNIMPLEMENTED (an older server
+    without the RPC), CANCELLED (we closed it) and UNAVAILABLE (with the server's retry hint, if
+    it sent one) map as error_from_rpc maps them."""
+    if error.code() in (grpc.StatusCode.UNIMPLEMENTED, grpc.StatusCode.CANCELLED, grpc.StatusCode.UNAVAILABLE):
+        return error_from_rpc(service, error, client_fields)
+    return Unavailable(
+        f"{service} stream broke: {error.code().name}: {error.details()}", retry_after_ms=UNAVAILABLE_RETRY_AFTER_MS
+    )
+
+
 def error_from_status(
     service: str, status: status_pb2.Status, client_fields: Mapping[str, str] | None = None
 ) -> ServiceError:

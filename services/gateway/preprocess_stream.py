@@ -7,8 +7,9 @@ one PreprocessStream call.
 Why a stream, not a unary call per request: a message on an open stream costs about a third of
 a unary call's round trip (170 against 450-550 µs on loopback), on every request's way to its
 first token. The call opens on first use and lives as long as the gateway; if it breaks, each
-request waiting on it fails with the status it ended with (UNAVAILABLE for a lost connection, so
-the pool sends it to another server) and the next request opens a new call. A server that does
+request waiting on it fails UNAVAILABLE whatever status the call ended with (none of them was
+answered, and preprocess is stateless, so the pool sends each to another server) and the next
+request opens a new call. A server that does
 not know the RPC (UNIMPLEMENTED: an older preprocess) is `is_unsupported`: the client then goes
 back to unary calls for good.
 """
@@ -25,7 +26,7 @@ from google.rpc import status_pb2
 
 from llmserve.bidi_stream import write_queued
 from llmserve.errors import DeadlineExceeded, ServiceError, Unavailable
-from llmserve.gateway.hop_errors import error_from_rpc, error_from_status
+from llmserve.gateway.hop_errors import error_from_broken_stream, error_from_status
 from llmserve.request_context import context_without_request
 from llmserve.v1 import preprocess_pb2, preprocess_pb2_grpc
 
@@ -102,7 +103,7 @@ class PreprocessStreamClient:
         except grpc.aio.AioRpcError as error:
             if error.code() == grpc.StatusCode.UNIMPLEMENTED:
                 self.is_unsupported = True
-            failure = error_from_rpc("preprocess", error, self._client_fields)
+            failure = error_from_broken_stream("preprocess", error, self._client_fields)
             if error.code() not in (grpc.StatusCode.CANCELLED, grpc.StatusCode.UNIMPLEMENTED):
                 log.warning("PreprocessStream failed: %s: %s", error.code().name, error.details())
         finally:

@@ -45,7 +45,7 @@ from google.rpc import status_pb2
 from llmserve.bidi_stream import write_queued
 from llmserve.engine_output import EngineOutput, coalesced
 from llmserve.errors import ServiceError, Unavailable
-from llmserve.gateway.hop_errors import error_from_rpc, error_from_status
+from llmserve.gateway.hop_errors import error_from_broken_stream, error_from_status
 from llmserve.gateway.metrics import record_client_not_reading
 from llmserve.gateway.slow_reader import ClientNotReading, SlowReaderBounds
 from llmserve.pb import MULTIPLEX_COLUMNS_METADATA, output_from_pb
@@ -287,7 +287,7 @@ class ReplicaStream:
                 if response.tokens.request_ids:
                     push_token_columns(connection.requests, response.tokens)
         except grpc.aio.AioRpcError as error:
-            failure = error_from_rpc("inference", error)
+            failure = error_from_broken_stream("inference", error)
             if error.code() != grpc.StatusCode.CANCELLED:
                 log.warning("Multiplex stream to inference failed: %s: %s", error.code().name, error.details())
         finally:
