@@ -239,3 +239,14 @@ def test_bench_tensor_parallel_compares_sizes_on_cpu(tmp_path):
     assert [row["output_ratio"] for row in report["rows"] if row["size"] == 1] == [1.0, 1.0]
     (tp2_decode,) = [row for row in report["rows"] if (row["size"], row["streams"]) == (2, 1)]
     assert tp2_decode["weight_floor_ms_per_gpu"] * 2 == pytest.approx(report["rows"][0]["weight_floor_ms_per_gpu"], rel=1e-3)
+
+
+def test_bench_step_broadcast_compares_the_ring_with_gloo(tmp_path):
+    report = run_bench("bench_step_broadcast.py", ["--sizes", "2", "--messages", "5", "--decode-rows", "8",
+                                                   "--prefill-tokens", "64", "--out-dir", str(tmp_path)], tmp_path)
+    rows = report["rows"]
+    assert sorted((row["transport"], row["message"]) for row in rows) == [
+        ("gloo", "decode 8 rows"), ("gloo", "prefill 64 tokens"), ("ring", "decode 8 rows"), ("ring", "prefill 64 tokens"),
+    ]
+    assert all(row["intact"] and row["delivery_us_p50"] > 0 and row["back_to_back_per_s"] > 0 for row in rows)
+    assert all(row["send_us_p50_vs_gloo"] > 0 for row in rows if row["transport"] == "ring")

@@ -2,7 +2,7 @@
 its own KV pool, then runs every step rank 0 broadcasts, until rank 0 says stop.
 
     rank 0 (engine-core process)                  rank r > 0 (this module)
-    schedule ─▶ StepBroadcast.send ──gloo──▶  StepBroadcast.receive
+    schedule ─▶ StepBroadcast.send ──shm ring──▶  StepBroadcast.receive
     forward (its slice) ◀── all-reduce/gather ──▶ forward (its slice)
     sample, update, stream                        (its logits are dropped)
 

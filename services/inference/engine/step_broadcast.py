@@ -9,8 +9,10 @@ placeholder rows. Those ids exist only on rank 0's device: they follow the messa
 broadcast, stream-ordered, so rank 0 does not wait for its sampling to finish (NCCL; gloo on
 CPU is synchronous anyway).
 
-The message is pickled over the host group (gloo): a list-of-ints StepInputs at a few hundred
-rows is tens of microseconds to pickle. A message of None ends the other ranks' loop.
+The message is pickled into the ranks' shared-memory ring (models/rank_ring.py): rank 0 goes on
+once it is written, without waiting for the other ranks to take it. A list-of-ints StepInputs
+at a few hundred rows is tens of microseconds to pickle. A message of None ends the other
+ranks' loop.
 """
 
 from __future__ import annotations
@@ -50,17 +52,17 @@ class StepBroadcast:
         message = StepMessage(block_copies, step)
         if reads_launched:
             message.num_launched_tokens, message.launched_dtype = launched_tokens.numel(), launched_tokens.dtype
-        self._group.broadcast_object(message)
+        self._group.send_to_ranks(message)
         if reads_launched:
             self._group.broadcast_tensor(launched_tokens.contiguous())
 
     def stop(self) -> None:
         """Rank 0: no step follows."""
-        self._group.broadcast_object(None)
+        self._group.send_to_ranks(None)
 
     def receive(self) -> ReceivedStep | None:
         """The other ranks: the next step (blocks until rank 0 sends it), or None: stop."""
-        message: StepMessage | None = self._group.broadcast_object()
+        message: StepMessage | None = self._group.receive_from_leader()
         if message is None:
             return None
         launched = None

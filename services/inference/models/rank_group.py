@@ -8,9 +8,11 @@ it). Two torch.distributed groups over the same ranks:
                 down_proj, the embedding's all-reduce, the logits' all-gather): NCCL on CUDA,
                 stream-ordered, so they queue like any kernel and a CUDA graph captures them;
                 gloo on CPU;
-  host group    gloo, for what only the host has: the step's inputs rank 0 broadcasts
-                (engine/step_broadcast.py) and the agreement on the KV pool size at start.
-On CPU the two are one gloo group.
+  host group    gloo, for what only the host has: the agreement on the KV pool size at start,
+                the barrier at the end, and a message too large for the ring's slot.
+On CPU the two are one gloo group. Beside them, rank 0's messages to the others (the step each
+rank runs, engine/step_broadcast.py) go through a ring in shared memory (models/rank_ring.py),
+set up as the ranks join.
 
 `SINGLE_RANK` is the group of one process: every collective returns its input, so the model
 and the runner have one code path whether or not they are split.
@@ -19,9 +21,13 @@ and the runner have one code path whether or not they are split.
 from __future__ import annotations
 
 import logging
+import pickle
 from datetime import timedelta
+from pathlib import Path
 
 import torch
+
+from llmserve.inference.models.rank_ring import TOO_LARGE, RankRing
 
 log = logging.getLogger(__name__)
 
@@ -29,25 +35,33 @@ log = logging.getLogger(__name__)
 # process ending (engine_process.py watches every rank), not by this timeout; it only bounds a
 # rank that hangs.
 COLLECTIVE_TIMEOUT = timedelta(minutes=10)
+# How long a rank polls for rank 0's next message before it sleeps on its FIFO (rank_ring.py):
+# on a GPU, about a decode step (the next one is usually there within it) for a core that is
+# the rank's own; on CPU, where the ranks share the host's cores with the work, none.
+CUDA_RING_SPIN_S = 0.002
 
 
 class RankGroup:
     """This process's place among the ranks, and the collectives over all of them."""
 
-    def __init__(self, rank: int, size: int, device_group=None, host_group=None, backend: str = ""):
+    def __init__(self, rank: int, size: int, device_group=None, host_group=None, backend: str = "",
+                 ring: RankRing | None = None):
         self.rank = rank
         self.size = size
         self._device_group = device_group
         self._host_group = host_group
         self._backend = backend
+        self._ring = ring  # None: messages go over the host group
 
     @classmethod
     def join(
-        cls, store_path: str, world_size: int, rank: int, device: torch.device, backend: str | None = None
+        cls, store_path: str, world_size: int, rank: int, device: torch.device, backend: str | None = None,
+        ring_spin_s: float | None = None,
     ) -> "RankGroup":
         """Block until all `world_size` ranks have joined at `store_path`. `backend`: NCCL for a
         CUDA device, gloo otherwise; gloo on CUDA lets ranks share one GPU (tests: NCCL refuses
-        two ranks on one device), at a host copy per collective and without CUDA graphs."""
+        two ranks on one device), at a host copy per collective and without CUDA graphs.
+        `ring_spin_s`: how long a rank polls for rank 0's next message (None: by the device)."""
         import torch.distributed as dist
 
         backend = backend or ("nccl" if device.type == "cuda" else "gloo")
@@ -66,8 +80,14 @@ class RankGroup:
             # graph is capturing (the runner captures its decode graphs at start).
             dist.all_reduce(torch.zeros(1, device=device), group=device_group)
             torch.cuda.synchronize(device)
+        group = cls(rank, world_size, device_group, host_group, backend)
+        if world_size > 1:
+            group._ring = RankRing.open(
+                rank, world_size, Path(store_path).parent, group.broadcast_object, group.barrier,
+                spin_s=ring_spin_s if ring_spin_s is not None else CUDA_RING_SPIN_S if device.type == "cuda" else 0.0,
+            )  # fmt: skip
         log.info("rank %d of %d joined (%s)", rank, world_size, backend)
-        return cls(rank, world_size, device_group, host_group, backend)
+        return group
 
     @property
     def is_leader(self) -> bool:
@@ -116,6 +136,31 @@ class RankGroup:
         dist.broadcast_object_list(holder, src=0, group=self._host_group)
         return holder[0]
 
+    def send_to_ranks(self, obj) -> None:
+        """Rank 0: `obj` (picklable) to every other rank, which `receive_from_leader` returns in
+        the order sent. Returns once it is written, not once it is read."""
+        if self.size == 1:
+            return
+        if self._ring is None:
+            self.broadcast_object(obj)
+            return
+        payload = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
+        if not self._ring.send(payload):
+            self.broadcast_object(payload)  # larger than a slot: in its turn, over the host group
+
+    def receive_from_leader(self):
+        """The other ranks: rank 0's next `send_to_ranks` object (waits for it)."""
+        if self._ring is None:
+            return self.broadcast_object()
+        message = self._ring.receive(pickle.loads)
+        return pickle.loads(self.broadcast_object()) if message is TOO_LARGE else message
+
+    def barrier(self) -> None:
+        if self.size > 1:
+            import torch.distributed as dist
+
+            dist.barrier(group=self._host_group)
+
     def min_int(self, value: int) -> int:
         """The smallest of every rank's `value` (each rank sizes its KV pool from its own free
         memory; they must agree, since one block table addresses every rank's pool)."""
@@ -132,10 +177,9 @@ class RankGroup:
         ranks finish together, and nobody tears the groups down. gloo's teardown aborted a rank
         (SIGABRT, "terminate called without an active exception") whose peer closed first, in
         about 1 run of 4 here, and still about 1 in 20 after a barrier."""
-        if self.size > 1:
-            import torch.distributed as dist
-
-            dist.barrier(group=self._host_group)
+        self.barrier()
+        if self._ring is not None:
+            self._ring.close()
 
 
 def exit_without_teardown(code: int = 0) -> None:

@@ -1,0 +1,193 @@
+"""Rank 0's step message to the other tensor-parallel ranks: the shared-memory ring
+(models/rank_ring.py) against gloo's broadcast_object (what it replaced), in one run (issue 23).
+
+    python bench/bench_step_broadcast.py                      # 2 and 4 ranks, CPU processes
+    python bench/bench_step_broadcast.py --spin-s 0.002       # readers poll as on a GPU host
+
+Each size starts that many real processes joined as RankGroup does (gloo), and sends the same
+StepMessages both ways: a decode step of --decode-rows sequences (contexts of --context tokens:
+their block tables ride along) and a prefill chunk of --prefill-tokens tokens. Two timings:
+
+  paced         one message every --interval-ms (steps, with the readers idle between them,
+                as ranks waiting for rank 0's next step are): rank 0's send µs, and delivery µs
+                (send start to each reader holding the object, on the host's monotonic clock)
+  back-to-back  --messages sent as fast as they go: messages per second
+
+Prints a table with each ring figure's ratio to gloo's at the same size and message, and
+writes JSON to --out-dir. The message is engine/step_broadcast.py's, pickled as it is there;
+each reader checks every paced message equals the one sent (exit 1 otherwise).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing
+import pickle
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from llmserve.inference.engine.step_broadcast import StepMessage
+from llmserve.inference.models.rank_group import RankGroup, exit_without_teardown
+from llmserve.inference.models.step_inputs import StepInputs
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+BLOCK_SIZE = 16
+TIMEOUT_S = 600
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--sizes", default="2,4", metavar="N,N,...", help="ranks (default: %(default)s)")
+    parser.add_argument("--decode-rows", type=int, default=256, help="(default: %(default)s)")
+    parser.add_argument("--context", type=int, default=1024, help="decode contexts, tokens (default: %(default)s)")
+    parser.add_argument("--prefill-tokens", type=int, default=2048, help="(default: %(default)s)")
+    parser.add_argument("--messages", type=int, default=200, help="per timing and message (default: %(default)s)")
+    parser.add_argument("--interval-ms", type=float, default=2.0, help="paced: between sends (default: %(default)s)")
+    parser.add_argument("--spin-s", type=float, default=0.0, help="how long ring readers poll before they sleep "
+                        "(default: %(default)s, the CPU setting; 0.002 on CUDA)")
+    parser.add_argument("--out-dir", type=Path, default=REPO_ROOT / "bench" / "results", metavar="DIR")
+    args = parser.parse_args(argv)
+    args.sizes = [int(size) for size in args.sizes.split(",")]
+    return args
+
+
+def decode_step(rows: int, context: int) -> StepMessage:
+    blocks = -(-context // BLOCK_SIZE)
+    step = StepInputs(
+        input_ids=[(7 * r) % 50000 for r in range(rows)], positions=[context + r for r in range(rows)],
+        slot_mapping=[r * blocks * BLOCK_SIZE + context for r in range(rows)],
+        decode_block_tables=[list(range(r * blocks, (r + 1) * blocks)) for r in range(rows)],
+        decode_context_lens=[context + 1] * rows, decode_seq_ids=list(range(rows)), logits_indices=list(range(rows)),
+    )  # fmt: skip
+    return StepMessage([], step)
+
+
+def prefill_step(tokens: int) -> StepMessage:
+    step = StepInputs(
+        input_ids=[(13 * t) % 50000 for t in range(tokens)], positions=list(range(tokens)),
+        slot_mapping=list(range(tokens)), prefill_query_starts=[0], prefill_query_lens=[tokens],
+        prefill_context_lens=[tokens], prefill_block_tables=[list(range(-(-tokens // BLOCK_SIZE)))],
+        prefill_has_cached_prefix=[False], logits_indices=[tokens - 1],
+    )  # fmt: skip
+    return StepMessage([], step)
+
+
+def _send(group: RankGroup, transport: str, message) -> None:
+    if transport == "ring":
+        group.send_to_ranks(message)
+    else:
+        group.broadcast_object(message)
+
+
+def _receive(group: RankGroup, transport: str):
+    return group.receive_from_leader() if transport == "ring" else group.broadcast_object()
+
+
+def _rank_main(store_path: str, size: int, rank: int, messages: dict, args: argparse.Namespace, results) -> None:
+    group = RankGroup.join(store_path, size, rank, torch.device("cpu"), ring_spin_s=args.spin_s)
+    try:
+        measured = {}
+        for transport in ("gloo", "ring"):
+            for name, message in messages.items():
+                group.barrier()
+                times, intact = [], True
+                for _ in range(args.messages):  # paced
+                    if group.is_leader:
+                        start = time.monotonic()
+                        _send(group, transport, message)
+                        times.append((start, time.monotonic()))
+                        time.sleep(args.interval_ms / 1000)
+                    else:
+                        received = _receive(group, transport)
+                        times.append(time.monotonic())
+                        intact = intact and received == message
+                group.barrier()
+                start = time.monotonic()
+                for _ in range(args.messages):  # back to back
+                    _send(group, transport, message) if group.is_leader else _receive(group, transport)
+                group.barrier()  # the last reader has the last message
+                measured[(transport, name)] = (times, time.monotonic() - start, intact)
+        results.put((rank, measured))
+    finally:
+        group.leave()
+        results.close()
+        results.join_thread()
+        exit_without_teardown()
+
+
+def run_size(size: int, messages: dict, args: argparse.Namespace) -> dict:
+    context = multiprocessing.get_context("spawn")
+    results = context.Queue()
+    with tempfile.TemporaryDirectory(prefix="bench-step-broadcast-") as directory:
+        store_path = str(Path(directory) / "rendezvous")
+        ranks = [context.Process(target=_rank_main, args=(store_path, size, r, messages, args, results))
+                 for r in range(size)]  # fmt: skip
+        for process in ranks:
+            process.start()
+        gathered = dict(results.get(timeout=TIMEOUT_S) for _ in ranks)
+        for process in ranks:
+            process.join(TIMEOUT_S)
+    return gathered
+
+
+def summarize(size: int, gathered: dict, messages: dict, args: argparse.Namespace) -> list[dict]:
+    rows = []
+    for (transport, name), (sends, wall_s, _) in gathered[0].items():
+        send_us = [(end - start) * 1e6 for start, end in sends]
+        delivery_us = [
+            (gathered[reader][(transport, name)][0][i] - sends[i][0]) * 1e6
+            for reader in range(1, size) for i in range(len(sends))
+        ]  # fmt: skip
+        rows.append({
+            "ranks": size, "message": name, "transport": transport,
+            "bytes": len(pickle.dumps(messages[name], protocol=pickle.HIGHEST_PROTOCOL)),
+            "send_us_p50": statistics.median(send_us), "delivery_us_p50": statistics.median(delivery_us),
+            "delivery_us_p90": statistics.quantiles(delivery_us, n=10)[-1],
+            "back_to_back_per_s": args.messages / wall_s,
+            "intact": all(gathered[reader][(transport, name)][2] for reader in range(1, size)),
+        })  # fmt: skip
+    by_key = {(r["message"], r["transport"]): r for r in rows}
+    for row in rows:
+        gloo = by_key[(row["message"], "gloo")]
+        for key in ("send_us_p50", "delivery_us_p50", "back_to_back_per_s"):
+            row[f"{key}_vs_gloo"] = row[key] / gloo[key]
+    return rows
+
+
+def print_table(rows: list[dict]) -> None:
+    print("| ranks | message | bytes | transport | send µs p50 | delivery µs p50 / p90 | back-to-back msg/s |")
+    print("| --- | --- | --- | --- | --- | --- | --- |")
+    for r in rows:
+        ratio = lambda key: "" if r["transport"] == "gloo" else f" ({r[key + '_vs_gloo']:.2f}x)"  # noqa: E731
+        print(
+            f"| {r['ranks']} | {r['message']} | {r['bytes']:,} | {r['transport']} | {r['send_us_p50']:.0f}{ratio('send_us_p50')} "
+            f"| {r['delivery_us_p50']:.0f}{ratio('delivery_us_p50')} / {r['delivery_us_p90']:.0f} "
+            f"| {r['back_to_back_per_s']:,.0f}{ratio('back_to_back_per_s')} |"
+        )
+
+
+def main() -> None:
+    args = parse_args()
+    messages = {
+        f"decode {args.decode_rows} rows": decode_step(args.decode_rows, args.context),
+        f"prefill {args.prefill_tokens} tokens": prefill_step(args.prefill_tokens),
+    }
+    rows = []
+    for size in args.sizes:
+        rows += summarize(size, run_size(size, messages, args), messages, args)
+    print_table(rows)
+    if not all(row["intact"] for row in rows):
+        raise SystemExit("a rank received a message other than the one sent")
+    args.out_dir.mkdir(parents=True, exist_ok=True)
+    path = args.out_dir / f"step-broadcast-{time.strftime('%Y%m%d-%H%M%S')}.json"
+    path.write_text(json.dumps({"args": {k: str(v) for k, v in vars(args).items()}, "rows": rows}, indent=2))
+    print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    main()
