@@ -250,3 +250,11 @@ def test_bench_step_broadcast_compares_the_ring_with_gloo(tmp_path):
     ]
     assert all(row["intact"] and row["delivery_us_p50"] > 0 and row["back_to_back_per_s"] > 0 for row in rows)
     assert all(row["send_us_p50_vs_gloo"] > 0 for row in rows if row["transport"] == "ring")
+
+
+def test_bench_async_scheduling_times_both_settings_on_cpu(tmp_path):
+    report = run_bench("bench_async_scheduling.py", ["--shape", "tiny", "--rounds", "2", "--output-tokens", "4",
+                                                     "--out-dir", str(tmp_path)], tmp_path)
+    assert [row["setting"] for row in report["rows"]] == ["async", "one step at a time"]
+    assert report["rows"][0]["ttft_ms_vs_async"] == [1.0, 1.0, 1.0]
+    assert all(ms > 0 for row in report["rows"] for ms in row["ttft_ms"])

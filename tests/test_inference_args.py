@@ -89,9 +89,15 @@ def test_inference_rejects_an_unknown_log_level(tiny_model_dir, capsys):
 
 def test_new_inference_flags_default_to_the_engine_defaults(tiny_model_dir):
     engine = config_from_args(inference_args(tiny_model_dir)).engine
-    assert (engine.attention_backend, engine.kv_cache_dtype, engine.quantization, engine.async_scheduling) == (
-        "auto", "auto", "none", True,
-    )  # fmt: skip
+    assert (engine.attention_backend, engine.kv_cache_dtype, engine.quantization) == ("auto", "auto", "none")
+
+
+@pytest.mark.parametrize(("device", "overlaps"), [("cpu", False), ("cuda", True), ("cuda:1", True)])
+def test_async_scheduling_is_on_by_default_only_where_a_device_computes_beside_the_host(tiny_model_dir, device, overlaps):
+    engine = config_from_args(inference_args(tiny_model_dir, "--device", device)).engine
+    assert engine.async_scheduling is overlaps
+    engine = config_from_args(inference_args(tiny_model_dir, "--device", device, "--no-async-scheduling")).engine
+    assert engine.async_scheduling is False
 
 
 @pytest.mark.parametrize(
@@ -269,7 +275,8 @@ def test_every_engine_flag_round_trips_from_serve_to_engine_config(tiny_model_di
     baseline = config_from_args(inference_args(tiny_model_dir)).engine
     assert getattr(engine, field.name) == value
     for other in ENGINE_FIELDS:
-        if other.name not in (field.name, "dtype"):  # an unset dtype follows the device
+        follows_device = other.name == "dtype" or (other.name == "async_scheduling" and field.name == "device")
+        if other.name != field.name and not follows_device:  # unset, those follow the device
             assert getattr(engine, other.name) == getattr(baseline, other.name), other.name
 
 

@@ -17,7 +17,7 @@ import typing
 from pathlib import Path
 from typing import Any, Iterable, Mapping
 
-from llmserve.inference.engine.config import FLAG, EngineConfig, EngineFlag, default_dtype
+from llmserve.inference.engine.config import FLAG, EngineConfig, EngineFlag, default_async_scheduling, default_dtype
 
 # EngineConfig field name → value, for every flagged field (engine_options, default_engine_options).
 EngineOptions = Mapping[str, Any]
@@ -59,7 +59,9 @@ def add_engine_arguments(
         flag = flag_of(field)
         if flag.group not in made:
             made[flag.group] = parser.add_argument_group(flag.group)
-        if value_type(field) is bool:
+        if value_type(field) is bool and flag.unset_by_default:  # unset: resolved by engine_config
+            options = {"action": "store_const", "const": not field.default, "default": None, "help": flag.help}
+        elif value_type(field) is bool:
             options = {"action": "store_false" if field.default else "store_true", "help": flag.help}
         else:
             options = {
@@ -87,6 +89,8 @@ def engine_config(options: EngineOptions, model_path: Path, model_name: str) -> 
     values = dict(options)
     if values["dtype"] is None:
         values["dtype"] = default_dtype(values["device"])
+    if values["async_scheduling"] is None:
+        values["async_scheduling"] = default_async_scheduling(values["device"])
     return EngineConfig(model_path=model_path, model_name=model_name, **values)
 
 
@@ -102,8 +106,9 @@ def engine_argv(options: EngineOptions, names: Iterable[str] | None = None) -> l
         value = options.get(field.name, parsed_default(field))
         if (wanted is not None and field.name not in wanted) or value == parsed_default(field):
             continue
-        if value_type(field) is bool:  # the flag flips the default, which it differs from here
-            argv.append(flag_of(field).name)
+        if value_type(field) is bool:  # the flag flips the field's default, which it differs from here
+            if value != field.default:
+                argv.append(flag_of(field).name)
         else:
             argv += [flag_of(field).name, str(value)]
     return argv

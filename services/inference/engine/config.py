@@ -85,6 +85,14 @@ def default_max_waiting_requests(device: str, max_num_seqs: int) -> int:
     return CPU_MAX_WAITING_REQUESTS if device == "cpu" else max_num_seqs
 
 
+def default_async_scheduling(device: str) -> bool:
+    """What an unset --no-async-scheduling means on `device`: on where a device computes while
+    the host schedules. On a CPU the forward runs on the host thread that would overlap it, so
+    launching step N+1 before step N's tokens go out adds a whole forward to every token's
+    latency (the first token's included) and overlaps nothing."""
+    return device.startswith("cuda")
+
+
 def default_dtype(device: str) -> str:
     """The dtype an unset --dtype means on `device`."""
     return "bfloat16" if device.startswith("cuda") else "float32"
@@ -161,11 +169,13 @@ class EngineConfig:
         "process of its own (one GIL for the step loop and gRPC serving: slower from ~32 streams up)",
     )  # fmt: skip
     # CPU work of step N+1 (scheduling, input staging, streaming step N's tokens) runs while
-    # the device computes step N.
+    # the device computes step N. Unset on the command line: default_async_scheduling(device).
     async_scheduling: bool = _flagged(
-        True, "--no-async-scheduling", "run one step at a time: by default the CPU work of the next step "
-        "(scheduling, input staging, streaming this step's tokens) overlaps the device's compute of "
-        "this one; off is slower on CUDA but simpler to debug",
+        True, "--no-async-scheduling", "run one step at a time (default on cpu, where the device is the "
+        "host: nothing overlaps, and each token would wait for the next step's forward); on cuda the "
+        "default overlaps the host's work on the next step (scheduling, input staging, streaming this "
+        "step's tokens) with the device's compute of this one; off is slower there but simpler to debug",
+        unset_by_default=True,
     )  # fmt: skip
     attention_backend: str = _flagged(
         "auto", "--attention-backend", "attention and the small fused ops: triton = Triton kernels "

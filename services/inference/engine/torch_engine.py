@@ -15,7 +15,7 @@ One step reads top to bottom:
             launched is recorded (Scheduler.record_launch: each sampled token appended as a
             placeholder, sequence.PLACEHOLDER_TOKEN; full blocks enter the prefix cache).
 
-Async scheduling (EngineConfig.async_scheduling, the default): `step()` launches step N and
+Async scheduling (EngineConfig.async_scheduling, the default on CUDA): `step()` launches step N and
 then processes step N-1, the one launched step in flight (`_in_flight`), so the host
 schedules, stages and streams while the device computes; step N reads the input ids that
 step N-1 sampled on the device (ModelRunner fills them).
