@@ -5,8 +5,11 @@
     python bench/bench_step_broadcast.py --spin-s 0.002       # readers poll as on a GPU host
 
 Each size starts that many real processes joined as RankGroup does (gloo), and sends the same
-StepMessages both ways: a decode step of --decode-rows sequences (contexts of --context tokens:
-their block tables ride along) and a prefill chunk of --prefill-tokens tokens. Two timings:
+StepMessages three ways: gloo, the ring, and the ring through StepBroadcast, which sends a decode
+table only when its list changed (each step here replaces 1 table in 16, as a block appended
+every 16 tokens does). The messages: a decode step of --decode-rows sequences (contexts of
+--context tokens: their block tables ride along) and a prefill chunk of --prefill-tokens
+tokens. Two timings:
 
   paced         one message every --interval-ms (steps, with the readers idle between them,
                 as ranks waiting for rank 0's next step are): rank 0's send µs, and delivery µs
@@ -21,6 +24,7 @@ each reader checks every paced message equals the one sent (exit 1 otherwise).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import multiprocessing
 import pickle
@@ -31,7 +35,7 @@ from pathlib import Path
 
 import torch
 
-from llmserve.inference.engine.step_broadcast import StepMessage
+from llmserve.inference.engine.step_broadcast import StepBroadcast, StepMessage
 from llmserve.inference.models.rank_group import RankGroup, exit_without_teardown
 from llmserve.inference.models.step_inputs import StepInputs
 
@@ -77,39 +81,71 @@ def prefill_step(tokens: int) -> StepMessage:
     return StepMessage([], step)
 
 
-def _send(group: RankGroup, transport: str, message) -> None:
-    if transport == "ring":
+TRANSPORTS = ("gloo", "ring", "ring, tables as changes")
+
+
+def churned(message: StepMessage, index: int) -> StepMessage:
+    """The message as the `index`-th step sends it: 1 decode table in BLOCK_SIZE a new list (a
+    block appended, as a sequence's table changes once every block_size tokens), the rest the
+    very lists of the step before."""
+    tables = [
+        list(table) if (row + index) % BLOCK_SIZE == 0 else table
+        for row, table in enumerate(message.inputs.decode_block_tables)
+    ]  # fmt: skip
+    return StepMessage(message.block_copies, dataclasses.replace(message.inputs, decode_block_tables=tables))
+
+
+def wire_message(message: StepMessage, transport: str) -> StepMessage:
+    """What `transport` pickles for a step past the first (as churned: 1 table in BLOCK_SIZE new)."""
+    if transport != TRANSPORTS[2]:
+        return message
+    tables = [table if row % BLOCK_SIZE == 0 else None for row, table in enumerate(message.inputs.decode_block_tables)]
+    return StepMessage(message.block_copies, dataclasses.replace(message.inputs, decode_block_tables=tables))
+
+
+def _send(group: RankGroup, steps: StepBroadcast, transport: str, message) -> None:
+    if transport == "gloo":
+        group.broadcast_object(message)
+    elif transport == "ring":
         group.send_to_ranks(message)
     else:
-        group.broadcast_object(message)
+        steps.send(message.block_copies, message.inputs, None)
 
 
-def _receive(group: RankGroup, transport: str):
-    return group.receive_from_leader() if transport == "ring" else group.broadcast_object()
+def _receive(group: RankGroup, steps: StepBroadcast, transport: str):
+    if transport == "gloo":
+        return group.broadcast_object()
+    if transport == "ring":
+        return group.receive_from_leader()
+    received = steps.receive()
+    return StepMessage(received.block_copies, received.inputs)
 
 
 def _rank_main(store_path: str, size: int, rank: int, messages: dict, args: argparse.Namespace, results) -> None:
     group = RankGroup.join(store_path, size, rank, torch.device("cpu"), ring_spin_s=args.spin_s)
     try:
         measured = {}
-        for transport in ("gloo", "ring"):
+        for transport in TRANSPORTS:
             for name, message in messages.items():
+                steps = StepBroadcast(group, torch.device("cpu"))
                 group.barrier()
                 times, intact = [], True
-                for _ in range(args.messages):  # paced
+                for index in range(args.messages):  # paced
+                    sent = churned(message, index)
                     if group.is_leader:
                         start = time.monotonic()
-                        _send(group, transport, message)
+                        _send(group, steps, transport, sent)
                         times.append((start, time.monotonic()))
                         time.sleep(args.interval_ms / 1000)
                     else:
-                        received = _receive(group, transport)
+                        received = _receive(group, steps, transport)
                         times.append(time.monotonic())
-                        intact = intact and received == message
+                        intact = intact and received == sent
                 group.barrier()
+                sends = [churned(message, index) for index in range(args.messages)]
                 start = time.monotonic()
-                for _ in range(args.messages):  # back to back
-                    _send(group, transport, message) if group.is_leader else _receive(group, transport)
+                for sent in sends:  # back to back
+                    _send(group, steps, transport, sent) if group.is_leader else _receive(group, steps, transport)
                 group.barrier()  # the last reader has the last message
                 measured[(transport, name)] = (times, time.monotonic() - start, intact)
         results.put((rank, measured))
@@ -145,7 +181,7 @@ def summarize(size: int, gathered: dict, messages: dict, args: argparse.Namespac
         ]  # fmt: skip
         rows.append({
             "ranks": size, "message": name, "transport": transport,
-            "bytes": len(pickle.dumps(messages[name], protocol=pickle.HIGHEST_PROTOCOL)),
+            "bytes": len(pickle.dumps(wire_message(messages[name], transport), protocol=pickle.HIGHEST_PROTOCOL)),
             "send_us_p50": statistics.median(send_us), "delivery_us_p50": statistics.median(delivery_us),
             "delivery_us_p90": statistics.quantiles(delivery_us, n=10)[-1],
             "back_to_back_per_s": args.messages / wall_s,

@@ -10,13 +10,22 @@ broadcast, stream-ordered, so rank 0 does not wait for its sampling to finish (N
 CPU is synchronous anyway).
 
 The message is pickled into the ranks' shared-memory ring (models/rank_ring.py): rank 0 goes on
-once it is written, without waiting for the other ranks to take it. A list-of-ints StepInputs
-at a few hundred rows is tens of microseconds to pickle. A message of None ends the other
-ranks' loop.
+once it is written, without waiting for the other ranks to take it. A message of None ends the
+other ranks' loop.
+
+Decode block tables go as changes: most of a decode step's bytes are its block tables (256
+sequences at 1k-token contexts: ~16k block ids, ~55 KB pickled), and a sequence's table changes
+once every block_size tokens. A sequence's block_ids list is replaced, never changed in place
+(block_table_rows.py relies on the same), so rank 0 sends None for a row whose list is the one
+it sent for that sequence at the step before, and each rank puts back the list it received
+then: the same object, so the rank's BlockTableRows sees an unchanged table and uploads
+nothing. Both sides keep only the sequences of the latest step, so a sequence that skips a step
+is sent whole when it comes back.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -45,11 +54,13 @@ class StepBroadcast:
     def __init__(self, group: RankGroup, device: torch.device):
         self._group = group
         self._device = device
+        # The decode block tables of the latest step, by sequence id: sent (rank 0) or received.
+        self._tables: dict[int, list[int]] = {}
 
     def send(self, block_copies: list[tuple[int, int]], step: StepInputs, launched_tokens: torch.Tensor | None) -> None:
         """Rank 0: this step, before it runs its own forward."""
         reads_launched = bool(step.placeholder_rows) and launched_tokens is not None
-        message = StepMessage(block_copies, step)
+        message = StepMessage(block_copies, self._with_table_changes(step))
         if reads_launched:
             message.num_launched_tokens, message.launched_dtype = launched_tokens.numel(), launched_tokens.dtype
         self._group.send_to_ranks(message)
@@ -65,8 +76,30 @@ class StepBroadcast:
         message: StepMessage | None = self._group.receive_from_leader()
         if message is None:
             return None
+        self._restore_tables(message.inputs)
         launched = None
         if message.num_launched_tokens:
             launched = torch.empty(message.num_launched_tokens, dtype=message.launched_dtype, device=self._device)
             self._group.broadcast_tensor(launched)
         return ReceivedStep(message.block_copies, message.inputs, launched)
+
+    def _with_table_changes(self, step: StepInputs) -> StepInputs:
+        """`step` with None for each decode table that is the list sent for its sequence last step."""
+        seq_ids, tables = step.decode_seq_ids, step.decode_block_tables
+        if len(seq_ids) != len(tables):  # rows without ids (a hand-built step): every table whole
+            self._tables = {}
+            return step
+        sent = self._tables
+        changes = [None if sent.get(seq_id) is table else table for seq_id, table in zip(seq_ids, tables)]
+        self._tables = dict(zip(seq_ids, tables))
+        return dataclasses.replace(step, decode_block_tables=changes)
+
+    def _restore_tables(self, step: StepInputs) -> None:
+        """Put back, in place, the lists rank 0 left out as unchanged."""
+        seq_ids, changes = step.decode_seq_ids, step.decode_block_tables
+        if len(seq_ids) != len(changes):
+            self._tables = {}
+            return
+        known = self._tables
+        step.decode_block_tables = [known[seq_id] if table is None else table for seq_id, table in zip(seq_ids, changes)]
+        self._tables = dict(zip(seq_ids, step.decode_block_tables))
