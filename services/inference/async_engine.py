@@ -198,15 +198,24 @@ class AsyncEngine:
         """`call_core`, sent now: the core applies it before any command sent after this returns
         (a submit included), and the future gets what it returned or raised. Raises
         NotImplementedError and Unavailable at once."""
-        call_core = getattr(self._client, "call_core", None)
-        if call_core is None:
+        return self._send_call(getattr(self._client, "call_core", None), method, args)
+
+    async def call_core_mid_step(self, method: str, *args):
+        """As `call_core`, for a call the core can answer while a step runs
+        (engine/mid_step_calls.py: a pin): answered in the loop's next window where the core
+        runs in a process of its own, between two steps otherwise. No order with commands."""
+        send = getattr(self._client, "call_core_mid_step", None) or getattr(self._client, "call_core", None)
+        return await self._send_call(send, method, args)
+
+    def _send_call(self, send, method: str, args: tuple) -> asyncio.Future:
+        if send is None:
             raise NotImplementedError(f"the {self.model_info.backend} backend's engine takes no core calls")
         if not self._client.is_running:
             raise Unavailable("the inference engine is not running")
         self._num_calls += 1
         call = CallCore(self._num_calls, method, args)
         future = self._calls[call.call_id] = asyncio.get_running_loop().create_future()
-        call_core(call)
+        send(call)
         return future
 
     # --- outputs ----------------------------------------------------------------------------

@@ -44,7 +44,8 @@ class KvPins:
     ) -> tuple[str, KvPullSource]:
         """(pin id, where the blocks lie); pin id "" when none of the prompt is cached here.
         Raises what the core raised (KvPullRefused: not enabled)."""
-        call = asyncio.ensure_future(self._engine.call_core("kv_pin", request, max_blocks, puller))
+        # Mid-step: the replica pulled from is usually the busy one (engine/mid_step_calls.py).
+        call = asyncio.ensure_future(self._engine.call_core_mid_step("kv_pin", request, max_blocks, puller))
         try:
             source = await asyncio.shield(call)
         except asyncio.CancelledError:

@@ -209,15 +209,7 @@ class EngineLoop:
         return []
 
     def _call(self, command: CallCore) -> CoreReply:
-        """A CallCore's answer; what it raised is the answer when it fails (the caller decides)."""
-        if command.method not in CORE_CALLS or not hasattr(self._core, command.method):
-            return CoreReply(command.call_id, error=NotImplementedError(f"this engine core has no {command.method}"))
-        try:
-            return CoreReply(command.call_id, getattr(self._core, command.method)(*command.args))
-        except Exception as exc:  # noqa: BLE001 — answered, not fatal to the loop
-            if not hasattr(exc, "reason"):
-                log.exception("core call %s failed", command.method)
-            return CoreReply(command.call_id, error=picklable_error(exc))
+        return answer_call(self._core, command)
 
     def _abort_expired(self) -> list[EngineOutput]:
         """Every request past its deadline, aborted at this step boundary (finished requests
@@ -324,6 +316,19 @@ def picklable_error(exc: BaseException) -> BaseException:
     except Exception:  # noqa: BLE001
         return RuntimeError(f"{type(exc).__name__}: {exc}")
     return exc
+
+
+def answer_call(core: EngineCore | None, command: CallCore) -> CoreReply:
+    """A CallCore's answer; what it raised is the answer when it fails (the caller decides).
+    `core` None: a core that takes no such call."""
+    if command.method not in CORE_CALLS or not hasattr(core, command.method):
+        return CoreReply(command.call_id, error=NotImplementedError(f"this engine core has no {command.method}"))
+    try:
+        return CoreReply(command.call_id, getattr(core, command.method)(*command.args))
+    except Exception as exc:  # noqa: BLE001 — answered, not fatal to the loop
+        if not hasattr(exc, "reason"):
+            log.exception("core call %s failed", command.method)
+        return CoreReply(command.call_id, error=picklable_error(exc))
 
 
 def _describe(exc: BaseException, where: str) -> str:

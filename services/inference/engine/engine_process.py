@@ -23,6 +23,10 @@ Commands are pickled and written on the event loop by a CommandPipe (engine/comm
 which never blocks it: what a full pipe (the core busy in a step) does not take waits in a
 buffer flushed as room appears.
 
+A core with step windows (the torch core) also answers the few calls that need no step
+boundary (a KV pin) on a thread of its own, read from a third pipe, with replies on a fourth:
+engine/mid_step_calls.py.
+
 The core is built in the child (weights, KV pool, CUDA graphs): the server process never
 imports torch's device state, and a CUDA context is never forked (the child is spawned).
 If the child dies, the update says so (CoreUpdate.core_failure): AsyncEngine, which owns the
@@ -37,6 +41,7 @@ message naming the rank, and the other ranks are ended (they would wait in a col
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import ctypes
 import logging
 import multiprocessing
@@ -53,6 +58,7 @@ from llmserve.inference.engine.engine_loop import (
     picklable_error,
 )
 from llmserve.engine_output import EngineOutput, StepOutputs, TokenColumns
+from llmserve.inference.engine.mid_step_calls import StepWindows, start_call_thread
 from llmserve.inference.engine.queued_client import QueuedCoreClient
 from llmserve.inference.engine.rank_processes import RankProcesses
 from llmserve.inference.engine.rank_worker import check_tensor_parallel
@@ -72,6 +78,7 @@ _WireOutputs = tuple[list[EngineOutput], tuple[list[str], list[int], list[int]]]
 class _Ready:
     model_info: ModelInfo
     load: EngineLoad
+    serves_mid_step_calls: bool = False  # a core with step windows (mid_step_calls.py)
 
 
 @dataclass(slots=True)
@@ -95,25 +102,30 @@ class EngineProcess(QueuedCoreClient):
         context = multiprocessing.get_context("spawn")
         command_reader, self._command_writer = context.Pipe(duplex=False)
         self._output_reader, output_writer = context.Pipe(duplex=False)
+        # Mid-step calls (engine/mid_step_calls.py): their own pipes, read by a thread of the core.
+        call_reader, self._call_writer = context.Pipe(duplex=False)
+        self._reply_reader, reply_writer = context.Pipe(duplex=False)
         self._ranks = (
             RankProcesses(config, context, log_level, observability) if config.tensor_parallel_size > 1 else None
         )
         self._process = context.Process(
             target=run_engine_process,
             args=(config, log_level, observability, command_reader, output_writer,
-                  self._ranks.store_path if self._ranks else None),
+                  self._ranks.store_path if self._ranks else None, (call_reader, reply_writer)),
             name="engine-core",
         )  # fmt: skip
         self._process.start()
-        command_reader.close()
-        output_writer.close()
+        for child_end in (command_reader, output_writer, call_reader, reply_writer):
+            child_end.close()
         try:
             ready = self._wait_until_ready()
         except BaseException:
             self._end_ranks()
             raise
         super().__init__(ready.model_info, ready.load)
+        self._serves_mid_step_calls = ready.serves_mid_step_calls
         self._pipe: CommandPipe | None = None  # made by start, on the event loop
+        self._call_pipe: CommandPipe | None = None  # likewise, for mid-step calls
         self._is_running = False
 
     def _wait_until_ready(self) -> _Ready:
@@ -134,9 +146,11 @@ class EngineProcess(QueuedCoreClient):
     def start(self, loop: asyncio.AbstractEventLoop, deliver: Deliver) -> None:
         self._event_loop, self._deliver = loop, deliver
         loop.add_reader(self._output_reader.fileno(), self._on_readable)
+        loop.add_reader(self._reply_reader.fileno(), self._on_replies)
         for sentinel in self._ranks.sentinels if self._ranks else ():
             loop.add_reader(sentinel, self._on_rank_exit)
         self._pipe = CommandPipe(self._command_writer, loop)
+        self._call_pipe = CommandPipe(self._call_writer, loop)
         self._is_running = True
         log.info("engine core runs in process %d", self._process.pid)
 
@@ -163,6 +177,25 @@ class EngineProcess(QueuedCoreClient):
     def call_core(self, call: CallCore) -> None:
         self._pipe.send(call)
 
+    def call_core_mid_step(self, call: CallCore) -> None:
+        """`call` (one of mid_step_calls.MID_STEP_CALLS) answered by the core's call thread in
+        the loop's next window, not after the step in progress; between steps by a core
+        without windows."""
+        (self._call_pipe if self._serves_mid_step_calls else self._pipe).send(call)
+
+    def _on_replies(self) -> None:
+        """Mid-step replies, each with the core's load after it (a pin's blocks count as used):
+        the newest snapshot until the loop's next iteration reports one."""
+        update = CoreUpdate([], [], [])
+        try:
+            while self._reply_reader.poll():
+                reply, self._load_snapshot = self._reply_reader.recv()
+                update.replies.append(reply)
+        except (EOFError, OSError):  # the process ended: the output pipe's reader reports it
+            self._event_loop.remove_reader(self._reply_reader.fileno())
+        if update.replies:
+            self._deliver(update)
+
     def _on_readable(self) -> None:
         update = CoreUpdate([], [], [])
         try:
@@ -182,6 +215,7 @@ class EngineProcess(QueuedCoreClient):
         """The pipe closed: after a stop (which cancelled everything first, so nothing is left
         to fail) or because the process died (what is still in flight fails)."""
         self._event_loop.remove_reader(self._output_reader.fileno())
+        self._event_loop.remove_reader(self._reply_reader.fileno())
         if not self._is_running:
             return  # stopped: what stop() waits for
         dead_rank = self._ranks.dead_rank() if self._ranks is not None else ""
@@ -198,6 +232,7 @@ class EngineProcess(QueuedCoreClient):
         if not self._is_running:
             return
         self._event_loop.remove_reader(self._output_reader.fileno())
+        self._event_loop.remove_reader(self._reply_reader.fileno())
         self._is_running = False
         failure = self._ranks.dead_rank()
         log.error("%s: the engine stops", failure)
@@ -220,10 +255,11 @@ class EngineProcess(QueuedCoreClient):
 
 def run_engine_process(
     config: EngineConfig, log_level: str, observability: ObservabilityConfig, commands: Connection, outputs: Connection,
-    rank_store_path: str | None = None,
+    rank_store_path: str | None = None, mid_step: tuple[Connection, Connection] | None = None,
 ) -> None:
     """The process's main: build the core, then run the loop until Stop (or the server process
-    goes away). `rank_store_path`: tensor parallelism's rendezvous; this process is rank 0."""
+    goes away). `rank_store_path`: tensor parallelism's rendezvous; this process is rank 0.
+    `mid_step`: the (calls, replies) pipes of mid-step calls, answered by a thread beside the loop."""
     exit_with_parent()
     configure_logging("engine-core", log_level, observability)
     from llmserve.inference.engine.cores import create_engine_core  # the child's imports, not the server's
@@ -233,8 +269,14 @@ def run_engine_process(
     except BaseException as exc:  # noqa: BLE001 — reported to the server, which decides
         outputs.send(_StartFailed(picklable_error(exc)))
         return
-    outputs.send(_Ready(core.model_info, core.load()))
-    EngineLoop(core).run(_command_taker(commands), _emitter(outputs))
+    windows = None
+    if mid_step is not None and hasattr(core, "open_windows"):
+        windows = StepWindows()
+        windows.hold()  # this thread's, outside its windows
+        core.open_windows(windows)
+        start_call_thread(*mid_step, core, windows)
+    outputs.send(_Ready(core.model_info, core.load(), serves_mid_step_calls=windows is not None))
+    EngineLoop(core).run(_command_taker(commands, windows), _emitter(outputs))
     if rank_store_path is not None:
         from llmserve.inference.models.rank_group import exit_without_teardown
 
@@ -243,12 +285,16 @@ def run_engine_process(
         exit_without_teardown()
 
 
-def _command_taker(commands: Connection) -> Callable[[bool], list[EngineCommand]]:
+def _command_taker(commands: Connection, windows: StepWindows | None = None) -> Callable[[bool], list[EngineCommand]]:
+    """Waiting for a command while idle is a window for mid-step calls."""
+    idle_window = windows.open if windows is not None else contextlib.nullcontext
+
     def take_commands(block: bool) -> list[EngineCommand]:
         taken: list[EngineCommand] = []
         try:
             if block:
-                taken.append(commands.recv())
+                with idle_window():
+                    taken.append(commands.recv())
             while commands.poll():
                 taken.append(commands.recv())
         except (EOFError, OSError):  # the server process is gone: cancel everything, end

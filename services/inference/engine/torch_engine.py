@@ -39,10 +39,12 @@ limit, or the whole KV pool if smaller). Timings per step: engine/step_stats.py.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, ContextManager
 
 import torch
 
@@ -65,6 +67,9 @@ from llmserve.engine_output import EngineOutput, StepOutputs
 from llmserve.inference.engine.types import CacheEvent, EngineLoad, EngineRequest, ModelInfo, served_context_tokens
 from llmserve.model_files import ModelFiles
 from llmserve.tensor_transport import PeerIdentity, local_identity
+
+if TYPE_CHECKING:
+    from llmserve.inference.engine.mid_step_calls import StepWindows
 
 log = logging.getLogger(__name__)
 
@@ -130,6 +135,8 @@ class TorchEngineCore:
         self._launched: _LaunchedStep | None = None  # async scheduling: launched, not processed
         self._scheduled_batch = (0, 0)
         self._kv_importer: KvBlockImporter | None = None  # made on the first pull
+        # Where calls may run mid-step (engine/mid_step_calls.py): the forward and the result wait.
+        self._window: Callable[[], ContextManager] = contextlib.nullcontext
 
     # --- EngineCore interface ----------------------------------------------------------------
 
@@ -186,6 +193,11 @@ class TorchEngineCore:
     def scheduled_batch(self) -> tuple[int, int]:
         """The batch the latest step() launched (with async scheduling, it processed the one before)."""
         return self._scheduled_batch
+
+    def open_windows(self, windows: StepWindows) -> None:
+        """Let `windows`' calls run during each step's forward and result wait (the engine-core
+        process, engine/mid_step_calls.py)."""
+        self._window = windows.open
 
     def stop_ranks(self) -> None:
         """After the last step: the other tensor-parallel ranks leave their loop, and so does this one."""
@@ -263,7 +275,8 @@ class TorchEngineCore:
         launched_tokens = self._launched.sampled.token_ids if self._launched is not None else None
         sampling_indexes = batch.sampling_indexes()
         step_inputs = timer.measure("inputs_s", build_step_inputs, batch, self.runner.block_size, sampling_indexes)
-        logits = timer.measure("execute_launch_s", self.runner.execute, batch, step_inputs, launched_tokens)
+        with self._window():
+            logits = timer.measure("execute_launch_s", self.runner.execute, batch, step_inputs, launched_tokens)
         seqs = [batch.seqs[i] for i in sampling_indexes]
         forks = []
         # The common batch (Sequence.is_plain): nothing forks, nothing reads host tokens; one scan.
@@ -282,7 +295,8 @@ class TorchEngineCore:
     def _process(self, step: _LaunchedStep, timer: StepTimer | Untimed) -> StepOutputs:
         """Wait for the step's sampled tokens and hand them to the scheduler: its new tokens
         out."""
-        result = timer.measure("result_wait_s", step.sampled.result)
+        with self._window():
+            result = timer.measure("result_wait_s", step.sampled.result)
         return timer.measure("update_s", self._outputs_of, step.launch, result)
 
     def _outputs_of(self, launch: LaunchedBatch, result: SamplerOutput) -> StepOutputs:
