@@ -259,3 +259,12 @@ def test_bench_async_scheduling_times_both_settings_on_cpu(tmp_path):
     assert [row["setting"] for row in report["rows"]] == ["async", "one step at a time"]
     assert report["rows"][0]["ttft_ms_vs_async"] == [1.0, 1.0, 1.0]
     assert all(ms > 0 for row in report["rows"] for ms in row["ttft_ms"])
+
+
+def test_bench_pin_times_pins_mid_step_and_between_steps_on_cpu(tmp_path):
+    report = run_bench("bench_pin.py", ["--shape", "tiny", "--prefix-tokens", "96", "--busy-prompt-tokens", "64",
+                                        "--busy-output-tokens", "16", "--pins", "3", "--num-kv-blocks", "128",
+                                        "--out-dir", str(tmp_path)], tmp_path)
+    assert [row["setting"] for row in report["rows"]] == ["mid-step", "between steps"]
+    assert all(len(times) == 3 and min(times) > 0 for times in report["times"].values())
+    assert report["rows"][1]["p50_vs_between_steps"] == 1.0

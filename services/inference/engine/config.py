@@ -161,6 +161,13 @@ class EngineConfig:
         "allocated in /dev/shm: the container's /dev/shm must hold it (see --num-kv-blocks); on CUDA "
         "it is exported by CUDA IPC (same GPU or peer access, one IPC namespace)",
     )  # fmt: skip
+    # A pin answered while the source's loop is inside a step (engine/mid_step_calls.py).
+    mid_step_calls: bool = _flagged(
+        True, "--no-mid-step-calls", "with --kv-pull, answer other replicas' pins only between two "
+        "engine steps, as every other command (by default a thread of the engine-core process answers "
+        "them during a step's forward and its wait for the device: a pin does not wait for the step in "
+        "progress); for comparison and debugging",
+    )  # fmt: skip
     enforce_eager: bool = _flagged(False, "--enforce-eager", "CUDA: skip CUDA-graph capture")
     # The core's own process keeps the step loop off the GIL that gRPC serving holds
     # (engine/engine_process.py says what it measured).

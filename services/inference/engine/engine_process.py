@@ -270,7 +270,7 @@ def run_engine_process(
         outputs.send(_StartFailed(picklable_error(exc)))
         return
     windows = None
-    if mid_step is not None and hasattr(core, "open_windows"):
+    if mid_step is not None and config.mid_step_calls and hasattr(core, "open_windows"):
         windows = StepWindows()
         windows.hold()  # this thread's, outside its windows
         core.open_windows(windows)

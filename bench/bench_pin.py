@@ -1,0 +1,141 @@
+"""A KV pin at a busy source: answered mid-step (the default) against between two steps
+(`--no-mid-step-calls`), in one run (issue 22; engine/mid_step_calls.py).
+
+    python bench/bench_pin.py                                        # CPU, the default model's shape
+    python bench/bench_pin.py --device cuda --shape qwen2.5-1.5b     # a GPU
+
+Two source replicas with --kv-pull, alike but for that flag, on one device. Each holds a
+--prefix-tokens prefix in its cache and runs a background request all along (a
+--busy-prompt-tokens prompt, --busy-output-tokens tokens, sent again when it ends), so its
+engine is always in a step: what a puller meets at the replica the router pulls from. Then
+--pins PinKvBlocks calls per replica, the replicas in turn, each timed at the client and
+released at once. Per setting: pin ms min / p50 / p90 / max, and p50 as a ratio to
+between-steps'. Every pin must return the prefix's blocks. Writes JSON to --out-dir.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import bench_stack
+from bench_kv_pull import BLOCK_SIZE, RPC_TIMEOUT_S, Replica, fresh_tokens, request
+from llmserve.inference.kv_pull_wire import identity_to_pb
+from llmserve.tensor_transport import local_identity
+from llmserve.v1 import common_pb2, inference_pb2
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+SETTINGS = {"mid-step": [], "between steps": ["--no-mid-step-calls"]}
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    bench_stack.add_model_arguments(parser)
+    parser.set_defaults(device="cpu", shape="smollm2-135m")
+    parser.add_argument("--prefix-tokens", type=int, default=512, help="(default: %(default)s)")
+    parser.add_argument("--busy-prompt-tokens", type=int, default=1024, help="(default: %(default)s)")
+    parser.add_argument("--busy-output-tokens", type=int, default=128, help="(default: %(default)s)")
+    parser.add_argument("--pins", type=int, default=30, help="per replica (default: %(default)s)")
+    parser.add_argument("--num-kv-blocks", type=int, default=512, help="per replica (default: %(default)s)")
+    parser.add_argument("--inference-arg", action="append", default=[], help="extra inference flag (repeatable)")
+    parser.add_argument("--startup-timeout-s", type=float, default=600.0)
+    parser.add_argument("--out-dir", type=Path, default=REPO_ROOT / "bench" / "results", metavar="DIR")
+    return parser.parse_args(argv)
+
+
+class Busy:
+    """A request always running on `replica`, sent again when it ends, until stopped."""
+
+    def __init__(self, replica: Replica, args: argparse.Namespace, num_ids: int):
+        self._replica, self._args, self._num_ids = replica, args, num_ids
+        self._stopped = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        seed = 0
+        while not self._stopped.is_set():
+            seed += 1
+            pb = request(f"busy-{seed}", fresh_tokens(self._args.busy_prompt_tokens, 7_000_000 + seed, self._num_ids))
+            pb.sampling.CopyFrom(common_pb2.SamplingParams(
+                max_tokens=self._args.busy_output_tokens, temperature=0.0, ignore_eos=True
+            ))  # fmt: skip
+            for _ in self._replica.stub.GenerateTokens(pb, timeout=RPC_TIMEOUT_S):
+                if self._stopped.is_set():
+                    break
+
+    def stop(self) -> None:
+        self._stopped.set()
+        self._thread.join(RPC_TIMEOUT_S)
+
+
+def pin_ms(replica: Replica, prefix: list[int], expected_blocks: int) -> float:
+    pin_request = inference_pb2.PinKvBlocksRequest(
+        prompt_token_ids=prefix + [1], puller=identity_to_pb(local_identity("cpu")), lease_ms=10_000
+    )  # fmt: skip
+    started_s = time.perf_counter()
+    pinned = replica.stub.PinKvBlocks(pin_request, timeout=RPC_TIMEOUT_S)
+    elapsed_ms = (time.perf_counter() - started_s) * 1000
+    replica.stub.ReleaseKvBlocks(inference_pb2.ReleaseKvBlocksRequest(pin_id=pinned.pin_id), timeout=RPC_TIMEOUT_S)
+    if len(pinned.block_ids) != expected_blocks:
+        raise SystemExit(f"a pin returned {len(pinned.block_ids)} blocks, not the prefix's {expected_blocks}")
+    return elapsed_ms
+
+
+def main() -> None:
+    args = parse_args()
+    num_ids = 400 if args.shape == "tiny" else 10_000
+    prefix = fresh_tokens(args.prefix_tokens, 1, num_ids)
+    expected_blocks = args.prefix_tokens // BLOCK_SIZE
+    times: dict[str, list[float]] = {name: [] for name in SETTINGS}
+    with tempfile.TemporaryDirectory(prefix="bench-pin-") as scratch:
+        model_dir = bench_stack.build_model(args, Path(scratch) / "model")
+        replicas = {}
+        for name, flags in SETTINGS.items():
+            replica_args = argparse.Namespace(**{**vars(args), "inference_arg": [*args.inference_arg, *flags]})
+            replicas[name] = Replica(name.replace(" ", "-"), replica_args, model_dir, Path(scratch) / "logs")
+        busy = []
+        try:
+            for replica in replicas.values():
+                replica.service.wait_until_serving(args.startup_timeout_s)
+                replica.connect()
+                replica.first_token(request("hold", prefix + [1]))  # the prefix, cached
+                pin_ms(replica, prefix, expected_blocks)  # warm-up: the first offer of the pool
+            busy = [Busy(replica, args, num_ids) for replica in replicas.values()]
+            time.sleep(1.0)  # both busy
+            for _ in range(args.pins):
+                for name, replica in replicas.items():
+                    times[name].append(pin_ms(replica, prefix, expected_blocks))
+        finally:
+            for work in busy:
+                work.stop()
+            for replica in replicas.values():
+                replica.stop()
+    rows = []
+    for name, values in times.items():
+        ordered = sorted(values)
+        rows.append({"setting": name, "min_ms": ordered[0], "p50_ms": statistics.median(ordered),
+                     "p90_ms": statistics.quantiles(ordered, n=10)[-1], "max_ms": ordered[-1]})
+    baseline = rows[1]["p50_ms"]
+    print(f"{args.device}, {args.shape}, pins of a {args.prefix_tokens}-token prefix at a replica busy with "
+          f"{args.busy_prompt_tokens}-token prompts x {args.busy_output_tokens} tokens, {args.pins} each")
+    print("| setting | pin ms min / p50 / p90 / max | p50 vs between steps |")
+    print("| --- | --- | --- |")
+    for row in rows:
+        row["p50_vs_between_steps"] = row["p50_ms"] / baseline
+        print(f"| {row['setting']} | {row['min_ms']:.2f} / {row['p50_ms']:.2f} / {row['p90_ms']:.2f} / "
+              f"{row['max_ms']:.2f} | {row['p50_vs_between_steps']:.2f} |")
+    args.out_dir.mkdir(parents=True, exist_ok=True)
+    path = args.out_dir / f"pin-{time.strftime('%Y%m%d-%H%M%S')}.json"
+    path.write_text(json.dumps({"args": {k: str(v) for k, v in vars(args).items()}, "rows": rows, "times": times},
+                               indent=2))
+    print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    main()
