@@ -14,6 +14,8 @@ each on a fresh prefix:
   recompute  B gets the same prompt under a cache salt nothing else uses: it computes it all;
   cached     B gets the same prompt again, now in its own cache: the floor a pull approaches
              (what is left is the pull's pin, copy and round trips).
+With --busy-source-prompt-tokens A runs a long request all along, as the replica a router
+pulls from does (its pins are answered mid-step: bench_pin.py).
 Ratio: pull / recompute TTFT, median over the repeats [target <= 0.3x]. Each pull's greedy first
 token must equal the recomputed one's, and its usage must report the prefix's blocks as pulled.
 Bandwidth, from B's /metrics over the timed pulls: bytes / the copies' time
@@ -33,6 +35,7 @@ import random
 import statistics
 import sys
 import tempfile
+import threading
 import time
 import urllib.request
 from pathlib import Path
@@ -57,6 +60,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--suffix-tokens", type=int, default=64, help="fresh tokens after the prefix")
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--num-kv-blocks", type=int, default=2048, help="KV blocks per replica (16 tokens each)")
+    parser.add_argument("--busy-source-prompt-tokens", type=int, default=0, metavar="N",
+                        help="keep A busy all along with a request of N prompt tokens (sent again when it ends): "
+                        "the replica a router pulls from is the busy one (default: 0, A idle)")
+    parser.add_argument("--busy-source-output-tokens", type=int, default=128, metavar="N", help="(default: %(default)s)")
     parser.add_argument("--inference-arg", action="append", default=[], help="extra inference flag (repeatable)")
     parser.add_argument("--startup-timeout-s", type=float, default=600.0)
     parser.add_argument("--out-dir", type=Path, default=REPO_ROOT / "bench" / "results")
@@ -109,6 +116,33 @@ class Replica:
         if self._channel is not None:
             self._channel.close()
         stop_service(self.service)
+
+
+class Busy:
+    """A request always running on `replica`, sent again when it ends, until stopped."""
+
+    def __init__(self, replica: Replica, prompt_tokens: int, output_tokens: int, num_ids: int):
+        self._replica, self._num_ids = replica, num_ids
+        self._prompt_tokens, self._output_tokens = prompt_tokens, output_tokens
+        self._stopped = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        seed = 0
+        while not self._stopped.is_set():
+            seed += 1
+            pb = request(f"busy-{seed}", fresh_tokens(self._prompt_tokens, 7_000_000 + seed, self._num_ids))
+            pb.sampling.CopyFrom(common_pb2.SamplingParams(
+                max_tokens=self._output_tokens, temperature=0.0, ignore_eos=True
+            ))  # fmt: skip
+            for _ in self._replica.stub.GenerateTokens(pb, timeout=RPC_TIMEOUT_S):
+                if self._stopped.is_set():
+                    break
+
+    def stop(self) -> None:
+        self._stopped.set()
+        self._thread.join(RPC_TIMEOUT_S)
 
 
 def request(name: str, prompt: list[int], *, salt: str = "", source: Replica | None = None, num_blocks: int = 0):
@@ -186,15 +220,21 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory(prefix="bench-kv-pull-") as tmp:
         model_dir = bench_stack.build_model(args, Path(tmp) / "model")
         replicas = [Replica(name, args, model_dir, log_dir) for name in ("a", "b")]
+        busy = None
         try:
             for replica in replicas:  # started together, then waited for (both load at once)
                 replica.service.wait_until_serving(args.startup_timeout_s)
                 replica.connect()
+            if args.busy_source_prompt_tokens:
+                num_ids = 400 if args.shape == "tiny" else 10_000
+                busy = Busy(replicas[0], args.busy_source_prompt_tokens, args.busy_source_output_tokens, num_ids)
             for prefix_tokens in (int(length) for length in args.prefix_tokens.split(",")):
                 rows.append(run_length(*replicas, prefix_tokens, args))
                 print(f"{prefix_tokens} tokens: pull {rows[-1]['pull_ttft_ms']:.2f} ms, "
                       f"recompute {rows[-1]['recompute_ttft_ms']:.2f} ms", flush=True)
         finally:
+            if busy is not None:
+                busy.stop()
             for replica in replicas:
                 replica.stop()
     print(f"| prefix tokens | MB pulled | TTFT pull ms | TTFT recompute ms | TTFT cached on B ms | pull / recompute "

@@ -19,15 +19,14 @@ import argparse
 import json
 import statistics
 import tempfile
-import threading
 import time
 from pathlib import Path
 
 import bench_stack
-from bench_kv_pull import BLOCK_SIZE, RPC_TIMEOUT_S, Replica, fresh_tokens, request
+from bench_kv_pull import BLOCK_SIZE, RPC_TIMEOUT_S, Busy, Replica, fresh_tokens, request
 from llmserve.inference.kv_pull_wire import identity_to_pb
 from llmserve.tensor_transport import local_identity
-from llmserve.v1 import common_pb2, inference_pb2
+from llmserve.v1 import inference_pb2
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 SETTINGS = {"mid-step": [], "between steps": ["--no-mid-step-calls"]}
@@ -46,32 +45,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--startup-timeout-s", type=float, default=600.0)
     parser.add_argument("--out-dir", type=Path, default=REPO_ROOT / "bench" / "results", metavar="DIR")
     return parser.parse_args(argv)
-
-
-class Busy:
-    """A request always running on `replica`, sent again when it ends, until stopped."""
-
-    def __init__(self, replica: Replica, args: argparse.Namespace, num_ids: int):
-        self._replica, self._args, self._num_ids = replica, args, num_ids
-        self._stopped = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
-        self._thread.start()
-
-    def _run(self) -> None:
-        seed = 0
-        while not self._stopped.is_set():
-            seed += 1
-            pb = request(f"busy-{seed}", fresh_tokens(self._args.busy_prompt_tokens, 7_000_000 + seed, self._num_ids))
-            pb.sampling.CopyFrom(common_pb2.SamplingParams(
-                max_tokens=self._args.busy_output_tokens, temperature=0.0, ignore_eos=True
-            ))  # fmt: skip
-            for _ in self._replica.stub.GenerateTokens(pb, timeout=RPC_TIMEOUT_S):
-                if self._stopped.is_set():
-                    break
-
-    def stop(self) -> None:
-        self._stopped.set()
-        self._thread.join(RPC_TIMEOUT_S)
 
 
 def pin_ms(replica: Replica, prefix: list[int], expected_blocks: int) -> float:
@@ -106,7 +79,7 @@ def main() -> None:
                 replica.connect()
                 replica.first_token(request("hold", prefix + [1]))  # the prefix, cached
                 pin_ms(replica, prefix, expected_blocks)  # warm-up: the first offer of the pool
-            busy = [Busy(replica, args, num_ids) for replica in replicas.values()]
+            busy = [Busy(replica, args.busy_prompt_tokens, args.busy_output_tokens, num_ids) for replica in replicas.values()]
             time.sleep(1.0)  # both busy
             for _ in range(args.pins):
                 for name, replica in replicas.items():

@@ -208,8 +208,10 @@ def test_bench_http_server_streams_every_chunk_from_each_installed_server(tmp_pa
         assert row["chunks_per_s"] > 0 and row["first_chunk_p50_ms"] > 0
 
 
-def test_bench_kv_pull_pulls_and_recomputes_on_cpu(tmp_path):
-    report = run_bench("bench_kv_pull.py", ["--smoke", "--out-dir", str(tmp_path)], tmp_path)
+@pytest.mark.parametrize("busy_source", [[], ["--busy-source-prompt-tokens", "64", "--busy-source-output-tokens", "16"]],
+                         ids=["idle-source", "busy-source"])
+def test_bench_kv_pull_pulls_and_recomputes_on_cpu(tmp_path, busy_source):
+    report = run_bench("bench_kv_pull.py", ["--smoke", *busy_source, "--out-dir", str(tmp_path)], tmp_path)
     assert [row["prefix_tokens"] for row in report["rows"]] == [96, 160]
     for row in report["rows"]:  # every pull pulled the whole prefix and gave the recomputed first token
         assert row["all_pulled"] and row["all_same_first_token"] and row["recompute_cached_nothing"]
