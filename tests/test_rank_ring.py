@@ -7,17 +7,16 @@ message larger than a slot goes over the host group in its turn.
 
 from __future__ import annotations
 
-import multiprocessing
 import os
 import pickle
 import threading
 from pathlib import Path
 
 import pytest
-import torch
 
-from llmserve.inference.models.rank_group import RankGroup, exit_without_teardown
+from llmserve.inference.models.rank_group import RankGroup
 from llmserve.inference.models.rank_ring import SLOT_BYTES, TOO_LARGE, RankRing
+from tests.rank_runs import run_ranks
 
 TIMEOUT_S = 120
 
@@ -112,39 +111,18 @@ def test_a_message_larger_than_a_slot_is_marked_for_the_caller_to_send_another_w
     assert reader.receive(bytes) == b"y" * 16
 
 
-def _rank_main(store_path: str, world_size: int, rank: int, messages: list, results) -> None:
-    group = RankGroup.join(store_path, world_size, rank, torch.device("cpu"))
-    exit_code = 1
-    try:
-        if group.is_leader:
-            for message in messages:
-                group.send_to_ranks(message)
-            results.put((rank, None))
-        else:
-            results.put((rank, [group.receive_from_leader() for _ in messages]))
-        exit_code = 0
-    finally:
-        group.leave()
-        results.close()
-        results.join_thread()
-        exit_without_teardown(exit_code)
+def _send_or_receive(group: RankGroup, messages: list):
+    if group.is_leader:
+        for message in messages:
+            group.send_to_ranks(message)
+        return None
+    return [group.receive_from_leader() for _ in messages]
 
 
 def test_ranks_receive_what_rank_0_sends_in_order_a_message_too_large_for_a_slot_included(tmp_path):
     large = os.urandom(SLOT_BYTES + 1)  # goes over gloo, between two ring messages
     messages = [{"step": 0}, None, large, list(range(1000)), "last"]
-    context = multiprocessing.get_context("spawn")
-    results = context.Queue()
-    store_path = str(tmp_path / "rendezvous")
-    ranks = [context.Process(target=_rank_main, args=(store_path, 3, r, messages, results)) for r in range(3)]
-    for process in ranks:
-        process.start()
-    try:
-        gathered = dict(results.get(timeout=TIMEOUT_S) for _ in ranks)
-    finally:
-        for process in ranks:
-            process.join(timeout=TIMEOUT_S)
-    assert [p.exitcode for p in ranks] == [0, 0, 0]
+    gathered = run_ranks(_send_or_receive, 3, str(tmp_path / "rendezvous"), messages)
     assert gathered[1] == messages and gathered[2] == messages
     assert pickle.dumps(gathered[1][2]) == pickle.dumps(large)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["rendezvous"]  # no ring file or FIFO left

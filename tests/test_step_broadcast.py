@@ -4,15 +4,12 @@ sequence whose table did not change (so its BlockTableRows uploads nothing for i
 
 from __future__ import annotations
 
-import multiprocessing
-
 import torch
 
 from llmserve.inference.engine.step_broadcast import StepBroadcast
-from llmserve.inference.models.rank_group import RankGroup, exit_without_teardown
+from llmserve.inference.models.rank_group import RankGroup
 from llmserve.inference.models.step_inputs import StepInputs
-
-TIMEOUT_S = 120
+from tests.rank_runs import run_ranks
 
 
 def decode(seq_ids: list[int], tables: list[list[int]]) -> StepInputs:
@@ -34,44 +31,26 @@ def steps() -> list[StepInputs]:
     ]
 
 
-def _rank_main(store_path: str, rank: int, results) -> None:
-    group = RankGroup.join(store_path, 2, rank, torch.device("cpu"))
-    try:
-        broadcast = StepBroadcast(group, torch.device("cpu"))
-        if group.is_leader:
-            for step in steps():
-                broadcast.send([], step, None)
-            broadcast.stop()
-            results.put((rank, None))
-        else:
-            received, previous = [], {}
-            while (step := broadcast.receive()) is not None:
-                tables = step.inputs.decode_block_tables
-                kept = [previous.get(seq_id) is table for seq_id, table in zip(step.inputs.decode_seq_ids, tables)]
-                received.append((tables, kept))
-                previous = dict(zip(step.inputs.decode_seq_ids, tables))
-            results.put((rank, received))
-    finally:
-        group.leave()
-        results.close()
-        results.join_thread()
-        exit_without_teardown()
+def _send_or_receive_steps(group: RankGroup):
+    """Rank 0: steps() then stop. The others: each step's tables, and for each row whether it is
+    the very list received for its sequence the step before."""
+    broadcast = StepBroadcast(group, torch.device("cpu"))
+    if group.is_leader:
+        for step in steps():
+            broadcast.send([], step, None)
+        broadcast.stop()
+        return None
+    received, previous = [], {}
+    while (step := broadcast.receive()) is not None:
+        tables = step.inputs.decode_block_tables
+        kept = [previous.get(seq_id) is table for seq_id, table in zip(step.inputs.decode_seq_ids, tables)]
+        received.append((tables, kept))
+        previous = dict(zip(step.inputs.decode_seq_ids, tables))
+    return received
 
 
-def test_unchanged_decode_tables_arrive_as_the_list_received_before():
-    import tempfile
-
-    context = multiprocessing.get_context("spawn")
-    results = context.Queue()
-    with tempfile.TemporaryDirectory() as directory:
-        ranks = [context.Process(target=_rank_main, args=(f"{directory}/rendezvous", r, results)) for r in range(2)]
-        for process in ranks:
-            process.start()
-        gathered = dict(results.get(timeout=TIMEOUT_S) for _ in ranks)
-        for process in ranks:
-            process.join(TIMEOUT_S)
-    assert [p.exitcode for p in ranks] == [0, 0]
-    received = gathered[1]
+def test_unchanged_decode_tables_arrive_as_the_list_received_before(tmp_path):
+    received = run_ranks(_send_or_receive_steps, 2, str(tmp_path / "rendezvous"))[1]
     assert [tables for tables, _ in received] == [step.decode_block_tables for step in steps()]
     assert [kept for _, kept in received] == [
         [False, False], [True, False], [True], [False, True], [False],

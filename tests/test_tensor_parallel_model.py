@@ -13,7 +13,6 @@ from __future__ import annotations
 
 from tests.triton_cpu import HAS_TRITON, KERNEL_DEVICE  # noqa: I001  (before any kernel import)
 
-import multiprocessing
 from pathlib import Path
 
 import pytest
@@ -23,17 +22,17 @@ from llmserve.inference.engine.kv_cache import KVCache, KVCacheSpec
 from llmserve.inference.models.attention_backend import create_attention_backend
 from llmserve.inference.models.decoder_config import DecoderConfig, RopeConfig, check_splittable
 from llmserve.inference.models.loader import load_model
-from llmserve.inference.models.rank_group import SINGLE_RANK, RankGroup, exit_without_teardown
+from llmserve.inference.models.rank_group import SINGLE_RANK, RankGroup
 from llmserve.inference.models.step_inputs import StepInputs
 from llmserve.inference.models.tensor_parallel import TensorParallel
 from llmserve.model_files import ModelFiles
 from llmserve.tools.tiny_model import ARCHITECTURES
+from tests.rank_runs import run_ranks
 
 BLOCK_SIZE = 16
 PROMPT = [(7 * i + 3) % 500 + 3 for i in range(40)]
 CHUNKS = ((0, 24), (24, 40))  # a prefill, then a chunk over the cached prefix
 LOGITS_TOLERANCE = 1e-5
-RANK_TIMEOUT_S = 300
 
 
 def step_logits(model_dir: Path, group: RankGroup, device: str = "cpu", attention_name: str = "portable") -> list[torch.Tensor]:
@@ -72,43 +71,16 @@ def _decode(position: int) -> StepInputs:
     )  # fmt: skip
 
 
-def _rank_main(store_path: str, world_size: int, rank: int, model_dirs: dict[str, Path], results, device: str,
-               attention_name: str) -> None:
-    # gloo on CUDA too: the ranks share the one GPU a test machine has (NCCL refuses that).
-    group = RankGroup.join(store_path, world_size, rank, torch.device(device), backend="gloo")
-    exit_code = 1
-    try:
-        results.put((rank, {
-            arch: [t.numpy() for t in step_logits(d, group, device, attention_name)] for arch, d in model_dirs.items()
-        }))  # fmt: skip
-        exit_code = 0
-    finally:
-        group.leave()
-        results.close()
-        results.join_thread()  # the result is written before the process ends without teardown
-        exit_without_teardown(exit_code)
+def _logits_of_every_arch(group: RankGroup, model_dirs: dict[str, Path], device: str, attention_name: str) -> dict:
+    return {arch: [t.numpy() for t in step_logits(d, group, device, attention_name)] for arch, d in model_dirs.items()}
 
 
 def split_logits(
     model_dirs: dict[str, Path], world_size: int, tmp_path: Path, device: str = "cpu", attention_name: str = "portable"
 ) -> dict[int, dict]:
     """Every rank's logits (rank -> architecture -> per step), from `world_size` gloo processes."""
-    context = multiprocessing.get_context("spawn")
-    results = context.Queue()
     store_path = str(tmp_path / f"rendezvous-{world_size}")
-    ranks = [
-        context.Process(target=_rank_main, args=(store_path, world_size, r, model_dirs, results, device, attention_name))
-        for r in range(world_size)
-    ]
-    for process in ranks:
-        process.start()
-    try:
-        gathered = dict(results.get(timeout=RANK_TIMEOUT_S) for _ in ranks)
-    finally:
-        for process in ranks:
-            process.join(timeout=RANK_TIMEOUT_S)
-    assert [p.exitcode for p in ranks] == [0] * world_size
-    return gathered
+    return run_ranks(_logits_of_every_arch, world_size, store_path, model_dirs, device, attention_name, device=device)
 
 
 @pytest.mark.parametrize("world_size", [2, 4])
