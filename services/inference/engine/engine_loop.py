@@ -318,9 +318,8 @@ def picklable_error(exc: BaseException) -> BaseException:
     return exc
 
 
-def answer_call(core: EngineCore | None, command: CallCore) -> CoreReply:
-    """A CallCore's answer; what it raised is the answer when it fails (the caller decides).
-    `core` None: a core that takes no such call."""
+def answer_call(core: EngineCore, command: CallCore) -> CoreReply:
+    """A CallCore's answer; what it raised is the answer when it fails (the caller decides)."""
     if command.method not in CORE_CALLS or not hasattr(core, command.method):
         return CoreReply(command.call_id, error=NotImplementedError(f"this engine core has no {command.method}"))
     try:

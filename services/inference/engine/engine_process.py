@@ -214,8 +214,7 @@ class EngineProcess(QueuedCoreClient):
     def _on_process_exit(self, update: CoreUpdate) -> None:
         """The pipe closed: after a stop (which cancelled everything first, so nothing is left
         to fail) or because the process died (what is still in flight fails)."""
-        self._event_loop.remove_reader(self._output_reader.fileno())
-        self._event_loop.remove_reader(self._reply_reader.fileno())
+        self._stop_reading_pipes()
         if not self._is_running:
             return  # stopped: what stop() waits for
         dead_rank = self._ranks.dead_rank() if self._ranks is not None else ""
@@ -231,8 +230,7 @@ class EngineProcess(QueuedCoreClient):
         self._stop_watching_ranks()
         if not self._is_running:
             return
-        self._event_loop.remove_reader(self._output_reader.fileno())
-        self._event_loop.remove_reader(self._reply_reader.fileno())
+        self._stop_reading_pipes()
         self._is_running = False
         failure = self._ranks.dead_rank()
         log.error("%s: the engine stops", failure)
@@ -240,6 +238,10 @@ class EngineProcess(QueuedCoreClient):
         self._end_ranks()
         self._event_loop.run_in_executor(None, self._process.join)  # reap it off the loop
         self._deliver(CoreUpdate([], [], [], core_failure=failure))
+
+    def _stop_reading_pipes(self) -> None:
+        for reader in (self._output_reader, self._reply_reader):
+            self._event_loop.remove_reader(reader.fileno())
 
     def _stop_watching_ranks(self) -> None:
         for sentinel in self._ranks.sentinels:
