@@ -17,13 +17,13 @@ greedy tokens, EOS ignored, the prefix cache off (every prefill computed). Per s
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import tempfile
 import time
 from pathlib import Path
 
 import bench_stack
+from results_file import write_results
 from llmserve.inference.engine.config import EngineConfig, default_dtype
 from llmserve.inference.engine.cores import create_engine_core
 from llmserve.inference.engine.types import EngineRequest
@@ -111,11 +111,7 @@ def main() -> None:
     for r in rows:
         print(f"| {r['setting']} | {triple(r['ttft_ms'], 1)} | {triple(r['ttft_ms_vs_async'], 2)} "
               f"| {triple(r['itl_ms'], 2)} | {triple(r['itl_ms_vs_async'], 2)} |")
-    args.out_dir.mkdir(parents=True, exist_ok=True)
-    path = args.out_dir / f"async-scheduling-{time.strftime('%Y%m%d-%H%M%S')}.json"
-    path.write_text(json.dumps({"args": {k: str(v) for k, v in vars(args).items()}, "rows": rows, "rounds": rounds},
-                               indent=2))
-    print(f"wrote {path}")
+    write_results(args, "async-scheduling", {"rows": rows, "rounds": rounds})
 
 
 if __name__ == "__main__":

@@ -16,13 +16,13 @@ between-steps'. Every pin must return the prefix's blocks. Writes JSON to --out-
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import tempfile
 import time
 from pathlib import Path
 
 import bench_stack
+from results_file import write_results
 from bench_kv_pull import BLOCK_SIZE, RPC_TIMEOUT_S, Busy, Replica, fresh_tokens, request
 from llmserve.inference.kv_pull_wire import identity_to_pb
 from llmserve.tensor_transport import local_identity
@@ -103,11 +103,7 @@ def main() -> None:
         row["p50_vs_between_steps"] = row["p50_ms"] / baseline
         print(f"| {row['setting']} | {row['min_ms']:.2f} / {row['p50_ms']:.2f} / {row['p90_ms']:.2f} / "
               f"{row['max_ms']:.2f} | {row['p50_vs_between_steps']:.2f} |")
-    args.out_dir.mkdir(parents=True, exist_ok=True)
-    path = args.out_dir / f"pin-{time.strftime('%Y%m%d-%H%M%S')}.json"
-    path.write_text(json.dumps({"args": {k: str(v) for k, v in vars(args).items()}, "rows": rows, "times": times},
-                               indent=2))
-    print(f"wrote {path}")
+    write_results(args, "pin", {"rows": rows, "times": times})
 
 
 if __name__ == "__main__":

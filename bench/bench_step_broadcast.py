@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import multiprocessing
 import pickle
 import statistics
@@ -34,6 +33,8 @@ import time
 from pathlib import Path
 
 import torch
+
+from results_file import write_results
 
 from llmserve.inference.engine.step_broadcast import StepBroadcast, StepMessage
 from llmserve.inference.models.rank_group import RankGroup, exit_without_teardown
@@ -219,10 +220,7 @@ def main() -> None:
     print_table(rows)
     if not all(row["intact"] for row in rows):
         raise SystemExit("a rank received a message other than the one sent")
-    args.out_dir.mkdir(parents=True, exist_ok=True)
-    path = args.out_dir / f"step-broadcast-{time.strftime('%Y%m%d-%H%M%S')}.json"
-    path.write_text(json.dumps({"args": {k: str(v) for k, v in vars(args).items()}, "rows": rows}, indent=2))
-    print(f"wrote {path}")
+    write_results(args, "step-broadcast", {"rows": rows})
 
 
 if __name__ == "__main__":
