@@ -24,6 +24,7 @@ from pathlib import Path
 
 import bench_stack
 from results_file import write_results
+from llmserve.block_hash import DEFAULT_BLOCK_SIZE
 from llmserve.inference.engine.config import EngineConfig, default_dtype
 from llmserve.inference.engine.cores import create_engine_core
 from llmserve.inference.engine.types import EngineRequest
@@ -76,10 +77,13 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="bench-async-") as scratch:
         directory = model_dir(args, Path(scratch))
         files = ModelFiles.load(directory)
+        # Both cores live in this process: sized for the one request each runs, not for a share
+        # of the device's memory (the first would take it all).
+        num_kv_blocks = 2 * -(-(args.prompt_tokens + args.output_tokens) // DEFAULT_BLOCK_SIZE)
         cores = {
             name: create_engine_core(EngineConfig(
                 model_path=directory, model_name=files.model_name, device=args.device, dtype=default_dtype(args.device),
-                async_scheduling=overlaps, enable_prefix_caching=False,
+                async_scheduling=overlaps, enable_prefix_caching=False, num_kv_blocks=num_kv_blocks,
             ))  # fmt: skip
             for name, overlaps in SETTINGS.items()
         }

@@ -216,6 +216,9 @@ def test_bench_kv_pull_pulls_and_recomputes_on_cpu(tmp_path, busy_source):
     for row in report["rows"]:  # every pull pulled the whole prefix and gave the recomputed first token
         assert row["all_pulled"] and row["all_same_first_token"] and row["recompute_cached_nothing"]
         assert row["pull_ttft_ms"] > 0 and row["recompute_ttft_ms"] > 0 and row["bytes_per_pull"] > 0
+        # B's metrics around each run saw exactly its one pull (the same bytes every time) and its copies.
+        assert {run["at_b"]["bytes"] for run in row["runs"]} == {row["bytes_per_pull"]}
+        assert all(run["at_b"]["copy_ms"] > 0 for run in row["runs"]) and row["copy_gb_per_s"] > 0
         # The cached arm hit B's own cache: the prompt's full blocks before its last token (the
         # smoke's 16-token suffix ends a block, so the prefix's).
         assert [run["cached_tokens_own"] for run in row["runs"]] == [row["prefix_tokens"]] * len(row["runs"])
