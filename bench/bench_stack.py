@@ -41,7 +41,9 @@ ITL p50 and its ratio to `core` (llmserve.tools.loadgen.stats definitions, measu
 client sees tokens), tokens per message (above 1: the stack merged steps, because a reader or
 a hop fell behind), and the CPU% of each process over the measured window (bench process:
 the client, and for core/async the engine too; gateway; preprocess; inference), with its
-busiest threads; gateway output tok/s per gateway CPU core (tok/s / (gateway CPU% / 100)).
+busiest threads; gateway output tok/s per gateway CPU core (tok/s / (gateway CPU% / 100)); on
+the stack paths, the first token's mean ms per hop from the gateway's histograms (the preprocess
+hop, the replica's queue, the gateway's own TTFT) beside the client's (bench/stack_hops.py).
 
 Model: random weights with a real config (--shape, default Qwen2.5-1.5B, or llama-3.1-8b: 28 layers, hidden
 1536, 12/2 heads, vocab 151936, tied), written once per run to a temp checkpoint with the

@@ -129,6 +129,9 @@ class Report:
         print(format_table(rows))
         print()
         print(format_threads(rows))
+        if any(row.get("first_token_hops_ms") for row in rows):
+            print()
+            print(format_hops(rows))
         if any(row["repeat"] > 1 for row in rows):
             print()
             print(format_spreads(spreads(rows)))
@@ -209,6 +212,17 @@ def format_threads(rows: list[dict]) -> str:
         parts = [f"{role}: " + ", ".join(f"{t['name']} {t['cpu_pct']}" for t in threads)
                  for role, threads in row["threads"].items() if threads]
         lines.append(f"  {row['label']} @ {row['streams']}: " + "; ".join(parts))
+    return "\n".join(lines)
+
+
+def format_hops(rows: list[dict]) -> str:
+    """The first token's mean ms per hop, per stack row (stack_hops.py)."""
+    lines = ["first token, mean ms: gateway's preprocess hop / replica queue / gateway's TTFT / client's TTFT:"]
+    for row in rows:
+        hops = row.get("first_token_hops_ms")
+        if hops:
+            cells = " / ".join(_cell(hops[hop]) for hop in ("preprocess", "queue", "first_token", "client"))
+            lines.append(f"  {row['label']} @ {row['streams']} (#{row['repeat']}): {cells}")
     return "\n".join(lines)
 
 

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import proc_cpu
 import stack_drivers
+import stack_hops
 import stack_report
 from llmserve.inference.engine_flags import engine_argv
 from llmserve.tools.launcher import PREPROCESS_ENGINE_OPTIONS
@@ -32,9 +33,10 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-def start_services(path: str, args, options, model_dir: Path, log_dir: Path, http_port: int | None = None) -> dict:
+def start_services(path: str, args, options, model_dir: Path, log_dir: Path, http_port: int | None = None,
+                   gateway_metrics_port: int | None = None) -> dict:
     """The services of a path, started in order; role → ServiceProcess. `http_port`: the
-    gateway's OpenAI HTTP API there (the http path)."""
+    gateway's OpenAI HTTP API there (the http path); `gateway_metrics_port`: its /metrics."""
     model = ["--model", str(model_dir)]
     started: dict = {}
     try:
@@ -47,6 +49,8 @@ def start_services(path: str, args, options, model_dir: Path, log_dir: Path, htt
             timeout_s=args.startup_timeout_s)
         if path in STACK_PATHS:
             http = ["--http-port", str(http_port)] if http_port is not None else []
+            if gateway_metrics_port is not None:
+                http += ["--metrics-port", str(gateway_metrics_port)]
             started["gateway"] = start_service(
                 "gateway", [*model, "--preprocess", started["preprocess"].address, "--inference",
                             started["inference"].address, *http, *args.gateway_arg],
@@ -64,7 +68,8 @@ def stop_services(services: dict) -> None:
 
 def run_services(path: str, args, options, model_dir: Path, plans: stack_drivers.Plans, on_cell, log_dir: Path) -> None:
     http_port = free_port() if path == "http" else None
-    services = start_services(path, args, options, model_dir, log_dir, http_port)
+    metrics_port = free_port() if path in STACK_PATHS else None  # the first token's hops (stack_hops.py)
+    services = start_services(path, args, options, model_dir, log_dir, http_port, metrics_port)
     on_cell("startup", None)
     service_pids = {role: [service.process.pid] for role, service in services.items()}
     server_pids = {pid for pids in service_pids.values() for pid in pids}
@@ -98,9 +103,14 @@ def run_services(path: str, args, options, model_dir: Path, plans: stack_drivers
         run(plans.warmup)
         with proc_cpu.CpuSampler(role_pids) as sampler:
             for repeat, cell in plans.in_order():
+                hops_before = stack_hops.scrape_hops(metrics_port) if metrics_port else None
                 result = run(cell)
                 summary = summarize(result.records, result.start_s, result.end_s)
                 time.sleep(1.5 * proc_cpu.SAMPLE_INTERVAL_S)  # a sample after the window: usage() brackets it
-                on_cell(cell.streams, stack_report.measurement(summary, sampler.usage(result.start_s, result.end_s)), repeat)
+                measured = stack_report.measurement(summary, sampler.usage(result.start_s, result.end_s))
+                if hops_before is not None:
+                    hops_after = stack_hops.scrape_hops(metrics_port)
+                    measured["first_token_hops_ms"] = stack_hops.hop_means_ms(hops_before, hops_after, result.records)
+                on_cell(cell.streams, measured, repeat)
     finally:
         stop_services(services)

@@ -87,6 +87,17 @@ def test_measured_rates_never_round_to_zero():
     assert significant(0.0) == 0.0
 
 
+def assert_first_token_hops(row: dict, through_gateway: bool) -> None:
+    """A stack row has the first token's mean ms per hop from the gateway's histograms, each
+    within the client's own mean TTFT (the gateway's span is inside the client's)."""
+    hops = row.get("first_token_hops_ms")
+    if not through_gateway:
+        assert hops is None
+        return
+    assert all(hops[hop] > 0 for hop in ("preprocess", "queue", "first_token", "client")), hops
+    assert hops["preprocess"] < hops["first_token"] <= hops["client"] and hops["queue"] < hops["first_token"], hops
+
+
 def test_bench_stack_measures_every_path_on_cpu(tmp_path):
     """bench_stack.py --smoke: the four paths (engine core loop, AsyncEngine, the inference
     service over gRPC, the full stack through the gateway) at two stream counts, each row with
@@ -116,6 +127,7 @@ def test_bench_stack_measures_every_path_on_cpu(tmp_path):
         assert row["cpu_pct"][busy] > 0 and all(pct >= 0 for pct in row["cpu_pct"].values()), row["cpu_pct"]
         assert (row["gateway_tokens_per_s_per_core"] or 0) > 0 if path == "gateway" else \
             row["gateway_tokens_per_s_per_core"] is None
+        assert_first_token_hops(row, path == "gateway")
     assert {rows[("core", s)]["output_ratio_vs_core"] for s in (1, 4)} == {1.0}
     assert report["startup_s"].keys() == processes.keys()
     (plot,) = tmp_path.glob("*.png")
@@ -140,6 +152,7 @@ def test_bench_stack_repeats_cells_and_sends_text_prompts(tmp_path):
         # --workers 2: each worker's CPU, for the spread between them (not the parent's)
         workers = row["gateway_worker_cpu_pct"]
         assert (len(workers) == 2 and all(pct >= 0 for pct in workers)) if path != "core" else workers is None
+        assert_first_token_hops(row, path != "core")  # summed over the two workers
     spreads = {(entry["path"], entry["streams"]): entry for entry in report["spread"]}
     assert set(spreads) == {(path, streams) for path in paths for streams in (1, 4)}
     for (path, streams), entry in spreads.items():
