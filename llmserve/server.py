@@ -39,12 +39,18 @@ CHANNEL_OPTIONS = (
 
 @dataclass
 class RunningServer:
-    """A started gRPC server, the port it bound and its health servicer."""
+    """A started gRPC server, the port it bound and its health servicer; with more accept loops
+    (create_server's `num_accept_loops`), the servers beside it on the same port."""
 
     server: grpc.aio.Server
     port: int
     health: health.aio.HealthServicer
     service_names: tuple[str, ...]
+    more_servers: tuple[grpc.aio.Server, ...] = ()
+
+    async def stop(self, grace_s: float | None) -> None:
+        """Stop accepting on every accept loop; in-flight RPCs get `grace_s` to finish."""
+        await asyncio.gather(*(server.stop(grace_s) for server in (self.server, *self.more_servers)))
 
     async def set_serving(self, serving: bool) -> None:
         status = (
@@ -64,6 +70,7 @@ async def create_server(
     max_receive_bytes: int,
     interceptors: Iterable[grpc.aio.ServerInterceptor] = (),
     options: Iterable[tuple[str, int]] = (),
+    num_accept_loops: int = 1,
 ) -> RunningServer:
     """Build, register and start a server on `address` ("host:port"; port 0 = any free port).
 
@@ -72,29 +79,57 @@ async def create_server(
     RESOURCE_EXHAUSTED before it is parsed (llmserve.undecodable; grpc's own limit is a backstop
     above it). `options`: more of grpc's channel arguments. The server starts NOT_SERVING; call
     `set_serving(True)` once ready.
+
+    `num_accept_loops` > 1 starts that many servers on the one port, all registered alike and
+    sharing one health servicer. Why: grpc's asyncio server accepts RPCs one at a time, each
+    acceptance a few trips through the event loop (AioServer._server_main_loop keeps one
+    request_call outstanding), so on a loop kept busy streaming tokens a burst of new RPCs waits
+    in line before any handler runs. grpc sets SO_REUSEPORT, so the kernel spreads connections
+    over the servers, and each accepts its own connections' RPCs (bench/bench_accept.py).
     """
     options = (
         ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
         ("grpc.max_receive_message_length", max(max_receive_bytes, MAX_MESSAGE_BYTES)),
         *options,
     )
-    error_mapping = ErrorMappingInterceptor(max_request_bytes=max_receive_bytes)
-    server = grpc.aio.server(interceptors=(error_mapping, *interceptors), options=options)
-    register(server)
+    interceptors = (ErrorMappingInterceptor(max_request_bytes=max_receive_bytes), *interceptors)
     health_servicer = health.aio.HealthServicer()
-    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     names = tuple(service_names)
+    servers: list[grpc.aio.Server] = []
+    port = 0
+    try:
+        for loop_index in range(num_accept_loops):
+            server = _build_server(register, names, health_servicer, interceptors, options)
+            # The first binds `address`; the others the port it got (port 0 picks one).
+            bind = address if loop_index == 0 else f"{address.rsplit(':', 1)[0]}:{port}"
+            port = server.add_insecure_port(bind)
+            if port == 0:
+                raise RuntimeError(f"could not bind {bind}")
+            await server.start()
+            servers.append(server)
+    except BaseException:
+        await asyncio.gather(*(server.stop(None) for server in servers))
+        raise
+    running = RunningServer(servers[0], port, health_servicer, names, tuple(servers[1:]))
+    await running.set_serving(False)
+    return running
+
+
+def _build_server(
+    register: Callable[[grpc.aio.Server], None],
+    names: tuple[str, ...],
+    health_servicer: health.aio.HealthServicer,
+    interceptors: tuple[grpc.aio.ServerInterceptor, ...],
+    options: tuple[tuple[str, int], ...],
+) -> grpc.aio.Server:
+    server = grpc.aio.server(interceptors=interceptors, options=options)
+    register(server)
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     reflection.enable_server_reflection(
         (*names, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME),
         server,
     )
-    port = server.add_insecure_port(address)
-    if port == 0:
-        raise RuntimeError(f"could not bind {address}")
-    await server.start()
-    running = RunningServer(server=server, port=port, health=health_servicer, service_names=names)
-    await running.set_serving(False)
-    return running
+    return server
 
 
 def write_port_file(path: str | None, port: int) -> None:
@@ -121,7 +156,7 @@ async def serve_until_signal(
     await stop.wait()
     log.info("signal received: draining (grace %.1fs)", grace_s)
     await running.set_serving(False)
-    stop_task = asyncio.create_task(running.server.stop(grace_s))
+    stop_task = asyncio.create_task(running.stop(grace_s))
     if on_drain is not None:
         await on_drain()
     await stop_task

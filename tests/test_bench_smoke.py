@@ -286,3 +286,12 @@ def test_bench_pin_times_pins_mid_step_and_between_steps_on_cpu(tmp_path):
     assert [row["setting"] for row in report["rows"]] == ["mid-step", "between steps"]
     assert all(len(times) == 3 and min(times) > 0 for times in report["times"].values())
     assert report["rows"][1]["p50_vs_between_steps"] == 1.0
+
+
+def test_bench_accept_times_a_burst_at_one_and_at_two_loops(tmp_path):
+    report = run_bench("bench_accept.py", ["--accept-loops", "1,2", "--busy-ms", "1", "--burst", "8", "--connections", "4",
+                                           "--rounds", "2", "--out-dir", str(tmp_path)], tmp_path)
+    assert [(row["accept_loops"], row["busy_ms"]) for row in report["rows"]] == [(1, 1.0), (2, 1.0)]
+    for row in report["rows"]:
+        assert row["num_streams"] == 8 * 2 and 0 < row["p50_ms"] <= row["max_ms"]
+    assert report["rows"][0]["p50_vs_one_loop"] == 1.0

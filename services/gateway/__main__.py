@@ -13,7 +13,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from llmserve.gateway.config import DEFAULT_DOWNSTREAM_READY_TIMEOUT_S, GatewayConfig
+from llmserve.gateway.config import DEFAULT_ACCEPT_LOOPS, DEFAULT_DOWNSTREAM_READY_TIMEOUT_S, GatewayConfig
 from llmserve.gateway.connection_age import DEFAULT_MAX_CONNECTION_AGE_S
 from llmserve.gateway.discovery import Target
 from llmserve.gateway.slow_reader_flags import add_slow_reader_arguments, slow_reader_bounds
@@ -42,6 +42,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="ask a client connection to go after about this long (gRPC: HTTP/2 GOAWAY, its streams in "
         "flight finish; HTTP: `Connection: close` on its next response), so that clients connect again and "
         "spread again over --workers and over gateway pods added since; 0 never (default: %(default)s)",
+    )
+    server.add_argument(
+        "--accept-loops", type=int, default=DEFAULT_ACCEPT_LOOPS, metavar="N",
+        help="gRPC servers per gateway process on the port, each accepting the new requests of the "
+        "connections the kernel gives it: grpc's asyncio server accepts one request at a time, a few trips "
+        "through an event loop that is busy streaming tokens, so a burst of new streams waits in line for "
+        "its first token; more loops accept in parallel (default: %(default)s)",
     )
     server.add_argument(
         "--http-port", type=int, default=None, metavar="PORT",
@@ -92,6 +99,7 @@ def config_from_args(args: argparse.Namespace) -> GatewayConfig:
         log_level=args.log_level,
         downstream_ready_timeout_s=args.downstream_ready_timeout_s,
         num_workers=args.workers,
+        num_accept_loops=args.accept_loops,
         max_connection_age_s=args.max_connection_age_s,
         http_port=args.http_port,
         slow_readers=slow_reader_bounds(args),

@@ -92,6 +92,7 @@ async def start_gateway(config: GatewayConfig, worker_id: int = 0) -> RunningGat
         (SERVICE_NAME,),
         max_receive_bytes=max_receive_bytes,
         options=connection_age_options(config.max_connection_age_s),
+        num_accept_loops=config.num_accept_loops,
     )
     http = None
     if config.http_port is not None:
