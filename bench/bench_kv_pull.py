@@ -38,13 +38,12 @@ import sys
 import tempfile
 import threading
 import time
-import urllib.request
 from pathlib import Path
 
 import grpc
-from prometheus_client.parser import text_string_to_metric_families
 
 import bench_stack
+from metrics_scrape import metric_families
 from stack_services import free_port
 from llmserve.tools.service_process import launch_service, stop_service
 from llmserve.v1 import common_pb2, inference_pb2, inference_pb2_grpc
@@ -103,10 +102,8 @@ class Replica:
         return ttft_ms, first.token_ids[0], last.usage
 
     def metric_sums(self) -> dict[str, float]:
-        with urllib.request.urlopen(f"http://127.0.0.1:{self.metrics_port}/metrics", timeout=10) as response:
-            text = response.read().decode()
         sums: dict[str, float] = {}
-        for family in text_string_to_metric_families(text):
+        for family in metric_families(self.metrics_port):
             if family.name.startswith("llmserve_kv_pull"):
                 for sample in family.samples:  # by phase where there is one, else summed over labels
                     name = f"{sample.name}/{sample.labels['phase']}" if "phase" in sample.labels else sample.name

@@ -34,15 +34,14 @@ import shlex
 import statistics
 import tempfile
 import time
-import urllib.request
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import grpc
 from google.rpc import error_details_pb2, status_pb2
-from prometheus_client.parser import text_string_to_metric_families
 
 import bench_stack
+from metrics_scrape import metric_families
 import stack_services
 from llmserve.tools.service_process import start_service, stop_service
 from llmserve.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc
@@ -154,9 +153,7 @@ def stop_stack(services: dict) -> None:
 
 def step_seconds(metrics_port: int) -> float:
     """The inference engine's time in steps so far (its step-duration histogram's sum)."""
-    with urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=10) as response:
-        text = response.read().decode()
-    for family in text_string_to_metric_families(text):
+    for family in metric_families(metrics_port):
         if family.name == "llmserve_inference_step_duration_seconds":
             return sum(s.value for s in family.samples if s.name.endswith("_sum"))
     raise RuntimeError("no llmserve_inference_step_duration_seconds on the inference metrics endpoint")

@@ -16,10 +16,8 @@ gateway's write of the token cost.
 from __future__ import annotations
 
 import statistics
-import urllib.request
 
-from prometheus_client.parser import text_string_to_metric_families
-
+from metrics_scrape import metric_families
 from llmserve.tools.loadgen.client import RequestRecord
 
 HOP_HISTOGRAMS = {
@@ -27,15 +25,12 @@ HOP_HISTOGRAMS = {
     "queue": "llmserve_gateway_request_queue_time_seconds",
     "first_token": "llmserve_gateway_time_to_first_token_seconds",
 }
-_SCRAPE_TIMEOUT_S = 10.0
 
 
 def scrape_hops(metrics_port: int) -> dict[str, tuple[float, float]]:
     """Each hop histogram's (sum, count), summed over the gateway's workers."""
-    with urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=_SCRAPE_TIMEOUT_S) as response:
-        text = response.read().decode("utf-8")
     totals = {name: [0.0, 0.0] for name in HOP_HISTOGRAMS.values()}
-    for family in text_string_to_metric_families(text):
+    for family in metric_families(metrics_port):
         for sample in family.samples:
             for suffix, slot in (("_sum", 0), ("_count", 1)):
                 base = sample.name.removesuffix(suffix)
