@@ -4,6 +4,7 @@ gloo at a file rendezvous, as the engine's ranks join (models/rank_group.py)."""
 from __future__ import annotations
 
 import multiprocessing
+from typing import Callable, NoReturn
 
 import torch
 
@@ -35,12 +36,18 @@ def run_ranks(work, world_size: int, store_path: str, *args, device: str = "cpu"
 def _rank_main(work, store_path: str, world_size: int, rank: int, device: str, args: tuple, results) -> None:
     # gloo on CUDA too: the ranks share the one GPU a test machine has (NCCL refuses that).
     group = RankGroup.join(store_path, world_size, rank, torch.device(device), backend="gloo")
+    put_result_and_exit(results, lambda: (rank, work(group, *args)), group.leave)
+
+
+def put_result_and_exit(results, produce: Callable[[], object], leave: Callable[[], None]) -> NoReturn:
+    """A rank process's end: put what `produce()` returns on `results`, `leave()` its group
+    whatever happened, and exit without teardown (exit code 1 if `produce` raised)."""
     exit_code = 1
     try:
-        results.put((rank, work(group, *args)))
+        results.put(produce())
         exit_code = 0
     finally:
-        group.leave()
+        leave()
         results.close()
         results.join_thread()  # the result is written before the process ends without teardown
         exit_without_teardown(exit_code)

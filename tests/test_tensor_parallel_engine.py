@@ -20,9 +20,9 @@ from llmserve.inference.engine.config import EngineConfig
 from llmserve.inference.engine.cores import create_engine_core
 from llmserve.inference.engine.rank_processes import RankProcesses
 from llmserve.inference.engine.torch_engine import TorchEngineCore
-from llmserve.inference.models.rank_group import exit_without_teardown
 from llmserve.observability import ObservabilityConfig
 from llmserve.tools.tiny_model import ARCHITECTURES
+from tests.rank_runs import put_result_and_exit
 from tests.test_torch_engine import drain, greedy, make_prompt, request
 
 LOGPROB_TOLERANCE = 1e-4
@@ -63,15 +63,7 @@ def scenario(engine: TorchEngineCore) -> dict:
 
 def _rank_0_main(config: EngineConfig, store_path: str, job, job_args: tuple, results) -> None:
     core = create_engine_core(config, store_path)
-    exit_code = 1
-    try:
-        results.put(job(core, *job_args))
-        exit_code = 0
-    finally:
-        core.stop_ranks()
-        results.close()
-        results.join_thread()  # the result is written before the process ends without teardown
-        exit_without_teardown(exit_code)
+    put_result_and_exit(results, lambda: job(core, *job_args), core.stop_ranks)
 
 
 def split_run(config: EngineConfig, job=None, *job_args):
