@@ -18,8 +18,9 @@ from llmserve.server_flags import DEFAULT_GRACE_PERIOD_S, DEFAULT_HOST, GATEWAY_
 # loading weights).
 DEFAULT_DOWNSTREAM_READY_TIMEOUT_S = 600.0
 
-# bench/bench_accept.py: a burst of 64 new streams on a loop busy in 2 ms slices waited up to
-# 0.67-0.87 s for its handlers with one accept loop, 0.25 s with 4, 0.17 s with 8.
+# bench/bench_accept.py: a burst of 64 new streams on a loop busy in 2-5 ms slices waited a median
+# 340-829 ms for its handlers with one accept loop, 0.27-0.32x of that with 4 (3 runs); the last
+# stream's wait did not fall, and 8 loops at 5 ms slices were slower than one.
 DEFAULT_ACCEPT_LOOPS = 4
 
 
