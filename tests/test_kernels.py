@@ -281,3 +281,31 @@ def test_silu_and_mul(dtype):
     gate_up = torch.randn(3, 2 * 1500, generator=torch.Generator().manual_seed(5)).to(KERNEL_DEVICE, dtype)
     ref = torch.nn.functional.silu(gate_up[:, :1500].double()) * gate_up[:, 1500:].double()
     assert rel_error(silu_and_mul(gate_up), ref) < REL_TOLERANCE[dtype] / 2
+
+
+@pytest.mark.parametrize("dtype", [*DTYPES, torch.uint8])  # uint8: a float8 pool, copied as bytes
+@pytest.mark.parametrize(("num_kv_heads", "head_dim"), [(2, 16), (3, 40)])  # 40: a tile the block does not fill
+def test_copy_blocks_between_pools_of_different_sizes(dtype, num_kv_heads, head_dim):
+    from llmserve.inference.kernels.block_copy import copy_blocks
+
+    num_layers, generator = 3, torch.Generator().manual_seed(head_dim)
+    block = (BLOCK_SIZE, num_kv_heads, head_dim)
+    source = torch.randint(0, 250, (2, num_layers, 11, *block), generator=generator).to(KERNEL_DEVICE, dtype)
+    target = torch.full((2, num_layers, 17, *block), 255, dtype=dtype, device=KERNEL_DEVICE)
+    source_ids = torch.tensor([7, 0, 3, 10, 4], device=KERNEL_DEVICE)  # no runs: the pull's gather case
+    target_ids = torch.tensor([16, 2, 9, 1, 5], device=KERNEL_DEVICE)
+    copy_blocks(source, target, source_ids, target_ids)
+    expected = torch.full_like(target, 255)
+    expected[:, :, target_ids] = source[:, :, source_ids]
+    assert torch.equal(target, expected)  # the copied blocks, and every other block untouched
+
+
+def test_copy_blocks_refuses_pools_that_differ():
+    from llmserve.inference.kernels.block_copy import copy_blocks
+
+    source = torch.zeros(2, 2, 4, BLOCK_SIZE, 2, 8, device=KERNEL_DEVICE)
+    ids = torch.tensor([0], device=KERNEL_DEVICE)
+    with pytest.raises(ValueError, match="pools differ"):
+        copy_blocks(source, torch.zeros(2, 2, 4, BLOCK_SIZE, 2, 16, device=KERNEL_DEVICE), ids, ids)
+    with pytest.raises(ValueError, match="source ids"):
+        copy_blocks(source, source.clone(), ids, torch.tensor([0, 1], device=KERNEL_DEVICE))

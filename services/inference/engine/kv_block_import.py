@@ -5,8 +5,9 @@ The source replica has pinned the blocks (they stay put until it releases them) 
 they are (KvPullSource: its region's offer, its pool's layout, its block ids for the prompt's
 first blocks). Here, for the blocks of the prompt this replica does not already cache:
   1. take free blocks for them (BlockManager.allocate, as for a prompt being admitted);
-  2. copy them from the mapped source region: a gather by block ids, or one copy when they
-     are one run on both sides (run by run from another GPU);
+  2. copy them from the mapped source region: a gather by block ids (on CUDA one kernel,
+     kernels/block_copy.py), or one copy when they are one run on both sides (run by run from
+     another GPU);
   3. register them in the prefix cache under the prompt's chained hashes (as if computed here);
   4. let them go: they stay cached, most recently freed, for the request submitted next.
 Anything that does not fit (another layout, no free blocks, a path without a mapping) pulls
@@ -22,6 +23,7 @@ from dataclasses import dataclass
 
 import torch
 
+from llmserve.inference import kernels
 from llmserve.inference.engine.block_manager import BlockManager
 from llmserve.inference.engine.kv_cache import KVCache
 from llmserve.inference.engine.kv_pool_export import KvPoolLayout
@@ -153,6 +155,12 @@ class KvBlockImporter:
     def _gather(self, source_pool: torch.Tensor, source_ids: tuple[int, ...], target_ids: list[int], pool: torch.Tensor) -> None:
         source_index = torch.tensor(source_ids, dtype=torch.int64).to(pool.device, non_blocking=True)
         target_index = torch.tensor(target_ids, dtype=torch.int64).to(pool.device, non_blocking=True)
+        if pool.device.type == "cuda" and kernels.is_available():
+            # One launch, each byte read and written once (kernels/block_copy.py says why).
+            from llmserve.inference.kernels.block_copy import copy_blocks
+
+            copy_blocks(source_pool, pool, source_index, target_index)
+            return
         bytes_per_block = pool[:, :, 0].nbytes
         blocks_per_chunk = max(1, self._gather_bytes // bytes_per_block)
         for start in range(0, len(source_ids), blocks_per_chunk):

@@ -10,7 +10,8 @@
   paged_kv       what both attention kernels share: the K/V tile gather through the block
                  table, its scores, the online-softmax state and step;
   w8a16_matmul   GEMM with int8 weights widened in registers (weight-only quantization);
-  fp8_quant      per-token float8 quantization of activations (fp8 W8A8).
+  fp8_quant      per-token float8 quantization of activations (fp8 W8A8);
+  block_copy     whole KV blocks from one pool to another by block ids (the KV pull's copy).
 
 Every kernel has a torch reference next to it in the tests. The modules import triton at import
 time, so import them only where triton exists (CUDA hosts; on CPU, tests run them under
