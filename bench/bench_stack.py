@@ -165,6 +165,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     load.add_argument("--warmup-output-tokens", type=int, default=16, metavar="N", help="(default: %(default)s)")
     load.add_argument("--client-processes", type=int, default=4, metavar="N",
                       help="loadgen worker processes for the grpc and gateway paths (default: %(default)s)")
+    load.add_argument("--connections-per-client", type=int, default=1, metavar="N",
+                      help="connections each client process spreads its streams over: the gateway's workers are "
+                      "balanced by connection (default: %(default)s)")
     load.add_argument("--seed", type=int, default=0)
     variants = parser.add_argument_group("variants (repeatable, shell-split)")
     for name, help in (("--engine-arg", "engine flag(s) for every path"),

@@ -96,7 +96,7 @@ def run_services(path: str, args, options, model_dir: Path, plans: stack_drivers
 
     def run(cell: stack_drivers.PlannedCell):
         config = RunConfig(concurrency=cell.streams, num_client_processes=args.client_processes, show_progress=False,
-                           **driver)
+                           connections_per_client=args.connections_per_client, **driver)
         return run_workload(cell.requests, cell.workload, config)
 
     try:

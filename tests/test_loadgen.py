@@ -3,15 +3,18 @@ real stack (preprocess, inference on the torch backend, gateway) on the tiny mod
 
 from __future__ import annotations
 
+import asyncio
 import json
 import random
 import subprocess
 import sys
+import time
 
 import numpy as np
+import psutil
 import pytest
 
-from llmserve.tools.loadgen.client import RequestRecord, build_request
+from llmserve.tools.loadgen.client import ClientPlan, RequestRecord, build_request, run_plan
 from llmserve.tools.loadgen.conversation import Conversation
 from llmserve.tools.loadgen.runner import RunConfig, run_workload
 from llmserve.tools.loadgen.stats import itl_samples_ms, percentile, summarize, timeline, tpot_ms
@@ -193,6 +196,29 @@ def test_itl_counts_every_token_after_the_first_message(gateway_address, tiny_mo
     summary = summarize(result.records, result.start_s, result.end_s)
     num_after_first = sum(r.num_completion_tokens - r.message_num_tokens[0] for r in result.records)
     assert summary["itl_ms"]["count"] == num_after_first
+
+
+def _connections_to(port: int) -> set[int]:
+    """Local ports of this process's established TCP connections to `port`."""
+    return {c.laddr.port for c in psutil.Process().net_connections(kind="tcp")
+            if c.raddr and c.raddr.port == port and c.status == psutil.CONN_ESTABLISHED}
+
+
+@pytest.mark.parametrize("num_connections", [1, 3])
+def test_a_client_spreads_its_conversations_over_its_connections(gateway_address, tiny_model_dir, num_connections):
+    """Each of a client's connections is a TCP connection of its own (grpc would otherwise share
+    one between a process's channels), and every one carries requests."""
+    workload = WorkloadConfig(num_requests=6, prompt_tokens=LengthDistribution.parse("16"),
+                              output_tokens=LengthDistribution.parse("4"))
+    planned = plan_requests(workload, PromptBuilder.from_path(tiny_model_dir))
+    plan = ClientPlan(gateway_address, tuple(planned), workload, max_in_flight=6, timeout_s=120, ignore_eos=True,
+                      num_connections=num_connections)
+    port = int(gateway_address.rsplit(":", 1)[1])
+    seen: list[set[int]] = []
+    records = asyncio.run(run_plan(plan, time.monotonic(), on_done=lambda record: seen.append(_connections_to(port))))
+    assert [r.status for r in records] == ["OK"] * 6
+    assert len(seen[-1]) == num_connections  # after the last request: every connection was used
+    assert all(len(ports) <= num_connections for ports in seen)
 
 
 def test_bench_sends_poisson_chat_load(gateway_address, tiny_model_dir, tmp_path):

@@ -12,7 +12,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Awaitable, Callable
-from contextlib import AbstractAsyncContextManager
+from contextlib import AbstractAsyncContextManager, AsyncExitStack
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -71,8 +71,13 @@ class ClientPlan:
     # openai_client.send_one to the OpenAI HTTP API. Module-level functions: the plan is pickled
     # into a spawned client, which imports them by name.
     send: Callable[[Any, PlannedRequest, "ClientPlan", Conversation], Awaitable[RequestRecord]] | None = None
-    # Opens the connection `send` uses, once per client process. None: a gRPC channel (grpc_channel).
+    # Opens a connection `send` uses, num_connections times per client process. None: a gRPC
+    # channel (grpc_channel).
     connect: Callable[["ClientPlan"], AbstractAsyncContextManager[Any]] | None = None
+    # Connections this client spreads its conversations over, round robin. A multi-process
+    # server (the gateway's --workers) is balanced by connection, so how many a load has
+    # decides how evenly it spreads (docs/benchmarks.md, issue 19).
+    num_connections: int = 1
 
 
 def build_request(planned: PlannedRequest, workload: WorkloadConfig, ignore_eos: bool, model: str,
@@ -130,11 +135,12 @@ async def run_plan(plan: ClientPlan, start_at_s: float, on_done=None) -> list[Re
     """Send every request of the plan (closed loop, or at its send time), at most
     `max_in_flight` at once, a conversation's turns one after the other (a failed turn ends its
     conversation: the later turns are recorded as not sent); `on_done(record)` after each."""
-    send = plan.send or send_one
-    async with (plan.connect or grpc_channel)(plan) as channel:
+    send, connect = plan.send or send_one, plan.connect or grpc_channel
+    async with AsyncExitStack() as connections:
+        channels = [await connections.enter_async_context(connect(plan)) for _ in range(max(1, plan.num_connections))]
         in_flight = asyncio.Semaphore(plan.max_in_flight)
 
-        async def converse(turns: list[PlannedRequest]) -> list[RequestRecord]:
+        async def converse(turns: list[PlannedRequest], channel) -> list[RequestRecord]:
             delay = start_at_s + turns[0].send_at_s - time.monotonic()
             if delay > 0:
                 await asyncio.sleep(delay)
@@ -154,13 +160,17 @@ async def run_plan(plan: ClientPlan, start_at_s: float, on_done=None) -> list[Re
         conversations: dict[int, list[PlannedRequest]] = {}
         for planned in plan.requests:
             conversations.setdefault(planned.conversation, []).append(planned)
-        done = await asyncio.gather(*(converse(turns) for turns in conversations.values()))
+        done = await asyncio.gather(*(converse(turns, channels[i % len(channels)])
+                                      for i, turns in enumerate(conversations.values())))
         return [record for records in done for record in records]
 
 
 def grpc_channel(plan: ClientPlan) -> grpc.aio.Channel:
+    # A local subchannel pool: a process's channels to one address with the same options would
+    # otherwise share one connection (grpc's global pool), and num_connections would be one.
     options = [("grpc.max_send_message_length", _MAX_MESSAGE_BYTES),
-               ("grpc.max_receive_message_length", _MAX_MESSAGE_BYTES)]
+               ("grpc.max_receive_message_length", _MAX_MESSAGE_BYTES),
+               ("grpc.use_local_subchannel_pool", 1)]
     return grpc.aio.insecure_channel(plan.address, options=options)
 
 

@@ -52,6 +52,9 @@ def add_bench_parser(commands, add_client_options) -> None:
                       help="Poisson arrivals at this mean rate instead of a closed loop")
     load.add_argument("--client-processes", type=_positive_int, default=1, metavar="N",
                       help="client processes sharing the load, so the client is never the bottleneck (default: %(default)s)")
+    load.add_argument("--connections-per-client", type=_positive_int, default=1, metavar="N",
+                      help="connections each client process spreads its requests over: a gateway with several "
+                      "--workers is balanced by connection, not by request (default: %(default)s)")
     shape = p.add_argument_group("requests")
     shape.add_argument("--prompt-tokens", type=LengthDistribution.parse, default=LengthDistribution.parse("256"),
                        metavar="LEN", help="prompt length: N, uniform:LOW:HIGH or normal:MEAN:STDDEV (default: 256)")
@@ -116,6 +119,7 @@ def run_bench(args: argparse.Namespace) -> int:
     planned = plan_requests(workload, PromptBuilder.from_path(_tokenizer_path(args.tokenizer)))
     config = RunConfig(
         address=args.http or args.address, concurrency=args.concurrency, num_client_processes=args.client_processes,
+        connections_per_client=args.connections_per_client,
         timeout_s=args.timeout_s or 600.0, ignore_eos=not args.allow_eos, model=_model(args),
         show_progress=not args.no_progress and sys.stderr.isatty(),
         **({"send": openai_client.send_one, "connect": openai_client.connect} if args.http else {}),
@@ -144,7 +148,8 @@ def _config_dict(config: RunConfig, args: argparse.Namespace, workload: Workload
     return {
         "api": "openai-http" if args.http else "grpc", "address": config.address, "model": config.model,
         "num_requests": workload.num_requests, "concurrency": args.concurrency,
-        "request_rate": workload.request_rate, "client_processes": args.client_processes, "prompt_tokens": str(workload.prompt_tokens),
+        "request_rate": workload.request_rate, "client_processes": args.client_processes,
+        "connections_per_client": args.connections_per_client, "prompt_tokens": str(workload.prompt_tokens),
         "output_tokens": str(workload.output_tokens), "prefix_groups": workload.num_prefix_groups,
         "prefix_tokens": workload.prefix_tokens, "prompt_form": workload.prompt_form.value,
         "seed": workload.seed, "ignore_eos": not args.allow_eos, "turns": workload.num_turns,

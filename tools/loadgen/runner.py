@@ -39,6 +39,7 @@ class RunConfig:
     show_progress: bool = True
     send: Callable | None = None  # ClientPlan.send: None sends to the gateway
     connect: Callable | None = None  # ClientPlan.connect: None opens a gRPC channel
+    connections_per_client: int = 1  # ClientPlan.num_connections
 
 
 @dataclass(frozen=True, slots=True)
@@ -60,7 +61,8 @@ def client_plans(planned: list[PlannedRequest], workload: WorkloadConfig, config
         share = tuple(p for p in planned if p.conversation % num_client_processes == k)
         max_in_flight = config.concurrency // num_client_processes + (1 if k < config.concurrency % num_client_processes else 0)
         plans.append(ClientPlan(config.address, share, workload, max_in_flight, config.timeout_s,
-                                config.ignore_eos, config.model, config.send, config.connect))
+                                config.ignore_eos, config.model, config.send, config.connect,
+                                config.connections_per_client))
     return plans
 
 

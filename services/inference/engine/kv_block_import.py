@@ -129,25 +129,35 @@ class KvBlockImporter:
             raise KvPullRefused("layout_mismatch", f"the source's pool {source.layout} differs from ours {self._layout}")
 
     def _copy(self, source: KvPullSource, source_ids: tuple[int, ...], target_ids: list[int]) -> None:
-        """Every layer's k and v of the blocks at once: a gather by block ids (in chunks of at
-        most `_gather_bytes`) when the blocks are not one run on both sides, else one strided
-        copy. A copy per run was the first design: on the H200 an 8k-token import copied 231 MB
-        in 22 ms (10 GB/s), as if each of its blocks were a run of its own (inferred, not
-        profiled). A source on another GPU is copied run by run: a gather would need a
-        temporary on the source's GPU, whose memory its own pool holds."""
+        """Every layer's k and v of the blocks at once. On one CUDA device: one kernel for
+        whatever the ids are (kernels/block_copy.py). Elsewhere: a gather by block ids (in
+        chunks of at most `_gather_bytes`) when the blocks are not one run on both sides, else
+        one strided copy; a source on another GPU run by run (a gather would need a temporary
+        on the source's GPU, whose memory its own pool holds).
+
+        Measured on the H200 (docs/benchmarks.md, KV pull): a copy per run, the first design,
+        moved an 8k-token import of 231 MB at 10 GB/s; the torch gather at 133-211 GB/s (8k
+        tokens, 231 MB and 1,057 MB); the kernel, then for gathers only, at 193-603 GB/s."""
         pool = _raw(self._kv_cache.data)
         whole = source.layout.block_run_ref(source.offer.region_id, 0, source.layout.num_blocks)
         num_bytes = len(source_ids) * source.layout.bytes_per_block
         source_pool = _raw(self._consumer.view(whole, num_bytes))  # orders the reads after the source's writes
-        runs = _consecutive_runs(list(zip(source_ids, target_ids)))
-        if len(runs) > 1 and source_pool.device == pool.device:
-            self._gather(source_pool, source_ids, target_ids, pool)
+        same_device = source_pool.device == pool.device
+        if same_device and pool.device.type == "cuda" and kernels.is_available():
+            from llmserve.inference.kernels.block_copy import copy_blocks  # imports triton: only here
+
+            ids = torch.tensor([source_ids, target_ids], dtype=torch.int64).to(pool.device, non_blocking=True)
+            copy_blocks(source_pool, pool, ids[0], ids[1])
         else:
-            for start, length in runs:
-                first_source, first_target = source_ids[start], target_ids[start]
-                pool[:, :, first_target : first_target + length].copy_(
-                    source_pool[:, :, first_source : first_source + length], non_blocking=True
-                )
+            runs = _consecutive_runs(list(zip(source_ids, target_ids)))
+            if len(runs) > 1 and same_device:
+                self._gather(source_pool, source_ids, target_ids, pool)
+            else:
+                for start, length in runs:
+                    first_source, first_target = source_ids[start], target_ids[start]
+                    pool[:, :, first_target : first_target + length].copy_(
+                        source_pool[:, :, first_source : first_source + length], non_blocking=True
+                    )
         if pool.device.type == "cuda":
             # Deliberate sync: the source releases its pin once we answer, so the copies must be done.
             torch.cuda.current_stream(pool.device).synchronize()
@@ -155,12 +165,6 @@ class KvBlockImporter:
     def _gather(self, source_pool: torch.Tensor, source_ids: tuple[int, ...], target_ids: list[int], pool: torch.Tensor) -> None:
         source_index = torch.tensor(source_ids, dtype=torch.int64).to(pool.device, non_blocking=True)
         target_index = torch.tensor(target_ids, dtype=torch.int64).to(pool.device, non_blocking=True)
-        if pool.device.type == "cuda" and kernels.is_available():
-            # One launch, each byte read and written once (kernels/block_copy.py says why).
-            from llmserve.inference.kernels.block_copy import copy_blocks
-
-            copy_blocks(source_pool, pool, source_index, target_index)
-            return
         bytes_per_block = pool[:, :, 0].nbytes
         blocks_per_chunk = max(1, self._gather_bytes // bytes_per_block)
         for start in range(0, len(source_ids), blocks_per_chunk):
