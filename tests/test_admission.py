@@ -15,6 +15,7 @@ import pytest
 from llmserve.block_hash import HASH_VERSION, HashNamespace
 from llmserve.errors import DeadlineExceeded, InvalidArgument, ResourceExhausted
 from llmserve.inference.admission import (
+    DEADLINE_SLACK,
     DEFAULT_RETRY_AFTER_MS,
     MAX_RETRY_AFTER_MS,
     MIN_RETRY_AFTER_MS,
@@ -388,32 +389,67 @@ def test_the_steps_ahead_start_after_what_is_left_of_the_step_in_progress():
     assert admission.finish_estimate(request("c", 100, 10)).alone_s == idle_replica_s  # never on an idle one
 
 
-def test_a_deadline_refusal_carries_its_estimate_and_a_hint_when_waiting_helps():
+def _deadline_refused(admission, clock, deadline_s: float) -> DeadlineExceeded:
+    with pytest.raises(DeadlineExceeded) as refused:
+        admission.admit(request("c", 100, 10, deadline_ns=clock.now_ns + round(deadline_s * S)))
+    return refused.value
+
+
+def test_a_deadline_refusal_carries_its_estimate_and_a_hint_only_when_a_retry_fits():
     clock = Clock()
     admission = controller(clock)
     cpu_like_steps(admission)
     admission.admit(request("a", 100, 100))
     admission.admit(request("b", 2900))
-    with pytest.raises(DeadlineExceeded) as refused:
-        admission.admit(request("c", 100, 10, deadline_ns=clock.now_ns + 3 * S // 2))
+    refused = _deadline_refused(admission, clock, 1.5)
     # 3100 prompt tokens in a full step of 2048 tokens (314.8 ms) and one of the 1055 left
     # (215.8 ms), then 9 decode steps of the batch of 3 (110.3 ms): 1.5233 s against the 1.35 s
-    # of the 1.5 s left that a deadline's slack leaves: a request with the same budget fits once
-    # the queue has drained for the 173 ms excess
-    reason, _, fields = refused.value.error_info
+    # of the 1.5 s left that a deadline's slack leaves
+    reason, _, fields = refused.error_info
     assert reason == DEADLINE_ESTIMATE_REASON
     assert fields["estimated_ms"] == "1523" and fields["time_left_ms"] == "1500" and fields["batch"] == "3"
     assert fields["full_step_ms"] == "315" and fields["last_full_step_ms"] == "216" and fields["decode_step_ms"] == "110"
-    assert refused.value.retry_after_ms == 173
-    # 1.05 s left: its own prefill and decode alone (100.1 + 9 x 90.1 ms = 0.911 s) fit in the
-    # 0.945 s promised, still worth a retry
-    with pytest.raises(DeadlineExceeded) as refused:
-        admission.admit(request("c", 100, 10, deadline_ns=clock.now_ns + 105 * S // 100))
-    assert abs(refused.value.retry_after_ms - 578) <= 1
+    # A retry keeps the deadline: waiting h drains the work ahead by h but the promise by 0.9 h,
+    # so the 173 ms excess needs h >= 1.73 s, and the work ahead lasts only 0.612 s (1.5233 s
+    # less the 0.911 s of its own prefill and decode alone, 100.1 + 9 x 90.1 ms): no wait fits
+    assert refused.retry_after_ms is None
+    # 50 ms short instead: a retry fits from h = 0.5 s on (the work ahead lasts 0.612 s)
+    estimate = admission.finish_estimate(request("c", 100, 10))
+    refused = _deadline_refused(admission, clock, (estimate.total_s - 0.05) / (1 - DEADLINE_SLACK))
+    assert abs(refused.retry_after_ms - 500) <= 1
     # 0.5 s left: not even an idle replica finishes in time: no hint
-    with pytest.raises(DeadlineExceeded) as refused:
-        admission.admit(request("c", 100, 10, deadline_ns=clock.now_ns + S // 2))
+    assert _deadline_refused(admission, clock, 0.5).retry_after_ms is None
+
+
+def test_a_full_queue_refuses_by_deadline_what_the_queue_ahead_already_rules_out():
+    """A queue budget's hint (come back when the queue has turned over) is for a request that
+    could still meet its deadline; one that could not is told DEADLINE_EXCEEDED instead, since
+    a retry would come back with less time and be refused again."""
+    clock = Clock()
+    admission = controller(clock, max_waiting_requests=2)
+    cpu_like_steps(admission)
+    admission.admit(request("a", 100, 100))
+    admission.admit(request("b", 2900))
+    with pytest.raises(ResourceExhausted):  # 10 s leaves room: the queue budget refuses it
+        admission.admit(request("c", 100, 10, deadline_ns=clock.now_ns + 10 * S))
+    with pytest.raises(DeadlineExceeded) as refused:  # 1.5 s does not (1.52 s estimated)
+        admission.admit(request("c", 100, 10, deadline_ns=clock.now_ns + 3 * S // 2))
     assert refused.value.retry_after_ms is None
+
+
+def test_deadline_hints_are_spread_above_the_earliest_retry_that_fits():
+    clock = Clock()
+    admission = controller(clock, spread=jittered(random.Random(7)))
+    cpu_like_steps(admission)
+    admission.admit(request("a", 100, 100))
+    admission.admit(request("b", 2900))
+    estimate = admission.finish_estimate(request("c", 100, 10))
+    deadline_s = (estimate.total_s - 0.05) / (1 - DEADLINE_SLACK)
+    # A retry fits from 0.5 s on, and until its own work alone stops fitting what is left: ~0.625 s
+    latest_ms = 1000 * (deadline_s - estimate.alone_s / (1 - DEADLINE_SLACK))
+    hints = [_deadline_refused(admission, clock, deadline_s).retry_after_ms for _ in range(40)]
+    assert all(500 - 1 <= hint <= latest_ms for hint in hints)  # never sooner than a retry fits
+    assert len(set(hints)) > 15
 
 
 def test_retry_hints_are_spread_so_refused_clients_do_not_return_together():
