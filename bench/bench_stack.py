@@ -43,10 +43,12 @@ a hop fell behind), and the CPU% of each process over the measured window (bench
 the client, and for core/async the engine too; gateway; preprocess; inference), with its
 busiest threads; gateway output tok/s per gateway CPU core (tok/s / (gateway CPU% / 100)); on
 the stack paths, the first token's mean ms per hop from the gateway's histograms (the preprocess
-hop, the replica's queue, the gateway's own TTFT) beside the client's (bench/stack_hops.py).
+hop, the replica's queue, the gateway's own TTFT) beside the client's (bench/stack_hops.py);
+on every path but async, the engine's steps in the cell: how many, their mean ms, the mean
+sequences in one and the share of the cell spent in steps (bench/engine_steps.py).
 
-Model: random weights with a real config (--shape, default Qwen2.5-1.5B, or llama-3.1-8b: 28 layers, hidden
-1536, 12/2 heads, vocab 151936, tied), written once per run to a temp checkpoint with the
+Model: random weights with a real config (--shape, default Qwen2.5-1.5B: 28 layers, hidden 1536,
+12/2 heads, vocab 151936, tied; or llama-3.1-8b), written once per run to a temp checkpoint with the
 Qwen tokenizer from $LLMSERVE_SHARED_ASSETS/tokenizers/qwen3 (default: shared/assets in the
 nearest folder above the repo, e.g. ../shared/assets); --model serves a checkpoint instead.
 Rows of the lm_head (tied: the embedding) past the tokenizer's vocabulary are zeroed, so greedy
@@ -79,6 +81,7 @@ from pathlib import Path
 
 # Loadgen's workers are spawned: they re-import this script, so its top level stays light
 # (torch and the engine are imported where a path needs them).
+import engine_steps
 import proc_cpu
 import stack_drivers
 import stack_report
@@ -283,6 +286,9 @@ class InProcessWindow:
         self._before = proc_cpu.snapshot(self._roles, names=self._names)
         self._start_s = time.monotonic()
 
+    def wall_s(self, records) -> float:
+        return max(r.end_s for r in records) - self._start_s
+
     def measurement(self, records) -> dict:
         end_s = max(r.end_s for r in records)
         after = proc_cpu.snapshot(self._roles, names=self._names)
@@ -297,9 +303,11 @@ def run_core(args, options, model_dir: Path, plans: stack_drivers.Plans, on_cell
     on_cell("startup", None)
     stack_drivers.drive_core(core, plans.warmup.requests, max(args.streams), "warmup")
     for repeat, cell in plans.in_order():
-        window = InProcessWindow()
-        records = stack_drivers.drive_core(core, cell.requests, cell.streams, f"cell{cell.streams}")
-        on_cell(cell.streams, window.measurement(records), repeat)
+        window, steps = InProcessWindow(), engine_steps.StepTally()
+        records = stack_drivers.drive_core(core, cell.requests, cell.streams, f"cell{cell.streams}", steps.add)
+        measured = window.measurement(records)
+        measured["engine_steps"] = steps.summary(window.wall_s(records))
+        on_cell(cell.streams, measured, repeat)
 
 
 def run_async(args, options, model_dir: Path, plans: stack_drivers.Plans, on_cell) -> None:

@@ -18,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import grpc
@@ -95,9 +96,11 @@ def record_output(record: RequestRecord, output: EngineOutput, now_s: float) -> 
         record.num_cached_tokens = output.num_cached_tokens
 
 
-def drive_core(core: EngineCore, planned: list[PlannedRequest], concurrency: int, tag: str) -> list[RequestRecord]:
+def drive_core(core: EngineCore, planned: list[PlannedRequest], concurrency: int, tag: str,
+               on_step: Callable[[float, int], None] | None = None) -> list[RequestRecord]:
     """`while core.has_requests_in_flight(): core.step()`, topping the batch up to
-    `concurrency` after each step: the baseline every other path is compared with."""
+    `concurrency` after each step: the baseline every other path is compared with.
+    `on_step(seconds, sequences)` after each step: its wall time and the batch it ran."""
     waiting = collections.deque(planned)
     records: dict[str, RequestRecord] = {}
 
@@ -110,8 +113,11 @@ def drive_core(core: EngineCore, planned: list[PlannedRequest], concurrency: int
     for _ in range(min(concurrency, len(waiting))):
         add_next()
     while core.has_requests_in_flight():
+        started_s = time.monotonic()
         outputs = core.step()
         now_s = time.monotonic()
+        if on_step is not None:
+            on_step(now_s - started_s, core.scheduled_batch()[0])
         for output in outputs:
             record_output(records[output.request_id], output, now_s)
             if output.is_finished and waiting:

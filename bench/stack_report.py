@@ -10,6 +10,8 @@ import sys
 import time
 from pathlib import Path
 
+import engine_steps
+
 BASELINE = "core"
 ROLES = ("bench", "engine-core", "inference", "preprocess", "gateway")  # the processes a row may have
 
@@ -129,6 +131,9 @@ class Report:
         print(format_table(rows))
         print()
         print(format_threads(rows))
+        if any(row.get("engine_steps") for row in rows):
+            print()
+            print(engine_steps.format_steps(rows))
         if any(row.get("first_token_hops_ms") for row in rows):
             print()
             print(format_hops(rows))

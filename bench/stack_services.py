@@ -12,6 +12,7 @@ import socket
 import time
 from pathlib import Path
 
+import engine_steps
 import proc_cpu
 import stack_drivers
 import stack_hops
@@ -34,9 +35,9 @@ def free_port() -> int:
 
 
 def start_services(path: str, args, options, model_dir: Path, log_dir: Path, http_port: int | None = None,
-                   gateway_metrics_port: int | None = None) -> dict:
+                   gateway_metrics_port: int | None = None, inference_metrics_port: int | None = None) -> dict:
     """The services of a path, started in order; role → ServiceProcess. `http_port`: the
-    gateway's OpenAI HTTP API there (the http path); `gateway_metrics_port`: its /metrics."""
+    gateway's OpenAI HTTP API there (the http path); `..._metrics_port`: their /metrics."""
     model = ["--model", str(model_dir)]
     started: dict = {}
     try:
@@ -44,8 +45,9 @@ def start_services(path: str, args, options, model_dir: Path, log_dir: Path, htt
             shared = engine_argv(options, PREPROCESS_ENGINE_OPTIONS)  # block size and context, as `serve` does
             started["preprocess"] = start_service("preprocess", [*model, *shared], log_dir,
                                                   timeout_s=args.startup_timeout_s)
+        metrics = ["--metrics-port", str(inference_metrics_port)] if inference_metrics_port is not None else []
         started["inference"] = start_service(
-            "inference", [*model, *engine_argv(options), *args.inference_arg], log_dir,
+            "inference", [*model, *engine_argv(options), *metrics, *args.inference_arg], log_dir,
             timeout_s=args.startup_timeout_s)
         if path in STACK_PATHS:
             http = ["--http-port", str(http_port)] if http_port is not None else []
@@ -69,7 +71,8 @@ def stop_services(services: dict) -> None:
 def run_services(path: str, args, options, model_dir: Path, plans: stack_drivers.Plans, on_cell, log_dir: Path) -> None:
     http_port = free_port() if path == "http" else None
     metrics_port = free_port() if path in STACK_PATHS else None  # the first token's hops (stack_hops.py)
-    services = start_services(path, args, options, model_dir, log_dir, http_port, metrics_port)
+    inference_metrics_port = free_port()  # the engine's steps (engine_steps.py)
+    services = start_services(path, args, options, model_dir, log_dir, http_port, metrics_port, inference_metrics_port)
     on_cell("startup", None)
     service_pids = {role: [service.process.pid] for role, service in services.items()}
     server_pids = {pid for pids in service_pids.values() for pid in pids}
@@ -104,10 +107,13 @@ def run_services(path: str, args, options, model_dir: Path, plans: stack_drivers
         with proc_cpu.CpuSampler(role_pids) as sampler:
             for repeat, cell in plans.in_order():
                 hops_before = stack_hops.scrape_hops(metrics_port) if metrics_port else None
+                steps_before = engine_steps.scrape_steps(inference_metrics_port)
                 result = run(cell)
+                steps = engine_steps.scrape_steps(inference_metrics_port).since(steps_before)
                 summary = summarize(result.records, result.start_s, result.end_s)
                 time.sleep(1.5 * proc_cpu.SAMPLE_INTERVAL_S)  # a sample after the window: usage() brackets it
                 measured = stack_report.measurement(summary, sampler.usage(result.start_s, result.end_s))
+                measured["engine_steps"] = steps.summary(result.end_s - result.start_s)
                 if hops_before is not None:
                     hops_after = stack_hops.scrape_hops(metrics_port)
                     measured["first_token_hops_ms"] = stack_hops.hop_means_ms(hops_before, hops_after, result.records)

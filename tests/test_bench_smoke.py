@@ -98,6 +98,19 @@ def assert_first_token_hops(row: dict, through_gateway: bool) -> None:
     assert hops["preprocess"] < hops["first_token"] <= hops["client"] and hops["queue"] < hops["first_token"], hops
 
 
+def assert_engine_steps(row: dict, path: str) -> None:
+    """A row says what the engine's steps did in its cell (the in-process AsyncEngine's are not
+    counted): every token the cell's requests got was computed in some step's batch, and no
+    batch held more sequences than the cell had streams."""
+    steps = row.get("engine_steps")
+    if path == "async":
+        assert steps is None
+        return
+    tokens = row["completion_tokens_per_request"] * row["num_requests"]
+    assert steps["steps"] * steps["seqs_per_step"] >= 0.95 * tokens, (steps, tokens)  # seqs_per_step: 0.1 rounding
+    assert 1 <= steps["seqs_per_step"] <= row["streams"] and steps["step_ms"] > 0 and steps["busy"] > 0, steps
+
+
 def test_bench_stack_measures_every_path_on_cpu(tmp_path):
     """bench_stack.py --smoke: the four paths (engine core loop, AsyncEngine, the inference
     service over gRPC, the full stack through the gateway) at two stream counts, each row with
@@ -128,6 +141,7 @@ def test_bench_stack_measures_every_path_on_cpu(tmp_path):
         assert (row["gateway_tokens_per_s_per_core"] or 0) > 0 if path == "gateway" else \
             row["gateway_tokens_per_s_per_core"] is None
         assert_first_token_hops(row, path == "gateway")
+        assert_engine_steps(row, path)
     assert {rows[("core", s)]["output_ratio_vs_core"] for s in (1, 4)} == {1.0}
     assert report["startup_s"].keys() == processes.keys()
     (plot,) = tmp_path.glob("*.png")
