@@ -31,13 +31,14 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
 
-from llmserve.engine_output import EngineOutput
+from llmserve.engine_output import EngineOutput, StepOutputs
 from llmserve.errors import DeadlineExceeded, InvalidArgument, ResourceExhausted, Unavailable
 from llmserve.client_text import quoted
 from llmserve.inference import metrics
 from llmserve.inference.admission import AdmissionConfig, AdmissionController, Admitted
 from llmserve.inference.engine.engine_loop import CallCore, CoreReply, CoreUpdate, Deliver
-from llmserve.inference.engine.types import CacheEvent, EngineLoad, EngineRequest, ModelInfo
+from llmserve.inference.engine.types import EngineLoad, EngineRequest, ModelInfo
+from llmserve.inference.kv_event_coalescer import KvEventCoalescer, KvEventSink
 from llmserve.sampling import FinishReason
 
 log = logging.getLogger(__name__)
@@ -45,7 +46,6 @@ log = logging.getLogger(__name__)
 # on_output(output, is_last): `is_last` once every sequence of the request has its final output.
 OnOutput = Callable[[EngineOutput, bool], None]
 # Gets every batch of prefix-cache changes, on the loop, before the outputs delivered with it.
-KvEventSink = Callable[[list[CacheEvent]], None]
 
 
 class CoreClient(Protocol):
@@ -100,7 +100,7 @@ class AsyncEngine:
             max_context_tokens=self.model_info.max_context_tokens,
         )
         self._requests: dict[str, _InFlight] = {}  # request_id → its state, for each in-flight request
-        self._kv_event_sink: KvEventSink | None = None
+        self._kv_events: KvEventCoalescer | None = None
         self._is_accepting = False
         self._none_in_flight = asyncio.Event()
         self._on_core_failure: list[Callable[[str], None]] = []
@@ -120,8 +120,9 @@ class AsyncEngine:
         self._is_accepting = True
 
     def forward_kv_events(self, sink: KvEventSink) -> None:
-        """Hand the core's prefix-cache changes to `sink` from now on (before: dropped)."""
-        self._kv_event_sink = sink
+        """Hand the core's prefix-cache changes to `sink` from now on (before: dropped), a
+        batch at most every few steps (kv_event_coalescer.py)."""
+        self._kv_events = KvEventCoalescer(sink)
 
     async def shutdown(self, drain_timeout_s: float) -> None:
         """Stop accepting (Unavailable), let in-flight requests finish for up to
@@ -228,8 +229,8 @@ class AsyncEngine:
         metrics.record_steps(update.steps)
         self._answer(update.replies, update.core_failure)
         self._admission.observe_steps(update.steps)
-        if update.kv_events and self._kv_event_sink is not None:
-            self._announce(update.kv_events)
+        if self._kv_events is not None:
+            self._kv_events.add(update.kv_events, flush_now=bool(update.core_failure) or _has_final(update.outputs))
         outputs = update.outputs
         if update.core_failure:
             outputs = outputs + self._failed_outputs(outputs, update.core_failure)
@@ -296,8 +297,8 @@ class AsyncEngine:
             log.error("%s: failing %d requests", message, len({output.request_id for output in failed}))
         return failed
 
-    def _announce(self, kv_events: list[CacheEvent]) -> None:
-        try:
-            self._kv_event_sink(kv_events)
-        except Exception:  # noqa: BLE001 — routing's view may suffer, the requests must not
-            log.exception("the kv-event sink failed")
+
+def _has_final(outputs: list[EngineOutput] | StepOutputs) -> bool:
+    """Whether a sequence ends in `outputs` (a final output is never a plain token column)."""
+    objects = outputs.outputs if isinstance(outputs, StepOutputs) else outputs
+    return any(output.is_finished for output in objects)
