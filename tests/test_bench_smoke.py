@@ -309,3 +309,13 @@ def test_bench_accept_times_a_burst_at_one_and_at_two_loops(tmp_path):
     for row in report["rows"]:
         assert row["num_streams"] == 8 * 2 and 0 < row["p50_ms"] <= row["max_ms"]
     assert report["rows"][0]["p50_vs_one_loop"] == 1.0
+
+
+def test_bench_admission_times_a_burst_with_and_without_deadlines(tmp_path):
+    report = run_bench("bench_admission.py", ["--burst", "8", "--rounds", "2", "--prompt-tokens", "32", "--max-tokens", "8",
+                                              "--out-dir", str(tmp_path)], tmp_path)
+    assert [(row["burst"], row["deadline"]) for row in report["rows"]] == [(8, "none"), (8, "600 s")]
+    for row in report["rows"]:
+        low, median, high = row["total_ms"]
+        assert 0 < low <= median <= high and row["mean_us"][1] > 0
+    assert report["rows"][0]["total_vs_no_deadline"] == 1.0
