@@ -349,8 +349,8 @@ class AdmissionController:
         long (past it only the request's own work is left, which the shrinking time left
         stops fitting by T - alone / (1 - DEADLINE_SLACK)). Before (the hint was when a
         request with a fresh budget would fit: the excess itself), every refused client of a
-        burst came back to be refused again: 2,332 attempts for 500 requests on a 2-core
-        CPU, whose CPU then made 25 admitted requests miss their deadlines
+        burst came back to be refused again: 2,073-2,634 attempts for 500 requests on a 2-core
+        CPU, whose CPU then made 21-29 admitted requests miss their deadlines
         (docs/reliability.md). The refusal's ErrorInfo still carries the estimate, for a
         client that resubmits with a fresh budget."""
         earliest_s = (estimate.total_s - _promised_s(time_left_s)) / DEADLINE_SLACK
@@ -396,8 +396,9 @@ class AdmissionController:
         admitted, by a bound on every in-flight request's steps left (the most decode steps any
         asked for, after the whole waiting queue's prefill). Why: the check per admitted request
         is O(in flight), so a burst of 256 requests that all carry a far deadline (a client's
-        600 s timeout) cost the server's event loop 0.8 ms per admission at the end of it, 158 ms
-        in all on the 2-core machine, while the requests waited to reach the engine."""
+        600 s timeout) cost the server's event loop 0.8 ms per admission at the end of it, 123 ms
+        in all on the 2-core machine (bench/bench_admission.py), while the requests waited to
+        reach the engine."""
         horizon_steps = self._max_decode_steps + with_it.steps_to_prefill(self.num_waiting_prompt_tokens)
         earliest_ns = min(admitted.deadline_ns for admitted in self._deadline_bound)
         return _promised_s((earliest_ns - now_ns) / 1e9) > with_it.time_s(horizon_steps) + 1e-3
