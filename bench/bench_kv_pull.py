@@ -21,6 +21,7 @@ token must equal the recomputed one's, and its usage must report the prefix's bl
 Bandwidth, from B's /metrics around each timed pull (medians over the repeats, as every phase
 below): bytes / the copies' time
 (llmserve_kv_pull_copy_seconds: device to device, synchronized) [target >= 1 TB/s for >= 100 MB],
+bytes / the copy kernel's own device time (llmserve_kv_pull_copy_device_seconds, CUDA events; CUDA only),
 and bytes / the whole pull (the pin and import round trips, llmserve_kv_pull_duration_seconds);
 and ms per pull of its phases at B (llmserve_kv_pull_phase_seconds): the pin's round trip to A,
 the import's to B's engine core, the core's own work in it, the copies in that.
@@ -199,6 +200,9 @@ def run_length(a: Replica, b: Replica, prefix_tokens: int, args) -> dict:
         "cached_ttft_ms": round(cached_ms, 3), "cached_over_recompute": round(cached_ms / recompute_ms, 4),
         "bytes_per_pull": pulled_bytes,
         "copy_gb_per_s": round(pulled_bytes / at_b["copy_ms"] / 1e6, 2) if at_b["copy_ms"] else None,
+        # The copy kernel alone (CUDA events; none on CPU): what the copy moves at, without the
+        # ids' upload, the launch and the wait for the engine's queued work.
+        "kernel_gb_per_s": round(pulled_bytes / at_b["copy_device_ms"] / 1e6, 2) if at_b["copy_device_ms"] else None,
         "pull_gb_per_s": round(pulled_bytes / at_b["pull_ms"] / 1e6, 2) if at_b["pull_ms"] else None,
         "phase_ms": {phase: round(at_b[phase], 3) for phase in ("pin", "import", "import_work")}
         | {"copy": round(at_b["copy_ms"], 3)},
@@ -216,6 +220,7 @@ def _pull_at_b(before: dict[str, float], after: dict[str, float]) -> dict[str, f
         "bytes": delta.get("llmserve_kv_pull_bytes_total", 0.0),
         "pull_ms": delta.get("llmserve_kv_pull_duration_seconds_sum", 0.0) * 1000,
         "copy_ms": delta.get("llmserve_kv_pull_copy_seconds_sum", 0.0) * 1000,
+        "copy_device_ms": delta.get("llmserve_kv_pull_copy_device_seconds_sum", 0.0) * 1000,
     } | {phase: delta.get(f"llmserve_kv_pull_phase_seconds_sum/{phase}", 0.0) * 1000
          for phase in ("pin", "import", "import_work")}
 
@@ -250,14 +255,14 @@ def main(argv: list[str] | None = None) -> int:
             for replica in replicas:
                 replica.stop()
     print(f"| prefix tokens | MB pulled | TTFT pull ms | TTFT recompute ms | TTFT cached on B ms | pull / recompute "
-          f"| cached / recompute | copy GB/s | pull GB/s (with round trips) | ms per pull: pin / import (work, copy) "
-          f"| checks |")
-    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+          f"| cached / recompute | copy GB/s | kernel GB/s | pull GB/s (with round trips) "
+          f"| ms per pull: pin / import (work, copy) | checks |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     for row in rows:
         checks = row["all_pulled"] and row["all_same_first_token"] and row["recompute_cached_nothing"]
         print(f"| {row['prefix_tokens']} | {row['bytes_per_pull'] / 1e6:.1f} | {row['pull_ttft_ms']:.2f} | "
               f"{row['recompute_ttft_ms']:.2f} | {row['cached_ttft_ms']:.2f} | {row['pull_over_recompute']} | "
-              f"{row['cached_over_recompute']} | {row['copy_gb_per_s']} | "
+              f"{row['cached_over_recompute']} | {row['copy_gb_per_s']} | {row['kernel_gb_per_s'] or '-'} | "
               f"{row['pull_gb_per_s']} | {_phases_cell(row['phase_ms'])} | {'ok' if checks else 'FAILED'} |")
     args.out_dir.mkdir(parents=True, exist_ok=True)
     out = args.out_dir / f"kv-pull-{stamp}.json"

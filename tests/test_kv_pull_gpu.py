@@ -46,7 +46,12 @@ def test_cuda_ipc_pull_between_two_engine_processes_on_one_gpu(tmp_path):
             assert c_usage.cached_tokens == 6 * BLOCK_SIZE
             assert pulled == from_own_cache
             assert (usage.cached_tokens, usage.pulled_tokens) == (6 * BLOCK_SIZE, 6 * BLOCK_SIZE)
-            assert scrape(b.metrics_port).delta(before, "llmserve_kv_pull_blocks_total", path="cuda_ipc") == 6
+            after = scrape(b.metrics_port)
+            assert after.delta(before, "llmserve_kv_pull_blocks_total", path="cuda_ipc") == 6
+            # the copy kernel timed on the device, once per pull, and within the pull's synchronized copy
+            assert after.delta(before, "llmserve_kv_pull_copy_device_seconds_count") == 1
+            assert 0 < after.delta(before, "llmserve_kv_pull_copy_device_seconds_sum") \
+                <= after.delta(before, "llmserve_kv_pull_copy_seconds_sum")
         assert scrape(b.metrics_port).value("llmserve_kv_pull_regions_opened_total", path="cuda_ipc") == 1
         assert a.blocks_used() == b.blocks_used() == 0
     finally:

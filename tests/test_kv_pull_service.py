@@ -123,6 +123,8 @@ def test_b_pulls_a_prefix_from_a_and_generates_what_recomputing_does(replicas):
     assert after.delta(before, "llmserve_kv_pull_blocks_total", path="shm") == 6
     assert after.delta(before, "llmserve_kv_pull_bytes_total", path="shm") > 0
     assert after.value("llmserve_kv_pull_regions_opened_total", path="shm") == 1
+    assert after.delta(before, "llmserve_kv_pull_copy_seconds_count") == 1
+    assert after.value("llmserve_kv_pull_copy_device_seconds_count") == 0  # a GPU kernel's time: none on CPU
     again, usage = b.generate("on-b-again", prompt, source=a, num_blocks=6)
     assert again == recomputed and (usage.cached_tokens, usage.pulled_tokens) == (6 * BLOCK_SIZE, 0)  # B's own now
     assert b.blocks_used() == 0

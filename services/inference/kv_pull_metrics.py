@@ -45,6 +45,10 @@ _COPY = Histogram(
     "llmserve_kv_pull_copy_seconds", "A pull's copies alone, from the mapped source pool into ours",
     buckets=(0.00001, 0.00003, 0.0001, 0.0003, 0.001, 0.003, 0.01, 0.03, 0.1, 0.3, 1.0),
 )
+_COPY_DEVICE = Histogram(
+    "llmserve_kv_pull_copy_device_seconds", "A pull's copy kernel alone on the GPU (CUDA events around it; CUDA only)",
+    buckets=(0.00001, 0.00003, 0.0001, 0.0003, 0.001, 0.003, 0.01, 0.03, 0.1, 0.3, 1.0),
+)
 # Where a pull's time goes, at the puller: the PinKvBlocks round trip to the source ("pin": its
 # server, its core between two of its steps, and back), the kv_import sent to our own core until
 # it answers ("import": the core answers with the outputs of the pass that applied it, so this
@@ -79,6 +83,8 @@ def record_pulled(imported: KvImport, duration_s: float) -> None:
     _DURATION.observe(duration_s)
     if imported.num_blocks:
         _COPY.observe(imported.copy_s)
+        if imported.copy_device_s is not None:
+            _COPY_DEVICE.observe(imported.copy_device_s)
 
 
 def record_failure(reason: str) -> None:

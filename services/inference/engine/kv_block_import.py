@@ -50,6 +50,9 @@ class KvImport:
     path: TransportPath
     opened_region: bool  # the source's region was mapped for this pull (its first from there)
     copy_s: float = 0.0  # the copies alone, done (synchronized on CUDA): the pull's bandwidth
+    # The copy kernel's own time on the GPU (CUDA events around it), without the ids' upload,
+    # the launch and the wait for the engine's work queued before it; None off CUDA.
+    copy_device_s: float | None = None
     work_s: float = 0.0  # all of the import in the engine core: lookups, allocation, copies, registration
 
 
@@ -100,7 +103,9 @@ class KvBlockImporter:
         try:
             self._open(source.offer)
             copy_started_s = time.perf_counter()
-            self._copy(source, source.block_ids[len(cached_ids) : num_source], seq.block_ids[len(cached_ids) : num_source])
+            copy_device_s = self._copy(
+                source, source.block_ids[len(cached_ids) : num_source], seq.block_ids[len(cached_ids) : num_source]
+            )
             copy_s = time.perf_counter() - copy_started_s
             seq.num_computed_tokens = num_source * block_size
             block_manager.register_computed_blocks(seq)
@@ -108,7 +113,8 @@ class KvBlockImporter:
             block_manager.free(seq)
             seq.num_computed_tokens = 0
         opened_region = self._consumer.num_regions_opened > num_opened_before
-        return KvImport(num_pulled, num_pulled * source.layout.bytes_per_block, source.offer.path, opened_region, copy_s)
+        return KvImport(num_pulled, num_pulled * source.layout.bytes_per_block, source.offer.path, opened_region, copy_s,
+                        copy_device_s=copy_device_s)
 
     def forget(self, region_id: str) -> None:
         self._consumer.close(region_id)
@@ -128,7 +134,7 @@ class KvBlockImporter:
         if not self._layout.can_exchange_with(source.layout):
             raise KvPullRefused("layout_mismatch", f"the source's pool {source.layout} differs from ours {self._layout}")
 
-    def _copy(self, source: KvPullSource, source_ids: tuple[int, ...], target_ids: list[int]) -> None:
+    def _copy(self, source: KvPullSource, source_ids: tuple[int, ...], target_ids: list[int]) -> float | None:
         """Every layer's k and v of the blocks at once. On one CUDA device: one kernel for
         whatever the ids are (kernels/block_copy.py). Elsewhere: a gather by block ids (in
         chunks of at most `_gather_bytes`) when the blocks are not one run on both sides, else
@@ -137,7 +143,8 @@ class KvBlockImporter:
 
         Measured on the H200 (docs/benchmarks.md, KV pull): a copy per run, the first design,
         moved an 8k-token import of 231 MB at 10 GB/s; the torch gather at 133-211 GB/s (8k
-        tokens, 231 MB and 1,057 MB); the kernel, then for gathers only, at 193-603 GB/s."""
+        tokens, 231 MB and 1,057 MB); the kernel, then for gathers only, at 193-603 GB/s.
+        Returns the kernel's own device seconds (None without it)."""
         pool = _raw(self._kv_cache.data)
         whole = source.layout.block_run_ref(source.offer.region_id, 0, source.layout.num_blocks)
         num_bytes = len(source_ids) * source.layout.bytes_per_block
@@ -147,7 +154,14 @@ class KvBlockImporter:
             from llmserve.inference.kernels.block_copy import copy_blocks  # imports triton: only here
 
             ids = torch.tensor([source_ids, target_ids], dtype=torch.int64).to(pool.device, non_blocking=True)
+            stream = torch.cuda.current_stream(pool.device)
+            began, ended = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            began.record(stream)
             copy_blocks(source_pool, pool, ids[0], ids[1])
+            ended.record(stream)
+            # Deliberate sync: the source releases its pin once we answer, so the copies must be done.
+            ended.synchronize()
+            return began.elapsed_time(ended) / 1000
         else:
             runs = _consecutive_runs(list(zip(source_ids, target_ids)))
             if len(runs) > 1 and same_device:
@@ -161,6 +175,7 @@ class KvBlockImporter:
         if pool.device.type == "cuda":
             # Deliberate sync: the source releases its pin once we answer, so the copies must be done.
             torch.cuda.current_stream(pool.device).synchronize()
+        return None
 
     def _gather(self, source_pool: torch.Tensor, source_ids: tuple[int, ...], target_ids: list[int], pool: torch.Tensor) -> None:
         source_index = torch.tensor(source_ids, dtype=torch.int64).to(pool.device, non_blocking=True)
