@@ -7,6 +7,7 @@ back with each of its outputs, marked on the request's last.
 
 from __future__ import annotations
 
+import collections
 import random
 import zlib
 
@@ -661,3 +662,44 @@ def test_random_traffic_keeps_the_charge_exact_and_leaves_none():
         admission.observe([finished(request_id, index) for index in range(num_unfinished)])
     assert admission.num_kv_blocks_demanded == 0 and admission.num_waiting_prompt_tokens == 0
     assert admission.num_waiting_requests == 0 and admission.num_sequences_in_flight == 0
+
+
+def test_skipping_far_deadlines_changes_no_admission():
+    """The promise check's shortcut (`_cannot_harm_any`: no admitted deadline is near enough to
+    be broken) gives the same answer as checking every admitted request, over random bursts
+    mixing near, tight and far deadlines, long and short requests, and requests that end."""
+    rng, seen = random.Random(5), collections.Counter()
+    for scenario in range(40):
+        clocks, owners = (Clock(), Clock()), []
+        for clock in clocks:
+            owners.append(controller(clock, max_waiting_requests=10_000))
+            cpu_like_steps(owners[-1])
+        shortcut = owners[0].admission._cannot_harm_any
+
+        def counted(*args, shortcut=shortcut):
+            skipped = shortcut(*args)
+            seen["skipped" if skipped else "checked"] += 1
+            return skipped
+
+        owners[0].admission._cannot_harm_any = counted
+        owners[1].admission._cannot_harm_any = lambda *args: False  # the full check, always
+        for index in range(60):
+            prompt, max_tokens = rng.choice((16, 100, 700, 2000)), rng.choice((1, 8, 64, 300))
+            deadline_s = rng.choice((0.0, 0.5, 2.0, 6.0, 30.0, 600.0))
+            outcomes = []
+            for clock, owner in zip(clocks, owners):
+                deadline_ns = clock.now_ns + int(deadline_s * S) if deadline_s else 0
+                try:
+                    owner.admit(request(f"s{scenario}-{index}", prompt, max_tokens, deadline_ns=deadline_ns))
+                    outcomes.append("admitted")
+                except (DeadlineExceeded, ResourceExhausted) as refused:
+                    outcomes.append(type(refused).__name__)
+            assert outcomes[0] == outcomes[1], (scenario, index, outcomes)
+            seen[outcomes[0]] += 1
+            if rng.random() < 0.3:  # time passes and the oldest request in flight ends
+                for clock, owner in zip(clocks, owners):
+                    clock.advance(0.3)
+                    if owner._in_flight:
+                        owner.observe([finished(next(iter(owner._in_flight)))])
+    # both ways of the shortcut, and both kinds of refusal, were exercised
+    assert seen["skipped"] and seen["checked"] and seen["ResourceExhausted"] and seen["DeadlineExceeded"], seen
