@@ -41,7 +41,7 @@ import grpc
 from google.rpc import error_details_pb2, status_pb2
 
 import bench_stack
-from metrics_scrape import metric_families
+from metrics_scrape import sample_totals
 import stack_services
 from llmserve.tools.service_process import start_service, stop_service
 from llmserve.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc
@@ -153,10 +153,10 @@ def stop_stack(services: dict) -> None:
 
 def step_seconds(metrics_port: int) -> float:
     """The inference engine's time in steps so far (its step-duration histogram's sum)."""
-    for family in metric_families(metrics_port):
-        if family.name == "llmserve_inference_step_duration_seconds":
-            return sum(s.value for s in family.samples if s.name.endswith("_sum"))
-    raise RuntimeError("no llmserve_inference_step_duration_seconds on the inference metrics endpoint")
+    totals = sample_totals(metrics_port)
+    if "llmserve_inference_step_duration_seconds_sum" not in totals:
+        raise RuntimeError("no llmserve_inference_step_duration_seconds on the inference metrics endpoint")
+    return totals["llmserve_inference_step_duration_seconds_sum"]
 
 
 def chat_request(index: int, args) -> gateway_pb2.GenerateStreamRequest:

@@ -286,14 +286,15 @@ class InProcessWindow:
         self._before = proc_cpu.snapshot(self._roles, names=self._names)
         self._start_s = time.monotonic()
 
-    def wall_s(self, records) -> float:
-        return max(r.end_s for r in records) - self._start_s
-
-    def measurement(self, records) -> dict:
+    def measurement(self, records, steps: engine_steps.StepTally | None = None) -> dict:
+        """The cell's row; with `steps`, the engine's steps in it too (engine_steps.py)."""
         end_s = max(r.end_s for r in records)
         after = proc_cpu.snapshot(self._roles, names=self._names)
         usage = proc_cpu.cpu_usage(self._before, after, end_s - self._start_s)
-        return stack_report.measurement(summarize(records, self._start_s, end_s), usage)
+        measured = stack_report.measurement(summarize(records, self._start_s, end_s), usage)
+        if steps is not None:
+            measured["engine_steps"] = steps.summary(end_s - self._start_s)
+        return measured
 
 
 def run_core(args, options, model_dir: Path, plans: stack_drivers.Plans, on_cell) -> None:
@@ -305,9 +306,7 @@ def run_core(args, options, model_dir: Path, plans: stack_drivers.Plans, on_cell
     for repeat, cell in plans.in_order():
         window, steps = InProcessWindow(), engine_steps.StepTally()
         records = stack_drivers.drive_core(core, cell.requests, cell.streams, f"cell{cell.streams}", steps.add)
-        measured = window.measurement(records)
-        measured["engine_steps"] = steps.summary(window.wall_s(records))
-        on_cell(cell.streams, measured, repeat)
+        on_cell(cell.streams, window.measurement(records, steps), repeat)
 
 
 def run_async(args, options, model_dir: Path, plans: stack_drivers.Plans, on_cell) -> None:

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from metrics_scrape import metric_families
+from metrics_scrape import sample_totals
 
 STEP_DURATION = "llmserve_inference_step_duration_seconds"
 BATCH_SIZE = "llmserve_inference_batch_size"
@@ -53,10 +53,7 @@ class StepTally:
 
 def scrape_steps(metrics_port: int) -> StepTally:
     """The inference server's step sums so far (its histograms' _count and _sum)."""
-    values: dict[str, float] = {}
-    for family in metric_families(metrics_port):
-        for sample in family.samples:
-            values[sample.name] = values.get(sample.name, 0.0) + sample.value
+    values = sample_totals(metrics_port)
     return StepTally(int(values.get(STEP_DURATION + "_count", 0)), values.get(STEP_DURATION + "_sum", 0.0),
                      values.get(BATCH_SIZE + "_sum", 0.0))
 

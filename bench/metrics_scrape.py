@@ -15,3 +15,13 @@ def metric_families(metrics_port: int) -> list[Metric]:
     url = f"http://127.0.0.1:{metrics_port}/metrics"
     with urllib.request.urlopen(url, timeout=SCRAPE_TIMEOUT_S) as response:
         return list(text_string_to_metric_families(response.read().decode("utf-8")))
+
+
+def sample_totals(metrics_port: int) -> dict[str, float]:
+    """Each sample name's value summed over its label sets (a gateway's workers, a histogram's
+    phases): histograms' `_sum` and `_count`, counters' `_total`."""
+    totals: dict[str, float] = {}
+    for family in metric_families(metrics_port):
+        for sample in family.samples:
+            totals[sample.name] = totals.get(sample.name, 0.0) + sample.value
+    return totals

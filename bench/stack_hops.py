@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import statistics
 
-from metrics_scrape import metric_families
+from metrics_scrape import sample_totals
 from llmserve.tools.loadgen.client import RequestRecord
 
 HOP_HISTOGRAMS = {
@@ -29,14 +29,9 @@ HOP_HISTOGRAMS = {
 
 def scrape_hops(metrics_port: int) -> dict[str, tuple[float, float]]:
     """Each hop histogram's (sum, count), summed over the gateway's workers."""
-    totals = {name: [0.0, 0.0] for name in HOP_HISTOGRAMS.values()}
-    for family in metric_families(metrics_port):
-        for sample in family.samples:
-            for suffix, slot in (("_sum", 0), ("_count", 1)):
-                base = sample.name.removesuffix(suffix)
-                if sample.name.endswith(suffix) and base in totals:
-                    totals[base][slot] += sample.value
-    return {hop: (totals[name][0], totals[name][1]) for hop, name in HOP_HISTOGRAMS.items()}
+    totals = sample_totals(metrics_port)
+    return {hop: (totals.get(name + "_sum", 0.0), totals.get(name + "_count", 0.0))
+            for hop, name in HOP_HISTOGRAMS.items()}
 
 
 def hop_means_ms(before: dict[str, tuple[float, float]], after: dict[str, tuple[float, float]],

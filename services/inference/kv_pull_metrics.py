@@ -41,13 +41,15 @@ _DURATION = Histogram(
     "llmserve_kv_pull_duration_seconds", "A pull: pin at the source, then import (the release is not waited for)",
     buckets=(0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0),
 )
+# From a few blocks on a GPU (tens of microseconds) to a long prefix copied on a CPU.
+_COPY_BUCKETS_S = (0.00001, 0.00003, 0.0001, 0.0003, 0.001, 0.003, 0.01, 0.03, 0.1, 0.3, 1.0)
 _COPY = Histogram(
     "llmserve_kv_pull_copy_seconds", "A pull's copies alone, from the mapped source pool into ours",
-    buckets=(0.00001, 0.00003, 0.0001, 0.0003, 0.001, 0.003, 0.01, 0.03, 0.1, 0.3, 1.0),
+    buckets=_COPY_BUCKETS_S,
 )
 _COPY_DEVICE = Histogram(
     "llmserve_kv_pull_copy_device_seconds", "A pull's copy kernel alone on the GPU (CUDA events around it; CUDA only)",
-    buckets=(0.00001, 0.00003, 0.0001, 0.0003, 0.001, 0.003, 0.01, 0.03, 0.1, 0.3, 1.0),
+    buckets=_COPY_BUCKETS_S,
 )
 # Where a pull's time goes, at the puller: the PinKvBlocks round trip to the source ("pin": its
 # server, its core between two of its steps, and back), the kv_import sent to our own core until

@@ -151,31 +151,35 @@ class KvBlockImporter:
         source_pool = _raw(self._consumer.view(whole, num_bytes))  # orders the reads after the source's writes
         same_device = source_pool.device == pool.device
         if same_device and pool.device.type == "cuda" and kernels.is_available():
-            from llmserve.inference.kernels.block_copy import copy_blocks  # imports triton: only here
-
-            ids = torch.tensor([source_ids, target_ids], dtype=torch.int64).to(pool.device, non_blocking=True)
-            stream = torch.cuda.current_stream(pool.device)
-            began, ended = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            began.record(stream)
-            copy_blocks(source_pool, pool, ids[0], ids[1])
-            ended.record(stream)
-            # Deliberate sync: the source releases its pin once we answer, so the copies must be done.
-            ended.synchronize()
-            return began.elapsed_time(ended) / 1000
+            return self._copy_by_kernel(source_pool, source_ids, target_ids, pool)
+        runs = _consecutive_runs(list(zip(source_ids, target_ids)))
+        if len(runs) > 1 and same_device:
+            self._gather(source_pool, source_ids, target_ids, pool)
         else:
-            runs = _consecutive_runs(list(zip(source_ids, target_ids)))
-            if len(runs) > 1 and same_device:
-                self._gather(source_pool, source_ids, target_ids, pool)
-            else:
-                for start, length in runs:
-                    first_source, first_target = source_ids[start], target_ids[start]
-                    pool[:, :, first_target : first_target + length].copy_(
-                        source_pool[:, :, first_source : first_source + length], non_blocking=True
-                    )
+            for start, length in runs:
+                first_source, first_target = source_ids[start], target_ids[start]
+                pool[:, :, first_target : first_target + length].copy_(
+                    source_pool[:, :, first_source : first_source + length], non_blocking=True
+                )
         if pool.device.type == "cuda":
             # Deliberate sync: the source releases its pin once we answer, so the copies must be done.
             torch.cuda.current_stream(pool.device).synchronize()
         return None
+
+    def _copy_by_kernel(self, source_pool: torch.Tensor, source_ids: tuple[int, ...], target_ids: list[int],
+                        pool: torch.Tensor) -> float:
+        """The kernel's copy, waited for (the source releases its pin once we answer); its own
+        device seconds, from CUDA events around it."""
+        from llmserve.inference.kernels.block_copy import copy_blocks  # imports triton: only here
+
+        ids = torch.tensor([source_ids, target_ids], dtype=torch.int64).to(pool.device, non_blocking=True)
+        stream = torch.cuda.current_stream(pool.device)
+        began, ended = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        began.record(stream)
+        copy_blocks(source_pool, pool, ids[0], ids[1])
+        ended.record(stream)
+        ended.synchronize()
+        return began.elapsed_time(ended) / 1000
 
     def _gather(self, source_pool: torch.Tensor, source_ids: tuple[int, ...], target_ids: list[int], pool: torch.Tensor) -> None:
         source_index = torch.tensor(source_ids, dtype=torch.int64).to(pool.device, non_blocking=True)
