@@ -1,7 +1,8 @@
 """Host time of a decode step's inputs on the decode-graph path (issue 19): the flat inputs built
-from the batch (batch_inputs.build_step_inputs) and DecodeGraphs.run's staging (rows of the block
-tables, the padded int rows, the copies), with a forward that does nothing, so that only the
-host's work per step is timed.
+from the batch (batch_inputs.build_step_inputs over the persistent decode batch,
+engine/decode_batch.py) and DecodeGraphs.run's staging (the changed table entries, the padded
+int rows, the copies), with a forward that does nothing, so that only the host's work per step
+is timed.
 
     python bench/bench_decode_inputs.py                      # CPU: the graphs' path uncaptured
     python bench/bench_decode_inputs.py --device cuda        # the same staging into the GPU
@@ -26,6 +27,7 @@ import torch
 
 from llmserve.inference.engine.batch_inputs import build_step_inputs
 from llmserve.inference.engine.cuda_graphs import DecodeGraphs, graph_batch_sizes
+from llmserve.inference.engine.decode_batch import DecodeBatch
 from llmserve.inference.engine.scheduler import ScheduledBatch
 from llmserve.inference.engine.sequence import PLACEHOLDER_TOKEN, Sequence
 from llmserve.sampling import SamplingParams
@@ -65,13 +67,14 @@ def run(args, device: torch.device) -> dict:
     logits = torch.zeros(args.streams, 8, device=device)
     graphs = DecodeGraphs(lambda ids, positions, meta: logits[: ids.shape[0]], graph_batch_sizes(args.streams),
                           max_blocks, lambda *tensors: None, device, None)
+    decodes = DecodeBatch(args.streams, max_blocks, BLOCK_SIZE)
     next_block = args.streams * 1000
     launched = torch.arange(args.streams, device=device)
     inputs_s, staging_s = [], []
     for _ in range(args.steps):
         batch = ScheduledBatch(list(seqs), [1] * args.streams)
         start = time.perf_counter()
-        step = build_step_inputs(batch, BLOCK_SIZE)
+        step = build_step_inputs(batch, decodes)
         built = time.perf_counter()
         graphs.run(step, lambda input_ids: input_ids[: args.streams].copy_(launched))
         staged = time.perf_counter()

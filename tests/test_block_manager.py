@@ -224,8 +224,8 @@ def test_fork_shares_full_blocks_and_copies_the_partial_one(manager):
 
 
 def test_a_block_table_is_replaced_never_changed_in_place(manager):
-    """A step's inputs and the decode graphs' rows hold a sequence's block_ids list by
-    reference and take the same object for the same table (engine/block_table_rows.py): each
+    """A step's inputs and the persistent decode batch's rows hold a sequence's block_ids list
+    by reference and take the same object for the same table (engine/decode_batch.py): each
     change must come as a new list, and a list handed out must keep its contents."""
     seq = make_seq(range(4), seq_id=1)
     compute(manager, seq)

@@ -23,6 +23,7 @@ from llmserve.inference.engine.prefill_graphs import pad_prefill_step, prefill_g
 from llmserve.inference.engine.scheduler import ScheduledBatch
 from llmserve.inference.engine.static_inputs import StaticInputs
 from llmserve.inference.engine.batch_inputs import build_step_inputs
+from llmserve.inference.engine.decode_batch import DecodeBatch
 from llmserve.inference.models.attention_backend import (
     BACKENDS,
     PADDING_SLOT,
@@ -56,6 +57,11 @@ def test_graph_size_for_picks_the_smallest_size_that_fits():
 make_seq = functools.partial(engine_objects.make_seq, max_tokens=4)
 
 
+def step_inputs(batch: ScheduledBatch, block_size: int):
+    """The batch's inputs, its decodes from a fresh persistent batch."""
+    return build_step_inputs(batch, DecodeBatch(max_seqs_per_step=8, width=16, block_size=block_size))
+
+
 def test_step_inputs_put_decodes_first_and_sample_only_finished_prompts():
     block_size = 4
     batch = ScheduledBatch()
@@ -66,7 +72,7 @@ def test_step_inputs_put_decodes_first_and_sample_only_finished_prompts():
     batch.add(decode, 1)
     batch.add(tail, 1)
 
-    step = build_step_inputs(batch, block_size)
+    step = step_inputs(batch, block_size)
 
     assert step.input_ids == [9, 3, 10, 11, 12, 13, 14, 15]
     assert step.positions == [4, 2, 0, 1, 2, 3, 4, 5]
@@ -84,7 +90,7 @@ def test_pad_decode_step_fills_spare_rows_with_no_op_tokens():
     batch = ScheduledBatch()
     batch.add(make_seq([4, 5, 6], seq_id=1, num_computed_tokens=2, block_ids=[3]), 1)
     batch.add(make_seq(range(40), seq_id=2, num_computed_tokens=39, block_ids=[1, 2, 6]), 1)
-    step = build_step_inputs(batch, block_size=16)
+    step = step_inputs(batch, block_size=16)
 
     padded = pad_decode_step(step, 4)
 
@@ -105,7 +111,7 @@ def test_prefill_graph_sizes_stop_at_the_step_budget_and_at_1024_tokens():
 def test_pad_prefill_step_fills_spare_rows_with_no_op_tokens():
     batch = ScheduledBatch()
     batch.add(make_seq(range(100, 140), seq_id=1, num_computed_tokens=35, block_ids=[4, 9, 2]), 5)  # 35 cached, computes 35..39
-    step = build_step_inputs(batch, block_size=16)
+    step = step_inputs(batch, block_size=16)
 
     padded = pad_prefill_step(step, 8)
 

@@ -1,6 +1,6 @@
 """Rank 0's steps to the other ranks (engine/step_broadcast.py), through real gloo processes:
 decode block tables go as changes, and a rank puts back the very list it got before for a
-sequence whose table did not change (so its BlockTableRows uploads nothing for it)."""
+sequence whose table did not change."""
 
 from __future__ import annotations
 

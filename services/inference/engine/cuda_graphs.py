@@ -5,9 +5,10 @@ smallest captured size b >= n (sizes: llmserve.buckets.DECODE_GRAPH_BATCH_SIZES 
 max_num_seqs, plus max_num_seqs). Its inputs are copied into static device buffers whose first
 b rows the graph reads: the n real rows, then b - n padding rows (token 0, position 0, slot -1
 so nothing is written to the cache, context length 0 so attention reads nothing). Block tables
-stay on the device between steps, a row per sequence (engine/block_table_rows.py): a step
-uploads only the rows that changed, and the graph's first op gathers the step's tables from
-them. The graph
+stay on the device between steps, in the rows of the engine's persistent decode batch
+(engine/decode_batch.py): a step uploads only the entries its batch changed
+(StepInputs.decode_table_changes), and the graph's first op gathers the step's tables from the
+rows. The graph
 covers the whole forward and the lm_head; the step reads the logits of its real rows. The
 attention metadata comes from the attention backend (AttentionBackend.decode_graph_metadata),
 built over views of the static buffers: a replay reads each step's values through it.
@@ -37,7 +38,7 @@ import numpy as np
 import torch
 
 from llmserve.buckets import DECODE_GRAPH_BATCH_SIZES
-from llmserve.inference.engine.block_table_rows import PADDING_ROW, BlockTableRows
+from llmserve.inference.engine.decode_batch import PADDING_ROW, decode_row_count
 from llmserve.inference.models.step_inputs import StepInputs
 from llmserve.inference.models.transfers import device_int32
 from llmserve.inference.models.attention_backend import PADDING_SLOT
@@ -65,7 +66,7 @@ def graph_size_for(num_seqs: int, sizes: tuple[int, ...]) -> int | None:
 @dataclass(slots=True)
 class PaddedDecode:
     """A decode step's per-row inputs padded to a graph size (block tables travel as rows of
-    BlockTableRows, engine/block_table_rows.py)."""
+    the persistent decode batch, engine/decode_batch.py)."""
 
     input_ids: list[int]
     positions: list[int]
@@ -77,10 +78,10 @@ def pad_decode_step(step: StepInputs, size: int) -> PaddedDecode:
     num_pad = size - step.num_decodes
     assert step.is_decode_only and num_pad >= 0
     return PaddedDecode(
-        input_ids=step.input_ids + [0] * num_pad,
-        positions=step.positions + [0] * num_pad,
-        slot_mapping=step.slot_mapping + [PADDING_SLOT] * num_pad,
-        context_lens=step.decode_context_lens + [0] * num_pad,
+        input_ids=list(step.input_ids) + [0] * num_pad,
+        positions=list(step.positions) + [0] * num_pad,
+        slot_mapping=list(step.slot_mapping) + [PADDING_SLOT] * num_pad,
+        context_lens=list(step.decode_context_lens) + [0] * num_pad,
     )
 
 
@@ -146,18 +147,19 @@ class DecodeGraphs(GraphSet):
         max_size = self.sizes[-1]
         # Static device inputs; a graph of size b reads rows [:b] (row slices stay contiguous).
         # The int rows live in one buffer, so a step's are copied at once: ids, positions,
-        # slots, lens, and each row's BlockTableRows row.
+        # slots, lens, and each row's row of the persistent decode batch.
         self._static_ints = torch.zeros(5, max_size, dtype=torch.int32, device=device)
         self._static_ints[2].fill_(PADDING_SLOT)
         self.input_ids, self.positions, self.slot_mapping, self.context_lens, self.table_rows = (
             self._static_ints.unbind(0)
         )
         self.block_tables = torch.zeros(max_size, max_blocks_per_seq, dtype=torch.int32, device=device)
-        # The step's block tables, gathered inside the graph from the rows kept on the device.
-        self.rows = BlockTableRows(max_size, max_blocks_per_seq, device)
-        # Host staging (pinned on CUDA, so the copies are async DMA): the int rows, and the ids
-        # and block ids of the rows that changed. Two sets, used in turn: with async scheduling the host stages step N+1 while the copy of step N
-        # may not have run yet; the copy of step N-1 has (its results were read).
+        # The step's block tables, gathered inside the graph from the batch's rows kept here.
+        self.row_tables = torch.zeros(decode_row_count(max_size), max_blocks_per_seq, dtype=torch.int32, device=device)
+        # Host staging (pinned on CUDA, so the copies are async DMA): the int rows, and the
+        # table entries that changed. Two sets, used in turn: with async scheduling the host
+        # stages step N+1 while the copy of step N may not have run yet; the copy of step N-1
+        # has (its results were read).
         pin = device.type == "cuda"
         self._host_ints = [torch.zeros(5, max_size, dtype=torch.int32, pin_memory=pin) for _ in range(2)]
         changed_size = 3 * max_size * max_blocks_per_seq  # (row, column, block id) per entry sent
@@ -167,10 +169,12 @@ class DecodeGraphs(GraphSet):
         self._capture("decode", pool, device)
 
     def can_run(self, step: StepInputs) -> bool:
+        """A decode-only step of the persistent batch (its tables fit the rows: the batch is as
+        wide as these), of a size some graph takes."""
         return (
             step.is_decode_only
+            and step.decode_rows is not None
             and graph_size_for(step.num_decodes, self.sizes) is not None
-            and max(len(t) for t in step.decode_block_tables) <= self.max_blocks_per_seq
         )
 
     def run(self, step: StepInputs, fill_input_ids: Callable[[torch.Tensor], None] | None = None) -> torch.Tensor:
@@ -185,55 +189,46 @@ class DecodeGraphs(GraphSet):
 
     def device_block_tables(self, step: StepInputs) -> torch.Tensor:
         """[num_decodes, max_blocks_per_seq] int32 on the device: the decodes' block tables,
-        from the rows (the changed ones sent first), for a step that runs without a graph."""
-        rows = self._assign_rows(step)
-        (row_index,) = device_int32([rows], self.device)
-        return self.rows.table.index_select(0, row_index)
+        from the rows (the step's changes written first), for a step of the persistent batch
+        that runs without a graph."""
+        self._write_table_changes(step)
+        (row_index,) = device_int32([step.decode_rows], self.device)
+        return self.row_tables.index_select(0, row_index)
 
     def _stage(self, step: StepInputs, size: int) -> None:
         """The step's rows, then padding rows up to `size` (pad_decode_step's values, written in
         place: no padded lists)."""
         num_seqs = step.num_decodes
-        rows = self._assign_rows(step)
+        self._write_table_changes(step)
         host_ints = self._host_ints[self._num_staged % 2]
         host = host_ints.numpy()
         host[0, :num_seqs] = step.input_ids
         host[1, :num_seqs] = step.positions
         host[2, :num_seqs] = step.slot_mapping
         host[3, :num_seqs] = step.decode_context_lens
-        host[4, :num_seqs] = rows
+        host[4, :num_seqs] = step.decode_rows
         host[:, num_seqs:size] = _PADDING_COLUMN
         self._static_ints.copy_(host_ints, non_blocking=True)  # rows past `size`: read by no graph
 
-    def _assign_rows(self, step: StepInputs) -> list[int]:
-        """The decodes' rows; the entries that changed written on the device: (row, column,
-        block id) of each, in one copy, then one scatter, before what follows on the same
-        stream (a row that gained a block sends that block alone). Takes the step's turn of
-        the staging buffers."""
-        rows, changed = self.rows.assign(step.decode_seq_ids, step.decode_block_tables)
+    def _write_table_changes(self, step: StepInputs) -> None:
+        """The (row, column, block id) entries the step's batch changed, written into the rows
+        on the device in one copy and one scatter, before what follows on the same stream.
+        Every step of the batch comes here (graph or not), so the rows follow its mirror. Takes
+        the step's turn of the staging buffers."""
         host_changed = self._host_changed[self._num_staged % 2]
         self._num_staged += 1
-        if not changed:
-            return rows
-        row_ids, column_ids, block_ids = [], [], []
-        for row, first in changed:
-            table = self.rows.written(row)
-            row_ids += [row] * (len(table) - first)
-            column_ids += range(first, len(table))
-            block_ids += table[first:] if first else table
-        count = len(block_ids)
+        changes = step.decode_table_changes
+        if changes is None or not changes.shape[1]:
+            return
+        count = changes.shape[1]
         staged = host_changed[: 3 * count]
-        array = staged.numpy()
-        array[:count] = row_ids
-        array[count : 2 * count] = column_ids
-        array[2 * count :] = block_ids
+        staged.numpy()[:] = changes.reshape(-1)
         device_staged = self._changed[: 3 * count]
         device_staged.copy_(staged, non_blocking=True)
-        self.rows.table[device_staged[:count], device_staged[count : 2 * count]] = device_staged[2 * count :]
-        return rows
+        self.row_tables[device_staged[:count], device_staged[count : 2 * count]] = device_staged[2 * count :]
 
     def _forward(self, size: int) -> torch.Tensor:
-        torch.index_select(self.rows.table, 0, self.table_rows[:size], out=self.block_tables[:size])
+        torch.index_select(self.row_tables, 0, self.table_rows[:size], out=self.block_tables[:size])
         meta = self.metadata_for(self.slot_mapping[:size], self.block_tables[:size], self.context_lens[:size])
         return self.forward_logits(self.input_ids[:size], self.positions[:size], meta)
 

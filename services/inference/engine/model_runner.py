@@ -22,6 +22,7 @@ import logging
 import os
 from collections.abc import Iterable
 
+import numpy as np
 import torch
 
 from llmserve.inference.engine.config import EngineConfig
@@ -61,6 +62,7 @@ class ModelRunner:
         self.device = torch.device(config.device)
         self.dtype = torch_dtype(config.dtype)
         self.block_size = config.block_size_tokens
+        self.max_context_tokens = max_context_tokens
         self.model_config = DecoderConfig.from_hf(files.config)
         tp = TensorParallel(self.model_config, ranks)
         local_config = tp.local_config()  # this rank's heads, KV heads and vocabulary rows
@@ -104,7 +106,7 @@ class ModelRunner:
         self.prefill_graphs: PrefillGraphs | None = None
         if self.attention.supports_cuda_graphs and not config.enforce_eager:
             # Off CUDA (the Triton interpreter in tests) the static-buffer paths run uncaptured.
-            self.decode_graphs, self.prefill_graphs = self._cuda_graphs(config, max_context_tokens)
+            self.decode_graphs, self.prefill_graphs = self._cuda_graphs(config)
         log.info(
             "attention backend: %s; decode CUDA graphs (batch sizes): %s; prefill CUDA graphs (tokens): %s",
             self.attention.name, _sizes_text(self.decode_graphs), _sizes_text(self.prefill_graphs),
@@ -113,6 +115,11 @@ class ModelRunner:
     @property
     def vocab_size(self) -> int:
         return self.model_config.vocab_size
+
+    @property
+    def max_blocks_per_seq(self) -> int:
+        """The width of a block table: the longest context a sequence may have, in blocks."""
+        return -(-self.max_context_tokens // self.block_size)
 
     @torch.inference_mode()
     def execute(
@@ -149,7 +156,7 @@ class ModelRunner:
         # A mixed step (decodes and a prefill chunk) runs eagerly: its decodes' block tables come
         # from the decode graphs' rows on the device, its lists in one copy each side.
         decode_tables = None
-        if self.decode_graphs is not None and step.num_decodes:
+        if self.decode_graphs is not None and step.num_decodes and step.decode_rows is not None:
             decode_tables = self.decode_graphs.device_block_tables(step)
         meta = self.attention.build_metadata(step, decode_tables)
         input_ids, positions, logits_indices = device_int32(
@@ -167,11 +174,11 @@ class ModelRunner:
 
     def _placeholder_filler(self, step: StepInputs, launched_tokens: torch.Tensor | None):
         """A function that writes the step's placeholder input ids into a device ids tensor, or None."""
-        if not step.placeholder_rows:
+        num_rows = len(step.placeholder_rows)
+        if not num_rows:
             return None
         assert launched_tokens is not None, "a placeholder input token without the step that samples it"
-        num_rows = len(step.placeholder_rows)
-        if step.placeholder_rows == step.placeholder_source_rows == list(range(num_rows)):
+        if _is_first_rows(step.placeholder_rows) and _is_first_rows(step.placeholder_source_rows):
             # Steady decoding: the same sequences in the same order as the step before.
             return lambda input_ids: input_ids[:num_rows].copy_(launched_tokens[:num_rows])
         rows, source_rows = self._to_device(step.placeholder_rows), self._to_device(step.placeholder_source_rows)
@@ -193,10 +200,10 @@ class ModelRunner:
 
     # --- CUDA graphs --------------------------------------------------------------------------
 
-    def _cuda_graphs(self, config: EngineConfig, max_context_tokens: int) -> tuple[DecodeGraphs, PrefillGraphs]:
+    def _cuda_graphs(self, config: EngineConfig) -> tuple[DecodeGraphs, PrefillGraphs]:
         """Decode graphs, then prefill graphs, captured into one pool (on CUDA)."""
         pool = torch.cuda.graph_pool_handle() if self.device.type == "cuda" else None
-        common = dict(max_blocks_per_seq=-(-max_context_tokens // self.block_size), device=self.device, pool=pool)
+        common = dict(max_blocks_per_seq=self.max_blocks_per_seq, device=self.device, pool=pool)
         decode = DecodeGraphs(self._forward_logits, graph_batch_sizes(config.max_num_seqs),
                               metadata_for=self.attention.decode_graph_metadata, **common)
         prefill = PrefillGraphs(self._forward_rows, prefill_graph_sizes(config.max_batched_tokens),
@@ -219,6 +226,11 @@ class ModelRunner:
 
     def _to_device(self, values: list) -> torch.Tensor:
         return device_tensor(values, self.device)
+
+
+def _is_first_rows(rows) -> bool:
+    """Whether `rows` (a list or an array) is 0, 1, ..., len - 1."""
+    return np.array_equal(rows, np.arange(len(rows)))
 
 
 def _sizes_text(graphs: DecodeGraphs | PrefillGraphs | None) -> str:

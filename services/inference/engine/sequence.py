@@ -13,6 +13,9 @@ Invariants:
   token_ids = prompt + output; num_computed_tokens <= len(token_ids);
   every computed token is known (not PLACEHOLDER_TOKEN) once its step's results are processed;
   block_ids covers at least num_computed_tokens slots (block_size each);
+  a sequence with a placeholder that is scheduled has one uncomputed token, the placeholder
+    (it is recorded computed up to it; a preempted one waits until its value is known), so
+    its step's input at that row is the placeholder (engine/decode_batch.py relies on it);
   the first num_registered_blocks blocks are full, computed and known to the prefix cache.
 
 Who writes which field (one writer each; the others only read):
@@ -22,8 +25,9 @@ Who writes which field (one writer each; the others only read):
   Sequence.block_hash: block_hashes (extended lazily from token_ids);
   BlockManager: block_ids, num_registered_blocks (the block table and its prefix-cache progress);
     block_ids is replaced by a new list at each change, never changed in place: a step's inputs
-    and the decode graphs' device rows (engine/block_table_rows.py) hold it by reference, and a
+    and the persistent decode batch's rows (engine/decode_batch.py) hold it by reference, and a
     table that is the same object is the same table (issue 19: no copy or comparison per step);
+  DecodeBatch: decode_row (the sequence's row in the persistent batch of decodes);
   Scheduler: the grammar matcher's state (it accepts each token as the token replaces its
     placeholder), and everything else - status, num_computed_tokens, num_cached_tokens, was_admitted,
     token_ids after construction (placeholders and their values), placeholder_row,
@@ -86,6 +90,7 @@ class Sequence:
     placeholder_row: int = -1
     # Its placeholder ends it (max_tokens or the length limit): not scheduled again.
     is_finishing: bool = False
+    decode_row: int = -1  # its row in the engine's DecodeBatch; -1: none
     first_scheduled_ns: int = 0
     first_token_ns: int = 0
     finish_reason: FinishReason | None = None

@@ -16,11 +16,12 @@ other ranks' loop.
 Decode block tables go as changes: most of a decode step's bytes are its block tables (256
 sequences at 1k-token contexts: ~16k block ids, ~55 KB pickled), and a sequence's table changes
 once every block_size tokens. A sequence's block_ids list is replaced, never changed in place
-(block_table_rows.py relies on the same), so rank 0 sends None for a row whose list is the one
-it sent for that sequence at the step before, and each rank puts back the list it received
-then: the same object, so the rank's BlockTableRows sees an unchanged table and uploads
-nothing. Both sides keep only the sequences of the latest step, so a sequence that skips a step
-is sent whole when it comes back.
+(the persistent decode batch, decode_batch.py, relies on the same), so rank 0 sends None for a
+row whose list is the one it sent for that sequence at the step before, and each rank puts back
+the list it received then. Both sides keep only the sequences of the latest step, so a sequence
+that skips a step is sent whole when it comes back. The decode graphs' device rows need none of
+the lists: the step carries the batch's rows and the table entries it changed
+(StepInputs.decode_rows, decode_table_changes), which every rank writes into its own rows.
 """
 
 from __future__ import annotations
@@ -59,7 +60,7 @@ class StepBroadcast:
 
     def send(self, block_copies: list[tuple[int, int]], step: StepInputs, launched_tokens: torch.Tensor | None) -> None:
         """Rank 0: this step, before it runs its own forward."""
-        reads_launched = bool(step.placeholder_rows) and launched_tokens is not None
+        reads_launched = len(step.placeholder_rows) > 0 and launched_tokens is not None
         message = StepMessage(block_copies, self._with_table_changes(step))
         if reads_launched:
             message.num_launched_tokens, message.launched_dtype = launched_tokens.numel(), launched_tokens.dtype

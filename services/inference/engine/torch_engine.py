@@ -4,9 +4,11 @@ prefix reuse, in PyTorch.
 One step reads top to bottom:
   schedule  the Scheduler picks sequences and token counts (decodes, prefill chunks, new
             arrivals) within the token budget, allocating KV blocks, preempting when short;
-  execute   the ModelRunner queues one forward over the flat batch (logits for the sequences
-            whose last token is computed), n > 1 requests fork their siblings
-            (engine/sequence_factory.py) and the Sampler queues the sampling;
+  execute   the step's inputs are built (decodes from the persistent batch of decoding
+            sequences, engine/decode_batch.py), the ModelRunner queues one forward over the
+            flat batch (logits for the sequences whose last token is computed), n > 1
+            requests fork their siblings (engine/sequence_factory.py) and the Sampler queues
+            the sampling;
   update    one launched step at a time, with its own sampled tokens: the step launched before
             (its LaunchedSample waited for) goes to Scheduler.update_from_output, whose stop
             rules finish sequences (their blocks return to the pool at once), and the new
@@ -52,6 +54,7 @@ from llmserve.buckets import BucketConfig
 from llmserve.inference.engine.batch_inputs import build_step_inputs
 from llmserve.inference.engine.block_manager import BlockManager
 from llmserve.inference.engine.config import EngineConfig
+from llmserve.inference.engine.decode_batch import DecodeBatch
 from llmserve.inference.engine.engine_outputs import error_outputs, step_outputs
 from llmserve.inference.engine.grammar import Grammars, GrammarStats
 from llmserve.inference.engine.kv_block_import import KvBlockImporter, KvImport, KvPullRefused, KvPullSource
@@ -125,6 +128,8 @@ class TorchEngineCore:
             ),
             self.block_manager,
         )
+        # The decoding sequences' rows, kept across steps (engine/decode_batch.py).
+        self._decodes = DecodeBatch(config.max_num_seqs, self.runner.max_blocks_per_seq, config.block_size_tokens)
         self.sampler = sampler if sampler is not None else Sampler(files.eos_token_ids)
         self.model_info = ModelInfo.describe(
             config, files, vocab_size=self.runner.vocab_size, backend="torch", device=str(self.runner.device)
@@ -274,7 +279,7 @@ class TorchEngineCore:
         timer.gpu_begin()
         launched_tokens = self._launched.sampled.token_ids if self._launched is not None else None
         sampling_indexes = batch.sampling_indexes()
-        step_inputs = timer.measure("inputs_s", build_step_inputs, batch, self.runner.block_size, sampling_indexes)
+        step_inputs = timer.measure("inputs_s", build_step_inputs, batch, self._decodes, sampling_indexes)
         with self._window():
             logits = timer.measure("execute_launch_s", self.runner.execute, batch, step_inputs, launched_tokens)
         seqs = [batch.seqs[i] for i in sampling_indexes]

@@ -67,7 +67,8 @@ class AttentionBackend(ABC, Generic[MetadataT]):
     def build_metadata(self, step: StepInputs, decode_block_tables: torch.Tensor | None = None) -> MetadataT:
         """The step's attention metadata on the device (no hidden host sync). `decode_block_tables`
         [num_decodes, width] int32: the decodes' block tables when already on the device (the
-        decode graphs keep them, engine/block_table_rows.py); only where supports_cuda_graphs."""
+        decode graphs keep them in the persistent batch's rows, engine/decode_batch.py); only where
+        supports_cuda_graphs."""
 
     @abstractmethod
     def rope_tables(self, positions: torch.Tensor, inv_freq: torch.Tensor, dtype: torch.dtype) -> RopeTables:

@@ -1,4 +1,4 @@
-"""StepInputs: one step's flat model inputs, as the model's attention reads them. Pure Python.
+"""StepInputs: one step's flat model inputs, as the model's attention reads them.
 
 Order: the single-token sequences (decodes) first, then the multi-token prefill chunks, each
 contiguous, so attention can treat the leading rows as one decode batch. Per token: its id,
@@ -14,6 +14,13 @@ on the device, not yet on the host). Its row gets id 0 and is listed in `placeho
 the row of the in-flight step's sampled tokens to read it from on the device in
 `placeholder_source_rows` (ModelRunner fills them before the forward).
 
+Decodes and the persistent batch (engine/decode_batch.py): each decode also has its row in the
+engine's batch of decoding sequences (`decode_rows`), and the step lists the (row, column, block
+id) entries of the rows' tables it changed (`decode_table_changes`, [3, k]); the decode graphs
+keep those rows on the device and gather the step's tables from them. A decode-only step the
+engine builds holds its per-row fields as numpy arrays (Ints), any other step as lists; a step
+built by hand may leave the rows out (None), and then runs without the decode graphs.
+
 The engine builds them (engine/batch_inputs.py); the models only read them, so this type
 lives below both.
 """
@@ -22,23 +29,29 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import numpy as np
+
+Ints = list[int] | np.ndarray  # one int per row
+
 
 @dataclass(slots=True)
 class StepInputs:
-    input_ids: list[int] = field(default_factory=list)
-    positions: list[int] = field(default_factory=list)
-    slot_mapping: list[int] = field(default_factory=list)
+    input_ids: Ints = field(default_factory=list)
+    positions: Ints = field(default_factory=list)
+    slot_mapping: Ints = field(default_factory=list)
     decode_block_tables: list[list[int]] = field(default_factory=list)
-    decode_context_lens: list[int] = field(default_factory=list)
+    decode_context_lens: Ints = field(default_factory=list)
     decode_seq_ids: list[int] = field(default_factory=list)  # whose table each is (kept across steps by id)
+    decode_rows: np.ndarray | None = None  # int32 [num_decodes]: each decode's row of the persistent batch
+    decode_table_changes: np.ndarray | None = None  # int32 [3, k]: (row, column, block id); None: none
     prefill_query_starts: list[int] = field(default_factory=list)
     prefill_query_lens: list[int] = field(default_factory=list)
     prefill_context_lens: list[int] = field(default_factory=list)
     prefill_block_tables: list[list[int]] = field(default_factory=list)
     prefill_has_cached_prefix: list[bool] = field(default_factory=list)
     logits_indices: list[int] = field(default_factory=list)
-    placeholder_rows: list[int] = field(default_factory=list)
-    placeholder_source_rows: list[int] = field(default_factory=list)
+    placeholder_rows: Ints = field(default_factory=list)
+    placeholder_source_rows: Ints = field(default_factory=list)
 
     @property
     def num_tokens(self) -> int:

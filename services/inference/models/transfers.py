@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 
@@ -21,16 +22,17 @@ def device_tensor(values, device: torch.device, dtype: torch.dtype = torch.long)
 _ALIGN_INT32S = 4
 
 
-def device_int32(value_lists: list[list[int]], device: torch.device) -> list[torch.Tensor]:
-    """Several int lists as int32 device tensors (16-byte aligned views of one), in one
-    host-to-device copy: a step's small inputs each cost ~30 µs of host time sent alone."""
+def device_int32(value_lists: list, device: torch.device) -> list[torch.Tensor]:
+    """Several int lists or numpy arrays as int32 device tensors (16-byte aligned views of one),
+    in one host-to-device copy: a step's small inputs each cost ~30 µs of host time sent alone."""
     lengths = [len(values) for values in value_lists]
     padded_lengths = [-(-length // _ALIGN_INT32S) * _ALIGN_INT32S for length in lengths]
-    flat: list[int] = []
-    for values, padded in zip(value_lists, padded_lengths):
-        flat += values
-        flat += [0] * (padded - len(values))
-    tensor = torch.tensor(flat, dtype=torch.int32)
+    flat = np.zeros(sum(padded_lengths), dtype=np.int32)
+    start = 0
+    for values, length, padded in zip(value_lists, lengths, padded_lengths):
+        flat[start : start + length] = values
+        start += padded
+    tensor = torch.from_numpy(flat)
     if device.type == "cuda":
         tensor = tensor.pin_memory().to(device, non_blocking=True)
     return [part[:length] for part, length in zip(tensor.split(padded_lengths), lengths)]
