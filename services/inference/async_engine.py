@@ -38,7 +38,7 @@ from llmserve.inference import metrics
 from llmserve.inference.admission import AdmissionConfig, AdmissionController, Admitted
 from llmserve.inference.engine.engine_loop import CallCore, CoreReply, CoreUpdate, Deliver
 from llmserve.inference.engine.types import EngineLoad, EngineRequest, ModelInfo
-from llmserve.inference.kv_event_coalescer import KvEventCoalescer, KvEventSink
+from llmserve.inference.kv_event_coalescer import DEFAULT_INTERVAL_S, KvEventCoalescer, KvEventSink
 from llmserve.sampling import FinishReason
 
 log = logging.getLogger(__name__)
@@ -119,10 +119,11 @@ class AsyncEngine:
         self._client.start(asyncio.get_running_loop(), self._deliver)
         self._is_accepting = True
 
-    def forward_kv_events(self, sink: KvEventSink) -> None:
+    def forward_kv_events(self, sink: KvEventSink, interval_s: float = DEFAULT_INTERVAL_S) -> None:
         """Hand the core's prefix-cache changes to `sink` from now on (before: dropped), a
-        batch at most every few steps (kv_event_coalescer.py)."""
-        self._kv_events = KvEventCoalescer(sink)
+        batch at most every `interval_s`, and at once with a request's final output
+        (kv_event_coalescer.py)."""
+        self._kv_events = KvEventCoalescer(sink, interval_s)
 
     async def shutdown(self, drain_timeout_s: float) -> None:
         """Stop accepting (Unavailable), let in-flight requests finish for up to
