@@ -72,7 +72,7 @@ def run(args, device: torch.device) -> dict:
     launched = torch.arange(args.streams, device=device)
     inputs_s, staging_s = [], []
     for _ in range(args.steps):
-        batch = ScheduledBatch(list(seqs), [1] * args.streams)
+        batch = ScheduledBatch(list(seqs), [1] * args.streams, num_decodes=args.streams)  # as the scheduler marks them
         start = time.perf_counter()
         step = build_step_inputs(batch, decodes)
         built = time.perf_counter()

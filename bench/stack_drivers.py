@@ -94,6 +94,7 @@ def record_output(record: RequestRecord, output: EngineOutput, now_s: float) -> 
         record.num_prompt_tokens = output.num_prompt_tokens
         record.num_completion_tokens = output.num_completion_tokens
         record.num_cached_tokens = output.num_cached_tokens
+        record.queue_ms = output.queue_time_ns / 1e6
 
 
 def drive_core(core: EngineCore, planned: list[PlannedRequest], concurrency: int, tag: str,
@@ -156,8 +157,8 @@ async def send_to_inference(channel: grpc.aio.Channel, planned: PlannedRequest, 
     )
     record = new_record(planned)
     stream = stub.GenerateTokens(request, timeout=plan.timeout_s)
-    return await record_stream(record, stream, _final_usage)
+    return await record_stream(record, stream, _final)
 
 
-def _final_usage(message: inference_pb2.GenerateTokensResponse):
-    return message.usage if message.HasField("usage") else None  # set on the last message only
+def _final(message: inference_pb2.GenerateTokensResponse):
+    return message if message.HasField("usage") else None  # usage and timings: the last message only

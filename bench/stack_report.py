@@ -37,6 +37,11 @@ def measurement(summary: dict, usage: dict[str, dict]) -> dict:
         "output_tokens_per_s": significant(summary["output_tokens_per_s"]),
         "ttft_p50_ms": significant(summary["ttft_ms"]["p50"]),
         "ttft_p99_ms": significant(summary["ttft_ms"]["p99"]),
+        "ttft_mean_ms": significant(summary["ttft_ms"]["mean"]),
+        # The engine's own wait before each request's first step, as it reported it: the same
+        # measure on every path (the core loop's outputs, the replica's Timings).
+        "queue_mean_ms": significant(summary["queue_ms"]["mean"]),
+        "queue_p99_ms": significant(summary["queue_ms"]["p99"]),
         "itl_p50_ms": significant(summary["itl_ms"]["p50"]),
         "itl_p99_ms": significant(summary["itl_ms"]["p99"]),
         "prompt_tokens_per_request": significant(summary["num_prompt_tokens"] / num_ok),
@@ -134,6 +139,8 @@ class Report:
         if any(row.get("engine_steps") for row in rows):
             print()
             print(engine_steps.format_steps(rows))
+        print()
+        print(format_first_tokens(rows))
         if any(row.get("first_token_hops_ms") for row in rows):
             print()
             print(format_hops(rows))
@@ -217,6 +224,17 @@ def format_threads(rows: list[dict]) -> str:
         parts = [f"{role}: " + ", ".join(f"{t['name']} {t['cpu_pct']}" for t in threads)
                  for role, threads in row["threads"].items() if threads]
         lines.append(f"  {row['label']} @ {row['streams']}: " + "; ".join(parts))
+    return "\n".join(lines)
+
+
+def format_first_tokens(rows: list[dict]) -> str:
+    """Every row's first token, ms: the engine's own queue (mean / p99) beside the TTFT the
+    client saw (mean / p99), the same measures on every path."""
+    lines = ["first token, ms: engine queue mean / p99, client TTFT mean / p99:"]
+    for row in rows:
+        cells = " / ".join(_cell(row.get(key)) for key in ("queue_mean_ms", "queue_p99_ms"))
+        ttft = " / ".join(_cell(row.get(key)) for key in ("ttft_mean_ms", "ttft_p99_ms"))
+        lines.append(f"  {row['label']} @ {row['streams']} (#{row['repeat']}): queue {cells}, TTFT {ttft}")
     return "\n".join(lines)
 
 

@@ -17,7 +17,7 @@ import pytest
 from llmserve.tools.loadgen.client import ClientPlan, RequestRecord, build_request, run_plan
 from llmserve.tools.loadgen.conversation import Conversation
 from llmserve.tools.loadgen.runner import RunConfig, run_workload
-from llmserve.tools.loadgen.stats import itl_samples_ms, percentile, summarize, timeline, tpot_ms
+from llmserve.tools.loadgen.stats import itl_samples_ms, percentile, summarize, timeline, tpot_ms, ttft_ms
 from llmserve.tools.loadgen.workload import LengthDistribution, PromptBuilder, PromptForm, WorkloadConfig, plan_requests
 from tests.procs import stack_fixture
 
@@ -166,7 +166,7 @@ def test_bench_measures_a_real_stack(gateway_address, tiny_model_dir, tmp_path):
                        "--client-processes", "2", "--prompt-tokens", "uniform:20:40", "--output-tokens", "6",
                        "--prefix-groups", "2", "--prefix-tokens", "32")
     assert completed.returncode == 0, completed.stderr[-3000:]
-    assert "12/12 succeeded" in completed.stdout and "TTFT" in completed.stdout
+    assert "12/12 succeeded" in completed.stdout and "TTFT" in completed.stdout and "Queue" in completed.stdout
     report = json.loads((tmp_path / "run.json").read_text())
     summary = report["summary"]
     assert summary["num_succeeded"] == 12 and summary["num_completion_tokens"] == 12 * 6
@@ -176,6 +176,7 @@ def test_bench_measures_a_real_stack(gateway_address, tiny_model_dir, tmp_path):
     assert summary["itl_ms"]["count"] <= 12 * 5
     assert 0 < summary["ttft_ms"]["p50"] <= summary["ttft_ms"]["p90"] <= summary["ttft_ms"]["p99"]
     assert summary["ttft_ms"]["p99"] <= summary["e2e_ms"]["p99"]
+    assert summary["queue_ms"]["count"] == 12  # the replica's own wait, from each final message's Timings
     assert sum(report["timeline"]["output_tokens_per_s"]) * report["timeline"]["bin_s"] == 12 * 6
     for name in ("run-latency.png", "run-throughput.png"):
         assert (tmp_path / name).read_bytes()[:8] == PNG_MAGIC
@@ -193,6 +194,7 @@ def test_itl_counts_every_token_after_the_first_message(gateway_address, tiny_mo
     assert [r.status for r in result.records] == ["OK"] * 12
     for record in result.records:
         assert sum(record.message_num_tokens) == record.num_completion_tokens == 6
+        assert 0 <= record.queue_ms <= ttft_ms(record)  # the replica's wait is part of the client's
     summary = summarize(result.records, result.start_s, result.end_s)
     num_after_first = sum(r.num_completion_tokens - r.message_num_tokens[0] for r in result.records)
     assert summary["itl_ms"]["count"] == num_after_first

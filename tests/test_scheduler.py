@@ -9,6 +9,7 @@ update_from_output with its sampled tokens).
 from __future__ import annotations
 
 import functools
+import random
 
 import pytest
 
@@ -16,7 +17,8 @@ from llmserve.inference.engine.block_manager import BlockManager
 from llmserve.inference.engine.scheduler import ScheduledBatch, Scheduler, SchedulerConfig
 from llmserve.inference.engine.sequence import PLACEHOLDER_TOKEN, SequenceStatus
 from llmserve.inference.engine.step_output import LaunchedBatch
-from llmserve.sampling import FinishReason
+from llmserve.inference.engine.stop import length_limit, reaches_length_limit
+from llmserve.sampling import FinishReason, SamplingParams
 from tests import engine_objects
 
 BLOCK_SIZE = 4
@@ -294,3 +296,58 @@ def test_a_sequence_whose_placeholder_is_its_last_token_is_not_scheduled_again()
     new_tokens = scheduler.update_from_output(launch, [SAMPLED_TOKEN])
     assert new_tokens.finishes == [(0, FinishReason.LENGTH, None)]
     assert_pool_full(scheduler)
+
+
+def test_the_batch_knows_its_decodes_through_preemptions_chunks_and_arrivals():
+    """ScheduledBatch.num_decodes (its leading decodes, which all sample) keeps
+    sampling_indexes and one_token_indexes equal to their per-entry definitions in every step
+    of a crowded run: short pools that preempt decodes while prefills are scheduled, one-token
+    chunks at the end of the budget, arrivals and finishes."""
+    rand = random.Random(11)
+    scheduler = make_scheduler(num_blocks=14, max_num_seqs=6, max_batched_tokens=9)
+    seen_preemption = seen_decodes = seen_one_token_chunk = False
+    for step in range(400):
+        if rand.random() < 0.3:
+            scheduler.add(make_seq(rand.randrange(3, 18), seq_id=step + 1, max_tokens=rand.randrange(2, 12)))
+        preempted_before = scheduler.num_preemptions_total
+        batch = scheduler.schedule()
+        seqs = batch.seqs
+        assert batch.sampling_indexes() == [i for i in range(len(seqs)) if batch.samples(i)]
+        assert batch.one_token_indexes() == [i for i, n in enumerate(batch.num_new_tokens) if n == 1]
+        assert all(batch.samples(i) and batch.num_new_tokens[i] == 1 for i in range(batch.num_decodes))
+        seen_decodes |= batch.num_decodes > 0
+        seen_one_token_chunk |= any(n == 1 and not batch.samples(i) for i, n in enumerate(batch.num_new_tokens))
+        seen_preemption |= scheduler.num_preemptions_total > preempted_before and batch.num_decodes > 0
+        launch = LaunchedBatch(batch, batch.sampling_seqs())
+        scheduler.record_launch(launch)
+        scheduler.update_from_output(launch, [SAMPLED_TOKEN] * len(launch.sampling_seqs))
+    assert seen_decodes and seen_one_token_chunk and seen_preemption
+
+
+def test_a_decode_preempted_for_a_prefill_chunk_leaves_the_batchs_decodes():
+    """A low-priority decode scheduled first, then preempted for a high-priority prompt's next
+    chunk: the batch's decodes no longer count it, and the chunk, which does not end its
+    prompt, does not sample."""
+    scheduler = make_scheduler(num_blocks=5, max_num_seqs=4, max_batched_tokens=8)
+    low = make_seq(3, seq_id=1, priority=1)
+    scheduler.add(low)
+    run_step(scheduler)  # low's prompt: it decodes from now on
+    high = make_seq(16, seq_id=2, priority=0)
+    scheduler.add(high)
+    run_step(scheduler)  # low's decode, and high's first chunk of 7
+    batch = scheduler.schedule()  # low needs a block for its next token; high's chunk preempts it
+    assert low.status is SequenceStatus.WAITING and batch.seqs == [high] and batch.num_new_tokens == [7]
+    assert batch.num_decodes == 0 and batch.sampling_indexes() == [] and batch.one_token_indexes() == []
+
+
+@pytest.mark.parametrize("max_tokens", [1, 5, 30])
+@pytest.mark.parametrize("max_seq_tokens", [12, 40])
+def test_the_length_limit_as_a_count_is_the_length_rule(max_tokens, max_seq_tokens):
+    """stop.length_limit, which record_launch compares each sequence's tokens with, says what
+    stop.reaches_length_limit says at every length."""
+    sampling = SamplingParams(max_tokens=max_tokens)
+    num_prompt_tokens = 7
+    limit = length_limit(num_prompt_tokens, sampling, max_seq_tokens)
+    for num_tokens in range(num_prompt_tokens, 60):
+        expected = reaches_length_limit(num_tokens - num_prompt_tokens, num_tokens, sampling, max_seq_tokens)
+        assert (num_tokens >= limit) == expected, num_tokens

@@ -40,6 +40,9 @@ class RequestRecord:
     num_completion_tokens: int = 0
     num_cached_tokens: int = 0
     num_pulled_tokens: int = 0  # of the cached ones, pulled from another replica (KV pull)
+    # The serving engine's own report of the request's wait before its first step (Timings'
+    # queue_time_ns on the last message); None where the server sent none (HTTP, a failure).
+    queue_ms: float | None = None
     status: str = "OK"  # a grpc.StatusCode name; over HTTP also HTTP_<status> (openai_client.py)
     error: str = ""
     # The answer, kept only in multi-turn runs (the next turn's prompt includes it).
@@ -97,17 +100,18 @@ async def send_one(channel: grpc.aio.Channel, planned: PlannedRequest, plan: Cli
     request = build_request(planned, plan.workload, plan.ignore_eos, plan.model, conversation)
     record.start_s = time.monotonic()
     stream = stub.GenerateStream(request, timeout=plan.timeout_s)
-    return await record_stream(record, stream, _result_usage, keep_answer=plan.workload.num_turns > 1)
+    return await record_stream(record, stream, _result, keep_answer=plan.workload.num_turns > 1)
 
 
-def _result_usage(message: gateway_pb2.GenerateStreamResponse):
-    return message.result.usage if message.HasField("result") else None
+def _result(message: gateway_pb2.GenerateStreamResponse):
+    return message.result if message.HasField("result") else None
 
 
-async def record_stream(record: RequestRecord, stream, usage_of, keep_answer: bool = False) -> RequestRecord:
+async def record_stream(record: RequestRecord, stream, result_of, keep_answer: bool = False) -> RequestRecord:
     """Read a server stream into `record`: when each message carrying `token_ids` arrived, the
-    usage of the message for which `usage_of(message)` gives one, a gRPC error as the status;
-    with `keep_answer`, the streamed text and token ids too."""
+    usage and timings of the message for which `result_of(message)` gives a part holding them
+    (`usage`, `timings`), a gRPC error as the status; with `keep_answer`, the streamed text and
+    token ids too."""
     try:
         async for message in stream:
             now = time.monotonic()
@@ -118,8 +122,10 @@ async def record_stream(record: RequestRecord, stream, usage_of, keep_answer: bo
                     record.answer_token_ids.extend(message.token_ids)
             if keep_answer:
                 record.answer_text += message.text
-            usage = usage_of(message)
-            if usage is not None:
+            result = result_of(message)
+            if result is not None:
+                usage = result.usage
+                record.queue_ms = result.timings.queue_time_ns / 1e6
                 record.num_prompt_tokens = usage.prompt_tokens
                 record.num_completion_tokens = usage.completion_tokens
                 record.num_cached_tokens = usage.cached_tokens

@@ -11,7 +11,7 @@ from typing import IO
 from llmserve.tools.loadgen.client import RequestRecord
 from llmserve.tools.loadgen.stats import PERCENTILES, latency_samples_ms
 
-_LATENCIES = (("TTFT", "ttft_ms"), ("ITL", "itl_ms"), ("TPOT", "tpot_ms"), ("E2E", "e2e_ms"))
+_LATENCIES = (("TTFT", "ttft_ms"), ("ITL", "itl_ms"), ("TPOT", "tpot_ms"), ("E2E", "e2e_ms"), ("Queue", "queue_ms"))
 
 
 def format_table(summary: dict) -> str:

@@ -7,6 +7,9 @@ Definitions (every latency in milliseconds; successful requests only):
          server that coalesces tokens is measured per token, as a reader sees them arrive.
   TPOT   time per output token after the first: (E2E - TTFT) / (completion tokens - 1), per request.
   E2E    request sent → last message.
+  QUEUE  the serving engine's own report of the wait before the request's first step (the
+         final message's Timings), for the requests whose server sent one: where TTFT goes
+         besides the hops and the prefill.
 Throughput is over the whole run (first send → last end): output tok/s counts completion
 tokens, total tok/s adds prompt tokens, request rate counts successful requests; messages counts
 the stream messages the successful requests received (how much the server coalesced).
@@ -67,6 +70,7 @@ def latency_samples_ms(records: list[RequestRecord]) -> dict[str, list[float]]:
         "itl_ms": [v for r in ok for v in itl_samples_ms(r)],
         "tpot_ms": [v for r in ok if (v := tpot_ms(r)) is not None],
         "e2e_ms": [(r.end_s - r.start_s) * 1e3 for r in ok],
+        "queue_ms": [r.queue_ms for r in ok if r.queue_ms is not None],
     }
 
 

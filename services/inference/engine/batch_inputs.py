@@ -20,7 +20,7 @@ def build_step_inputs(
 ) -> StepInputs:
     """`decodes`: the engine's persistent batch (its block size is the cache's);
     `sampling_indexes`: batch.sampling_indexes(), when the caller has it already."""
-    decode_indexes = [i for i, num_new in enumerate(batch.num_new_tokens) if num_new == 1]
+    decode_indexes = batch.one_token_indexes()
     step = StepInputs()
     if decode_indexes:
         _add_decodes(step, batch, decode_indexes, decodes)

@@ -31,7 +31,8 @@ Who writes which field (one writer each; the others only read):
   Scheduler: the grammar matcher's state (it accepts each token as the token replaces its
     placeholder), and everything else - status, num_computed_tokens, num_cached_tokens, was_admitted,
     token_ids after construction (placeholders and their values), placeholder_row,
-    is_finishing, first_scheduled_ns, first_token_ns, finish_reason, error_message, stop_ids.
+    is_finishing, first_scheduled_ns, first_token_ns, finish_reason, error_message, stop_ids,
+    length_limit.
 """
 
 from __future__ import annotations
@@ -85,6 +86,8 @@ class Sequence:
     # The token ids that end it with STOP (stop.stop_token_ids), set once when the scheduler
     # takes it: the update checks each token against it without a call.
     stop_ids: frozenset[int] = frozenset()
+    # The tokens it may hold: it ends with LENGTH at this count (stop.length_limit), set with stop_ids.
+    length_limit: int = 0
     # Row of the last token in the sampled tokens of the launched, not yet processed step;
     # -1 when it has no placeholder.
     placeholder_row: int = -1

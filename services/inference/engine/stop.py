@@ -49,6 +49,12 @@ def reaches_length_limit(num_completion_tokens: int, num_tokens: int, sampling: 
     return num_completion_tokens >= sampling.max_tokens or num_tokens >= max_seq_tokens
 
 
+def length_limit(num_prompt_tokens: int, sampling: SamplingParams, max_seq_tokens: int) -> int:
+    """The LENGTH rule as a token count: a sequence of this prompt reaches it once it holds this
+    many tokens (reaches_length_limit, computed once per sequence for the step's hot path)."""
+    return min(num_prompt_tokens + sampling.max_tokens, max_seq_tokens)
+
+
 def finish_by_grammar(grammar, token_id: int) -> FinishReason | None:
     """Rule 4, for a sequence that rules 1-3 left running: `grammar` (a GrammarMatcher)
     accepts the token, and says whether it is done."""
