@@ -164,16 +164,20 @@ class Scheduler:
         self._block_copies_to_make = []
         budget = self.config.max_batched_tokens
         num_preempted_before = self.num_preemptions_total
-        decodes, prefills = self._running_by_kind()
         block_size = self.block_manager.block_size
         running = SequenceStatus.RUNNING
         seqs, num_new_tokens = batch.seqs, batch.num_new_tokens
-        for seq in decodes:
+        prefills = []
+        # Decodes are scheduled as they come, prefills after them: one pass over the running
+        # sequences (a copy: preemption removes from the list), in admission order.
+        for seq in tuple(self.running):
             if budget == 0:
                 break
-            if seq.status is not running:
-                continue  # preempted earlier in this loop
-            if seq.num_computed_tokens < len(seq.block_ids) * block_size:
+            if seq.is_finishing or seq.status is not running:
+                continue  # its placeholder ends it; or preempted earlier in this loop
+            if len(seq.token_ids) - seq.num_computed_tokens != 1:
+                prefills.append(seq)
+            elif seq.num_computed_tokens < len(seq.block_ids) * block_size:
                 # The common case: its token fits a block it holds (no allocation).
                 seqs.append(seq)
                 num_new_tokens.append(1)
@@ -300,15 +304,6 @@ class Scheduler:
         seq.finish_reason = reason
 
     # --- scheduling --------------------------------------------------------------------------
-
-    def _running_by_kind(self) -> tuple[list[Sequence], list[Sequence]]:
-        """The schedulable running sequences: (decodes, prefills), each in admission order."""
-        decodes, prefills = [], []
-        for seq in self.running:
-            if not seq.is_finishing:
-                num_uncomputed = len(seq.token_ids) - seq.num_computed_tokens
-                (decodes if num_uncomputed == 1 else prefills).append(seq)
-        return decodes, prefills
 
     def _schedule_running(self, seq: Sequence, budget: int, batch: ScheduledBatch) -> int:
         """Schedule `seq`, preempting others (or itself) for blocks; returns net tokens used."""
