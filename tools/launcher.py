@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import IO, Sequence
 
 from llmserve.gateway.slow_reader_flags import slow_reader_argv
+from llmserve.gateway.stream_interval import stream_interval_argv
 from llmserve.inference.engine_flags import engine_argv
 from llmserve.tools.model_store import DEFAULT_MODEL_NAME, ModelResolutionError, is_default_model_spec, resolve_model
 from llmserve.tools.serve_config import ServeConfig
@@ -101,6 +102,7 @@ def gateway_argv(
     args = [
         "--host", config.host, "--port", str(config.port), "--workers", str(config.gateway_workers), *common,
         "--preprocess", preprocess.address, *_metrics_args(config, 0), *slow_reader_argv(config.slow_readers),
+        *stream_interval_argv(config.stream_interval_s),
     ]
     if config.http_port is not None:
         args += ["--http-port", str(config.http_port)]

@@ -17,6 +17,7 @@ from llmserve.gateway.config import DEFAULT_ACCEPT_LOOPS, DEFAULT_DOWNSTREAM_REA
 from llmserve.gateway.connection_age import DEFAULT_MAX_CONNECTION_AGE_S
 from llmserve.gateway.discovery import Target
 from llmserve.gateway.slow_reader_flags import add_slow_reader_arguments, slow_reader_bounds
+from llmserve.gateway.stream_interval import add_stream_interval_argument, stream_interval_s
 from llmserve.gateway.routing_flags import add_routing_arguments, routing_options
 from llmserve.gateway.worker import run_worker
 from llmserve.gateway.worker_group import run_worker_group
@@ -85,6 +86,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="at start, how long to wait for preprocess and inference to report SERVING (default: %(default)s)",
     )
     add_slow_reader_arguments(parser)
+    add_stream_interval_argument(parser)
     add_routing_arguments(parser)
     return parser
 
@@ -103,6 +105,7 @@ def config_from_args(args: argparse.Namespace) -> GatewayConfig:
         max_connection_age_s=args.max_connection_age_s,
         http_port=args.http_port,
         slow_readers=slow_reader_bounds(args),
+        stream_interval_s=stream_interval_s(args),
         **routing_options(args),
     )
 

@@ -10,6 +10,7 @@ from llmserve.gateway.connection_age import DEFAULT_MAX_CONNECTION_AGE_S
 from llmserve.gateway.discovery import DEFAULT_RESOLVE_INTERVAL_S, Target
 from llmserve.gateway.router import RoutingConfig
 from llmserve.gateway.slow_reader import SlowReaderBounds
+from llmserve.gateway.stream_interval import check_stream_interval
 from llmserve.prefix_index.redis_config import RedisIndexConfig
 from llmserve.observability import ObservabilityConfig
 from llmserve.server_flags import DEFAULT_GRACE_PERIOD_S, DEFAULT_HOST, GATEWAY_PORT
@@ -50,6 +51,8 @@ class GatewayConfig:
     num_accept_loops: int = DEFAULT_ACCEPT_LOOPS
     # When a stream's client counts as not reading and its request is aborted.
     slow_readers: SlowReaderBounds = SlowReaderBounds()
+    # Least seconds between two messages of one client stream (stream_interval.py); 0: none.
+    stream_interval_s: float = 0.0
     routing: RoutingConfig = RoutingConfig()
     # Seconds between DNS resolutions of dns:/// targets (preprocess and inference).
     resolve_interval_s: float = DEFAULT_RESOLVE_INTERVAL_S
@@ -68,6 +71,7 @@ class GatewayConfig:
             raise ValueError("at least one inference address is required")
         check_at_least("grace_period_s", self.grace_period_s, 0)
         check_at_least("num_workers", self.num_workers, 1)
+        check_stream_interval(self.stream_interval_s, self.slow_readers.max_unread_s)
         check_at_least("max_connection_age_s", self.max_connection_age_s, 0)
         check_at_least("num_accept_loops", self.num_accept_loops, 1)
         if self.http_port == 0 and self.num_workers > 1:

@@ -48,13 +48,16 @@ class KvEventsUnsupported(Exception):
 
 
 class InferenceClient:
-    """`slow_readers`: when a request's client counts as not reading (gateway.slow_reader)."""
+    """`slow_readers`: when a request's client counts as not reading (gateway.slow_reader);
+    `stream_interval_s`: the least time between two of a request's outputs taken
+    (gateway.stream_interval)."""
 
-    def __init__(self, address: str, *, slow_readers: SlowReaderBounds = SlowReaderBounds()):
+    def __init__(self, address: str, *, slow_readers: SlowReaderBounds = SlowReaderBounds(),
+                 stream_interval_s: float = 0.0):
         self.address = address
         self._channel = grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
         self._stub = inference_pb2_grpc.InferenceServiceStub(self._channel)
-        self._replica_stream = ReplicaStream(self._stub, slow_readers)
+        self._replica_stream = ReplicaStream(self._stub, slow_readers, stream_interval_s)
 
     async def wait_until_serving(self, timeout_s: float) -> None:
         await wait_until_serving(self._channel, f"inference at {self.address}", timeout_s)

@@ -77,7 +77,8 @@ class ReplicaSet:
         await asyncio.gather(*(replica.client.close() for replica in self._replicas.values()))
 
     def _client(self, address: str) -> InferenceClient:
-        return InferenceClient(address, slow_readers=self._config.slow_readers)
+        return InferenceClient(address, slow_readers=self._config.slow_readers,
+                               stream_interval_s=self._config.stream_interval_s)
 
     def _add(self, address: str, client: InferenceClient) -> Replica:
         replica = Replica(address, client)

@@ -62,13 +62,15 @@ Forget = Callable[[str, bool], None]
 class MultiplexedTokens:
     """One request's outputs from a ReplicaStream: iterate for EngineOutputs (everything that
     arrived since the previous one, merged), `cancel` to stop it; `bounds` say when its client
-    counts as not reading."""
+    counts as not reading; `interval_s`: the least time between two takes after the first
+    (gateway.stream_interval: what arrives meanwhile is taken, and written, together)."""
 
     def __init__(self, request_id: str, forget: Forget, bounds: SlowReaderBounds = SlowReaderBounds(),
-                 *, num_sequences: int = 1):
+                 *, num_sequences: int = 1, interval_s: float = 0.0):
         self.request_id = request_id
         self._forget = forget
         self._bounds = bounds
+        self._interval_s = interval_s
         # The request ends with its last sequence's final output (sampling.n of them).
         self._num_sequences = num_sequences
         self._num_finished_pushed = 0
@@ -160,6 +162,7 @@ class MultiplexedTokens:
                 if self._overflow is not None:
                     self._is_done = True
                     raise self._overflow
+                taken_s = time.monotonic()
                 outputs, error = self._take()
                 for output in outputs:
                     if output.is_finished:
@@ -171,6 +174,9 @@ class MultiplexedTokens:
                     raise error
                 if self._failure is not None and not self._is_done:
                     raise self._failure
+                if self._interval_s and not self._is_done:
+                    # What arrives meanwhile goes in the next take, `interval_s` after this one.
+                    await asyncio.sleep(max(0.0, taken_s + self._interval_s - time.monotonic()))
         finally:
             self._stop_unread_timer()  # an armed timer would keep the ended request alive
 
@@ -231,9 +237,11 @@ class _Connection:
 
 
 class ReplicaStream:
-    def __init__(self, stub: inference_pb2_grpc.InferenceServiceStub, bounds: SlowReaderBounds = SlowReaderBounds()):
+    def __init__(self, stub: inference_pb2_grpc.InferenceServiceStub, bounds: SlowReaderBounds = SlowReaderBounds(),
+                 stream_interval_s: float = 0.0):
         self._stub = stub
         self._bounds = bounds
+        self._stream_interval_s = stream_interval_s
         self._connection: _Connection | None = None
         self._tasks: set[asyncio.Task] = set()
         self.last_response_s = 0.0  # time.monotonic() of the last message from the replica
@@ -241,7 +249,8 @@ class ReplicaStream:
     def generate(self, request: inference_pb2.GenerateTokensRequest) -> MultiplexedTokens:
         connection = self._open_connection()
         num_sequences = request.sampling.n if request.sampling.HasField("n") else 1
-        tokens = MultiplexedTokens(request.request_id, connection.forget, self._bounds, num_sequences=num_sequences)
+        tokens = MultiplexedTokens(request.request_id, connection.forget, self._bounds, num_sequences=num_sequences,
+                                   interval_s=self._stream_interval_s)
         connection.requests[request.request_id] = tokens
         connection.commands.put_nowait(inference_pb2.MultiplexRequest(generate=request))
         return tokens
