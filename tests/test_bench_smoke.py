@@ -36,9 +36,12 @@ def test_bench_host_step_times_every_part_of_full_decode_steps(tmp_path):
                        tmp_path)
     assert report["full_steps"] >= 5  # the steps after the first three, while all 8 decode
     assert set(report["host_us_per_step"]) == {
-        "schedule", "inputs", "execute_launch", "sampler_launch", "result_wait", "update", "record", "emit"
+        "schedule", "inputs", "execute_launch", "sampler_launch", "result_wait", "update", "record", "loop", "pickle",
+        "write",
     }
     assert report["host_us_per_step"]["execute_launch"] > 0 and report["step_us"] > 0
+    # the process's CPU over the iteration, every thread: the step's forward runs on this one
+    assert report["cpu_us_per_step"] > 0 and report["cpu_share_of_wall"] > 0
 
 
 def test_bench_decode_inputs_times_the_decode_graph_staging_on_cpu(tmp_path):
