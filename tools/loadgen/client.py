@@ -125,7 +125,8 @@ async def record_stream(record: RequestRecord, stream, result_of, keep_answer: b
             result = result_of(message)
             if result is not None:
                 usage = result.usage
-                record.queue_ms = result.timings.queue_time_ns / 1e6
+                if result.HasField("timings"):
+                    record.queue_ms = result.timings.queue_time_ns / 1e6
                 record.num_prompt_tokens = usage.prompt_tokens
                 record.num_completion_tokens = usage.completion_tokens
                 record.num_cached_tokens = usage.cached_tokens

@@ -90,7 +90,7 @@ class ModelRunner:
             num_blocks=config.num_kv_blocks,
             cpu_memory_bytes=config.kv_cpu_memory_bytes,
             memory_fraction=config.kv_memory_fraction,
-            max_useful_blocks=config.max_num_seqs * -(-max_context_tokens // self.block_size),
+            max_useful_blocks=config.max_num_seqs * self.max_blocks_per_seq,
         )
         num_blocks = ranks.min_int(num_blocks)  # one block table addresses every rank's pool
         export = KvPoolExport(self.device) if config.kv_pull else None
