@@ -50,6 +50,16 @@ def test_bench_decode_inputs_times_the_decode_graph_staging_on_cpu(tmp_path):
     assert len(report["runs"]) == 1 and report["runs"][0]["inputs"] > 0 and report["runs"][0]["staging"] > 0
 
 
+def test_bench_mixed_step_times_both_modes_of_the_same_mixed_steps(tmp_path):
+    pytest.importorskip("triton")
+    report = run_bench("bench_mixed_step.py", ["--decodes", "3", "--chunk-tokens", "9", "--steps", "2", "--repeat", "1",
+                                               "--out-dir", str(tmp_path)], tmp_path)
+    (cell,) = report["cells"]
+    for mode in ("eager", "piecewise"):
+        assert cell["runs"][0][mode]["steps"] == 2  # every step of the mode had the 3 decodes and the chunk
+        assert cell[f"{mode}_launch_us"][0] > 0
+
+
 def test_bench_server_fanout_times_both_message_forms(tmp_path):
     report = run_bench("bench_server_fanout.py", ["--streams", "16", "--calls", "2", "--steps", "5", "--repeat", "2",
                                                   "--out-dir", str(tmp_path)], tmp_path)

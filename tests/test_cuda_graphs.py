@@ -264,14 +264,19 @@ def test_captured_graphs_match_eager_kernels_and_are_used(tiny_model_dirs):
     for graphs in (engine.runner.decode_graphs, engine.runner.prefill_graphs):
         assert set(graphs.captured_graphs) == set(graphs.sizes)
     captured = {*engine.runner.decode_graphs.captured_graphs.values(), *engine.runner.prefill_graphs.captured_graphs.values()}
-    replays = []
-    replay = torch.cuda.CUDAGraph.replay
-    torch.cuda.CUDAGraph.replay = lambda self: (replays.append(self), replay(self))[1]
-    try:
-        results = run_scenario(engine)
-    finally:
-        torch.cuda.CUDAGraph.replay = replay
+    results, replays = run_scenario_recording_replays(engine)
     assert set(replays) <= captured
     assert engine.runner.prefill_graphs.num_steps >= 1 and engine.runner.decode_graphs.num_steps >= 1
     assert len(replays) == engine.runner.prefill_graphs.num_steps + engine.runner.decode_graphs.num_steps
     assert_same_generations(results, eager, tolerance=1e-4)
+
+
+def run_scenario_recording_replays(engine) -> tuple[dict, list]:
+    """run_scenario's results, and every CUDA graph replayed meanwhile, in order."""
+    replays = []
+    replay = torch.cuda.CUDAGraph.replay
+    torch.cuda.CUDAGraph.replay = lambda self: (replays.append(self), replay(self))[1]
+    try:
+        return run_scenario(engine), replays
+    finally:
+        torch.cuda.CUDAGraph.replay = replay

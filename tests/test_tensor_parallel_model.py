@@ -19,6 +19,7 @@ import pytest
 import torch
 
 from llmserve.inference.engine.kv_cache import KVCache, KVCacheSpec
+from llmserve.inference.engine.piecewise_graphs import PiecewiseGraphs
 from llmserve.inference.models.attention_backend import create_attention_backend
 from llmserve.inference.models.decoder_config import DecoderConfig, RopeConfig, check_splittable
 from llmserve.inference.models.loader import load_model
@@ -35,8 +36,12 @@ CHUNKS = ((0, 24), (24, 40))  # a prefill, then a chunk over the cached prefix
 LOGITS_TOLERANCE = 1e-5
 
 
-def step_logits(model_dir: Path, group: RankGroup, device: str = "cpu", attention_name: str = "portable") -> list[torch.Tensor]:
-    """The logits of every row of each step (two chunks, then one decode), on this rank."""
+def step_logits(
+    model_dir: Path, group: RankGroup, device: str = "cpu", attention_name: str = "portable", piecewise: bool = False
+) -> list[torch.Tensor]:
+    """The logits of every row of each step (two chunks, then one decode), on this rank; with
+    `piecewise`, through the model's pieces between attention calls (engine/piecewise_graphs.py,
+    uncaptured), whose all-reduces must pair with the other ranks'."""
     device = torch.device(device)
     files = ModelFiles.load(model_dir, "tiny")
     tp = TensorParallel(DecoderConfig.from_hf(files.config), group)
@@ -45,12 +50,17 @@ def step_logits(model_dir: Path, group: RankGroup, device: str = "cpu", attentio
     model = load_model(model_dir, local, device, torch.float32, attention, tp=tp)
     cache = KVCache(KVCacheSpec(local.num_layers, BLOCK_SIZE, local.num_kv_heads, local.head_dim, torch.float32), 4, device)
     steps = [_chunk(start, end) for start, end in CHUNKS] + [_decode(len(PROMPT))]
+    pieces = PiecewiseGraphs(model, cache.layers, attention, (16, 48), device, None) if piecewise else None
     logits = []
     with torch.inference_mode():
         for step in steps:
+            if pieces is not None:
+                logits.append(pieces.run(step, attention.build_metadata(step)).cpu())
+                continue
             ids, positions = torch.tensor(step.input_ids, device=device), torch.tensor(step.positions, device=device)
             hidden = model(ids, positions, cache.layers, attention.build_metadata(step))
             logits.append(model.compute_logits(hidden).cpu())
+    assert pieces is None or pieces.num_steps == len(steps)
     return logits
 
 
@@ -71,16 +81,21 @@ def _decode(position: int) -> StepInputs:
     )  # fmt: skip
 
 
-def _logits_of_every_arch(group: RankGroup, model_dirs: dict[str, Path], device: str, attention_name: str) -> dict:
-    return {arch: [t.numpy() for t in step_logits(d, group, device, attention_name)] for arch, d in model_dirs.items()}
+def _logits_of_every_arch(
+    group: RankGroup, model_dirs: dict[str, Path], device: str, attention_name: str, piecewise: bool = False
+) -> dict:
+    return {arch: [t.numpy() for t in step_logits(d, group, device, attention_name, piecewise)]
+            for arch, d in model_dirs.items()}
 
 
 def split_logits(
-    model_dirs: dict[str, Path], world_size: int, tmp_path: Path, device: str = "cpu", attention_name: str = "portable"
+    model_dirs: dict[str, Path], world_size: int, tmp_path: Path, device: str = "cpu", attention_name: str = "portable",
+    piecewise: bool = False,
 ) -> dict[int, dict]:
     """Every rank's logits (rank -> architecture -> per step), from `world_size` gloo processes."""
     store_path = str(tmp_path / f"rendezvous-{world_size}")
-    return run_ranks(_logits_of_every_arch, world_size, store_path, model_dirs, device, attention_name, device=device)
+    return run_ranks(_logits_of_every_arch, world_size, store_path, model_dirs, device, attention_name, piecewise,
+                     device=device)
 
 
 @pytest.mark.parametrize("world_size", [2, 4])
@@ -94,6 +109,14 @@ def test_split_ranks_on_the_triton_kernels_compute_the_unsplit_logits(tiny_model
     head), 2 ranks over gloo: on CUDA both on the one GPU, here under Triton's interpreter;
     float32, so the same tolerance."""
     gathered = split_logits(tiny_model_dirs, 2, tmp_path, KERNEL_DEVICE, "triton")
+    assert_same_logits(tiny_model_dirs, gathered, 2, KERNEL_DEVICE, "triton")
+
+
+@pytest.mark.skipif(not HAS_TRITON, reason="needs triton")
+def test_split_ranks_through_the_piecewise_graphs_compute_the_unsplit_logits(tiny_model_dirs, tmp_path):
+    """The same steps through each rank's pieces (padded to 16 and 48 tokens), against the unsplit
+    eager forward."""
+    gathered = split_logits(tiny_model_dirs, 2, tmp_path, KERNEL_DEVICE, "triton", piecewise=True)
     assert_same_logits(tiny_model_dirs, gathered, 2, KERNEL_DEVICE, "triton")
 
 

@@ -169,6 +169,14 @@ class EngineConfig:
         "progress); for comparison and debugging",
     )  # fmt: skip
     enforce_eager: bool = _flagged(False, "--enforce-eager", "CUDA: skip CUDA-graph capture")
+    # Off until measured on a GPU: written and tested on CPU (uncaptured), never captured yet.
+    piecewise_graphs: bool = _flagged(
+        False, "--piecewise-graphs", "CUDA, triton attention backend: also capture the model between its "
+        "attention calls, per padded token count up to 2048, so steps no whole-forward graph takes "
+        "(decodes and prefill chunks in one step, several chunks) replay those pieces instead of "
+        "launching every kernel from Python (engine/piecewise_graphs.py; not yet run on a GPU)",
+        group=KERNELS_GROUP,
+    )  # fmt: skip
     # The core's own process keeps the step loop off the GIL that gRPC serving holds
     # (engine/engine_process.py says what it measured).
     core_process: bool = _flagged(

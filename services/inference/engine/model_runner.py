@@ -13,7 +13,8 @@ EngineConfig.attention_backend, and handed to the model; each step the runner as
 step's attention metadata. Where the backend supports them (triton), decode-only steps replay a
 CUDA graph per decode batch size (engine/cuda_graphs.py) and small single-chunk prefill steps
 one per padded token count (engine/prefill_graphs.py), all in one memory pool, unless
-enforce_eager; other steps run eagerly.
+enforce_eager. With piecewise_graphs, the other steps of up to 2048 tokens replay the model's
+pieces between its attention calls (engine/piecewise_graphs.py); the rest run eagerly.
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ from llmserve.inference.engine.cuda_graphs import DecodeGraphs, graph_batch_size
 from llmserve.inference.engine.kv_cache import KVCache, KVCacheSpec, plan_num_blocks
 from llmserve.inference.engine.kv_pool_export import KvPoolExport
 from llmserve.inference.models.transfers import device_int32, device_tensor
+from llmserve.inference.engine.piecewise_graphs import PiecewiseGraphs, piecewise_graph_sizes
 from llmserve.inference.engine.prefill_graphs import PrefillGraphs, prefill_graph_sizes
 from llmserve.inference.engine.scheduler import ScheduledBatch
 from llmserve.inference.models.step_inputs import StepInputs
@@ -104,12 +106,15 @@ class ModelRunner:
             self._warm_up_prefill()
         self.decode_graphs: DecodeGraphs | None = None
         self.prefill_graphs: PrefillGraphs | None = None
+        self.piecewise_graphs: PiecewiseGraphs | None = None
         if self.attention.supports_cuda_graphs and not config.enforce_eager:
             # Off CUDA (the Triton interpreter in tests) the static-buffer paths run uncaptured.
-            self.decode_graphs, self.prefill_graphs = self._cuda_graphs(config)
+            self.decode_graphs, self.prefill_graphs, self.piecewise_graphs = self._cuda_graphs(config)
         log.info(
-            "attention backend: %s; decode CUDA graphs (batch sizes): %s; prefill CUDA graphs (tokens): %s",
+            "attention backend: %s; decode CUDA graphs (batch sizes): %s; prefill CUDA graphs (tokens): %s; "
+            "piecewise CUDA graphs (tokens): %s",
             self.attention.name, _sizes_text(self.decode_graphs), _sizes_text(self.prefill_graphs),
+            _sizes_text(self.piecewise_graphs),
         )
 
     @property
@@ -159,6 +164,8 @@ class ModelRunner:
         if self.decode_graphs is not None and step.num_decodes and step.decode_rows is not None:
             decode_tables = self.decode_graphs.device_block_tables(step)
         meta = self.attention.build_metadata(step, decode_tables)
+        if self.piecewise_graphs is not None and self.piecewise_graphs.can_run(step):
+            return self.piecewise_graphs.run(step, meta, fill)
         input_ids, positions, logits_indices = device_int32(
             [step.input_ids, step.positions, step.logits_indices], self.device
         )
@@ -200,15 +207,20 @@ class ModelRunner:
 
     # --- CUDA graphs --------------------------------------------------------------------------
 
-    def _cuda_graphs(self, config: EngineConfig) -> tuple[DecodeGraphs, PrefillGraphs]:
-        """Decode graphs, then prefill graphs, captured into one pool (on CUDA)."""
+    def _cuda_graphs(self, config: EngineConfig) -> tuple[DecodeGraphs, PrefillGraphs, PiecewiseGraphs | None]:
+        """Decode graphs, prefill graphs, then piecewise graphs where asked for, captured into one
+        pool (on CUDA)."""
         pool = torch.cuda.graph_pool_handle() if self.device.type == "cuda" else None
         common = dict(max_blocks_per_seq=self.max_blocks_per_seq, device=self.device, pool=pool)
         decode = DecodeGraphs(self._forward_logits, graph_batch_sizes(config.max_num_seqs),
                               metadata_for=self.attention.decode_graph_metadata, **common)
         prefill = PrefillGraphs(self._forward_rows, prefill_graph_sizes(config.max_batched_tokens),
                                 metadata_for=self.attention.prefill_graph_metadata, **common)
-        return decode, prefill
+        piecewise = None
+        if config.piecewise_graphs:
+            piecewise = PiecewiseGraphs(self.model, self.kv_cache.layers, self.attention,
+                                        piecewise_graph_sizes(config.max_batched_tokens), self.device, pool)
+        return decode, prefill, piecewise
 
     def _forward_logits(self, input_ids: torch.Tensor, positions: torch.Tensor, meta) -> torch.Tensor:
         return self.model.compute_logits(self.model(input_ids, positions, self.kv_cache.layers, meta))
@@ -233,5 +245,5 @@ def _is_first_rows(rows) -> bool:
     return np.array_equal(rows, np.arange(len(rows)))
 
 
-def _sizes_text(graphs: DecodeGraphs | PrefillGraphs | None) -> str:
+def _sizes_text(graphs: DecodeGraphs | PrefillGraphs | PiecewiseGraphs | None) -> str:
     return "off" if graphs is None else ",".join(map(str, graphs.sizes))

@@ -88,6 +88,25 @@ class AttentionBackend(ABC, Generic[MetadataT]):
     ) -> torch.Tensor:
         """[num_tokens, num_heads, head_dim]: rotate q/k, store k/v at their slots, attend."""
 
+    def store_kv(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rope: RopeTables, kv_cache: KVLayer,
+        slot_mapping: torch.Tensor,
+    ) -> torch.Tensor:
+        """`attend`'s first half: the rotated queries [num_tokens, num_heads, head_dim]; the rotated
+        keys and the values stored at `slot_mapping` (PADDING_SLOT rows: nothing stored). It reads
+        no host value of the step, so a piecewise CUDA graph captures it (engine/piecewise_graphs.py).
+        Only where supports_cuda_graphs."""
+        raise NotImplementedError(f"the {self.name} attention backend has no CUDA graphs")
+
+    def attend_cached(
+        self, q: torch.Tensor, kv_cache: KVLayer, meta: MetadataT, scale: float, sliding_window: int | None,
+        out: torch.Tensor,
+    ) -> None:
+        """`attend`'s second half: the rotated queries `q` attend to the cache (their own keys
+        stored by store_kv), into `out` [num_tokens, num_heads, head_dim]. Rows the metadata
+        names no sequence for (padding) are left unwritten. Only where supports_cuda_graphs."""
+        raise NotImplementedError(f"the {self.name} attention backend has no CUDA graphs")
+
     def decode_graph_metadata(
         self, slot_mapping: torch.Tensor, block_tables: torch.Tensor, context_lens: torch.Tensor
     ) -> MetadataT:

@@ -45,7 +45,12 @@ class LlamaAttention(nn.Module):
         self.q_norm = RMSNorm(config.head_dim, config.rms_norm_eps) if config.qk_norm else None
         self.k_norm = RMSNorm(config.head_dim, config.rms_norm_eps) if config.qk_norm else None
 
-    def forward(self, hidden: torch.Tensor, rope: RopeTables, kv_cache: KVLayer, meta) -> torch.Tensor:
+    def attend(self, q, k, v, rope: RopeTables, kv_cache: KVLayer, meta) -> torch.Tensor:
+        """project_qkv's q, k, v -> [num_tokens, num_heads, head_dim] (the backend's attention)."""
+        return self.attention.attend(q, k, v, rope, kv_cache, meta, self.scale, self.sliding_window)
+
+    def project_qkv(self, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """q [num_tokens, num_heads, head_dim], k and v [num_tokens, num_kv_heads, head_dim], before RoPE."""
         num_tokens = hidden.shape[0]
         q, k, v = self.qkv_proj(hidden).split(self.qkv_proj.output_sizes, dim=-1)
         q = q.view(num_tokens, self.num_heads, self.head_dim)
@@ -53,8 +58,11 @@ class LlamaAttention(nn.Module):
         v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None:  # per-head norms (Qwen3): always the reference RMSNorm
             q, k = self.q_norm(q), self.k_norm(k)
-        out = self.attention.attend(q, k, v, rope, kv_cache, meta, self.scale, self.sliding_window)
-        out = out.reshape(num_tokens, self.num_heads * self.head_dim)
+        return q, k, v
+
+    def project_out(self, out: torch.Tensor) -> torch.Tensor:
+        """Attention's output [num_tokens, num_heads, head_dim] into the residual stream's width."""
+        out = out.reshape(out.shape[0], self.num_heads * self.head_dim)
         return self.tp.reduce(self.attention.ops.residual_projection(self.o_proj, out))
 
 
@@ -84,12 +92,23 @@ class LlamaDecoderLayer(nn.Module):
     def forward(self, hidden, residual, rope: RopeTables, kv_cache: KVLayer, meta):
         """(hidden, residual) -> (this layer's MLP output, the residual stream before it); the
         next norm adds them. The first layer gets residual None: hidden is the embedding."""
+        q, k, v, residual = self.attention_inputs(hidden, residual)
+        return self.after_attention(self.self_attn.attend(q, k, v, rope, kv_cache, meta), residual)
+
+    # The layer's halves either side of attention: what a piecewise CUDA graph captures
+    # (engine/piecewise_graphs.py); `forward` is the two with attention between.
+
+    def attention_inputs(self, hidden, residual):
+        """(hidden, residual) as `forward` takes them -> (q, k, v before RoPE, the residual stream)."""
         if residual is None:
             residual, hidden = hidden, self.ops.norm(self.input_layernorm, hidden)
         else:
             hidden, residual = self.ops.add_and_norm(self.input_layernorm, hidden, residual)
-        hidden = self.self_attn(hidden, rope, kv_cache, meta)
-        hidden, residual = self.ops.add_and_norm(self.post_attention_layernorm, hidden, residual)
+        return *self.self_attn.project_qkv(hidden), residual
+
+    def after_attention(self, out: torch.Tensor, residual: torch.Tensor):
+        """Attention's output [num_tokens, num_heads, head_dim] -> (`forward`'s result)."""
+        hidden, residual = self.ops.add_and_norm(self.post_attention_layernorm, self.self_attn.project_out(out), residual)
         return self.mlp(hidden), residual
 
 
@@ -134,11 +153,18 @@ class LlamaForCausalLM(nn.Module):
         meta,  # the attention backend's metadata for this step (its build_metadata)
     ) -> torch.Tensor:
         """Hidden states [num_tokens, hidden_size] after the final norm."""
-        hidden = self.tp.embed(self.model.embed_tokens, input_ids)
+        hidden = self.embed(input_ids)
         rope = self.attention.rope_tables(positions, self.inv_freq, hidden.dtype)
         residual = None
         for layer, kv_cache in zip(self.model.layers, kv_caches):
             hidden, residual = layer(hidden, residual, rope, kv_cache, meta)
+        return self.final_norm(hidden, residual)
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.tp.embed(self.model.embed_tokens, input_ids)
+
+    def final_norm(self, hidden: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+        """The last layer's (hidden, residual) -> the hidden states the logits read."""
         return self.attention.ops.add_and_norm(self.model.norm, hidden, residual)[0]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

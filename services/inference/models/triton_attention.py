@@ -130,10 +130,20 @@ class TritonAttention(AttentionBackend[TritonAttentionMetadata]):
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rope: RopeTables, kv_cache: KVLayer,
                meta: TritonAttentionMetadata, scale: float, sliding_window: int | None) -> torch.Tensor:
+        q = self.store_kv(q, k, v, rope, kv_cache, meta.slot_mapping)
+        out = torch.empty_like(q)
+        self.attend_cached(q, kv_cache, meta, scale, sliding_window, out)
+        return out
+
+    def store_kv(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rope: RopeTables, kv_cache: KVLayer,
+                 slot_mapping: torch.Tensor) -> torch.Tensor:
         cos, sin = rope
         k_cache, v_cache = kv_cache
-        q = rope_and_write_kv(q, k, v, cos, sin, k_cache, v_cache, meta.slot_mapping)
-        out = torch.empty_like(q)
+        return rope_and_write_kv(q, k, v, cos, sin, k_cache, v_cache, slot_mapping)
+
+    def attend_cached(self, q: torch.Tensor, kv_cache: KVLayer, meta: TritonAttentionMetadata, scale: float,
+                      sliding_window: int | None, out: torch.Tensor) -> None:
+        k_cache, v_cache = kv_cache
         num_decodes = meta.num_decode_tokens
         if num_decodes:
             paged_decode_attention(
@@ -146,7 +156,6 @@ class TritonAttention(AttentionBackend[TritonAttentionMetadata]):
                 meta.prefill_context_lens, meta.prefill_max_query_len, scale, sliding_window=sliding_window, out=out,
                 num_splits=meta.prefill_num_splits, first_row=num_decodes,
             )
-        return out
 
     def _decode_num_splits(self, num_decodes: int) -> int:
         return decode_num_splits(num_decodes, self.config.num_kv_heads, self.num_sms)
