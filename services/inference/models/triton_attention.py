@@ -5,8 +5,10 @@ the Triton ones (models/triton_ops.py).
 
 It also serves a float8 (e4m3) KV cache, skips negative (padding) slots when writing, and
 builds its decode and one-chunk prefill metadata over static buffers, so those steps replay as
-CUDA graphs (engine/cuda_graphs.py, engine/prefill_graphs.py). Imports triton: imported only
-when chosen.
+CUDA graphs (engine/cuda_graphs.py, engine/prefill_graphs.py). Its attention splits in two
+(store_kv, which reads only static buffers, and attend_cached), so other steps can replay the
+model between attention calls (engine/piecewise_graphs.py). Imports triton: imported only when
+chosen.
 """
 
 from __future__ import annotations
