@@ -138,7 +138,10 @@ def test_decode_num_splits_fills_the_gpu_only_when_batches_are_small():
     from llmserve.inference.kernels.paged_decode import MAX_SPLITS, decode_num_splits
 
     assert decode_num_splits(1, 8, num_sms=132) == MAX_SPLITS
-    assert decode_num_splits(4, 8, num_sms=132) == 9
+    assert decode_num_splits(4, 8, num_sms=132) == 8  # 9 wanted: the nearest power of two
+    assert decode_num_splits(6, 8, num_sms=132) == 8  # 6 wanted: log2 2.58 rounds up
+    assert decode_num_splits(48, 2, num_sms=132) == 4  # 3 wanted
+    assert {decode_num_splits(n, h, num_sms=132) for n in range(1, 257) for h in (1, 2, 4, 8)} == {1, 2, 4, 8, 16}
     assert decode_num_splits(64, 8, num_sms=132) == 1
     assert decode_num_splits(256, 8, num_sms=132) == 1
 

@@ -104,6 +104,7 @@ class ModelRunner:
         )
         if self.attention.needs_warm_up:
             self._warm_up_prefill()
+            self.attention.warm_up(self.kv_cache.layers[0], self.dtype)
         self.decode_graphs: DecodeGraphs | None = None
         self.prefill_graphs: PrefillGraphs | None = None
         self.piecewise_graphs: PiecewiseGraphs | None = None

@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import torch
 
+from llmserve.inference.models.transfers import ALIGN_INT32S
+
 
 class StaticInputs:
     def __init__(self, field_lengths: dict[str, int], device: torch.device):
@@ -22,7 +24,9 @@ class StaticInputs:
         total = 0
         for name, length in field_lengths.items():
             self._offsets[name] = total
-            total += length
+            # Each field 16-byte aligned, as transfers.device_int32's views: a kernel reading it
+            # is the variant an eager step's metadata launches (Triton keys pointer alignment).
+            total += -(-length // ALIGN_INT32S) * ALIGN_INT32S
         self._buffer = torch.zeros(total, dtype=torch.int32, device=device)
         # The device views a graph captures: fields[name] is [field_lengths[name]] int32.
         self.fields = {name: self._buffer[offset : offset + field_lengths[name]] for name, offset in self._offsets.items()}

@@ -21,6 +21,8 @@ block-table stride changes from step to step in eager runs, so it is not a speci
 
 from __future__ import annotations
 
+import math
+
 import torch
 import triton
 import triton.language as tl
@@ -39,8 +41,13 @@ MIN_GROUP_ROWS = 16  # tl.dot needs at least 16 rows
 
 
 def decode_num_splits(num_seqs: int, num_kv_heads: int, num_sms: int, max_splits: int = MAX_SPLITS) -> int:
-    """Context splits per (sequence, kv head) so that about two waves of programs fill the GPU."""
-    return splits_to_fill(num_seqs * num_kv_heads, num_sms, max_splits)
+    """Context splits per (sequence, kv head) so that about two waves of programs fill the GPU,
+    rounded to the nearest power of two (in ratio: 1.4-2.8 waves). NUM_SPLITS is a compile-time
+    constant: with the counts 1-16 an eager step's batch (any size, decodes beside a prompt chunk)
+    could ask for one that start-up never compiled, and compile it mid-request (~1 s on a fresh
+    host); with five possible values, TritonAttention.warm_up compiles them all at start."""
+    splits = splits_to_fill(num_seqs * num_kv_heads, num_sms, max_splits)
+    return min(max_splits, 1 << round(math.log2(splits)))
 
 
 @triton.jit(do_not_specialize=["sliding_window", "bt_stride"])

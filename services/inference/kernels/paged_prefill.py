@@ -40,8 +40,9 @@ def prefill_num_splits(max_query_len: int, num_chunks: int, num_heads: int, max_
                        block_m: int = DEFAULT_CONFIG["block_m"]) -> int:
     """Key splits per (tile, chunk, head) program: enough programs for about two waves on
     `num_sms`, each split at least MIN_KEYS_PER_SPLIT of the longest context, rounded down to a
-    power of two. NUM_SPLITS is a compile-time constant: with five possible values, the prefill
-    graph captures at start compile them all, rather than an eager step mid-request (~1 s each)."""
+    power of two. NUM_SPLITS is a compile-time constant: with five possible values,
+    TritonAttention.warm_up compiles them all at start, rather than an eager step mid-request
+    (~1 s each)."""
     num_programs = -(-max_query_len // block_m) * num_chunks * num_heads
     splits = min(splits_to_fill(num_programs, num_sms), max(1, max_context_len // MIN_KEYS_PER_SPLIT))
     return 1 << (splits.bit_length() - 1)

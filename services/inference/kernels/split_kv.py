@@ -19,6 +19,9 @@ import triton.language as tl
 from llmserve.inference.kernels.common import next_power_of_2
 
 MAX_SPLITS = 16
+# Every split count the kernels are launched with: the powers of two up to MAX_SPLITS (each is a
+# compile-time variant, so start-up compiles them all: TritonAttention.warm_up).
+SPLIT_COUNTS = tuple(1 << i for i in range(MAX_SPLITS.bit_length()))
 WAVES = 2  # programs per SM the split count aims for
 
 

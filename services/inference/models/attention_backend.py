@@ -88,6 +88,11 @@ class AttentionBackend(ABC, Generic[MetadataT]):
     ) -> torch.Tensor:
         """[num_tokens, num_heads, head_dim]: rotate q/k, store k/v at their slots, attend."""
 
+    def warm_up(self, kv_cache: KVLayer, dtype: torch.dtype) -> None:
+        """Compile now every variant of the attention kernels a step may launch (where kernels
+        compile on first launch, a variant first met mid-request costs that request the compile).
+        `kv_cache`: a layer of the pool, only read; `dtype`: the queries'. Only where needs_warm_up."""
+
     def store_kv(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rope: RopeTables, kv_cache: KVLayer,
         slot_mapping: torch.Tensor,

@@ -19,14 +19,14 @@ def device_tensor(values, device: torch.device, dtype: torch.dtype = torch.long)
 # Each list of device_int32 starts at a multiple of 16 bytes: Triton specializes a kernel on
 # whether each pointer argument is 16-byte aligned, so unaligned views would compile (seconds,
 # mid-serving) and run other variants of the attention kernels.
-_ALIGN_INT32S = 4
+ALIGN_INT32S = 4
 
 
 def device_int32(value_lists: list, device: torch.device) -> list[torch.Tensor]:
     """Several int lists or numpy arrays as int32 device tensors (16-byte aligned views of one),
     in one host-to-device copy: a step's small inputs each cost ~30 µs of host time sent alone."""
     lengths = [len(values) for values in value_lists]
-    padded_lengths = [-(-length // _ALIGN_INT32S) * _ALIGN_INT32S for length in lengths]
+    padded_lengths = [-(-length // ALIGN_INT32S) * ALIGN_INT32S for length in lengths]
     flat = np.zeros(sum(padded_lengths), dtype=np.int32)
     start = 0
     for values, length, padded in zip(value_lists, lengths, padded_lengths):

@@ -22,6 +22,7 @@ from llmserve.inference.models.transfers import device_int32
 from llmserve.inference.kernels.paged_decode import decode_num_splits, paged_decode_attention
 from llmserve.inference.kernels.paged_prefill import paged_prefill_attention, prefill_num_splits
 from llmserve.inference.kernels.rope_kv import rope_and_write_kv
+from llmserve.inference.kernels.split_kv import SPLIT_COUNTS
 from llmserve.inference.models.attention_backend import AttentionBackend, KVLayer, RopeTables
 from llmserve.inference.models.decoder_config import DecoderConfig
 from llmserve.inference.models.rope import half_width_tables
@@ -158,6 +159,24 @@ class TritonAttention(AttentionBackend[TritonAttentionMetadata]):
                 meta.prefill_context_lens, meta.prefill_max_query_len, scale, sliding_window=sliding_window, out=out,
                 num_splits=meta.prefill_num_splits, first_row=num_decodes,
             )
+
+    def warm_up(self, kv_cache: KVLayer, dtype: torch.dtype) -> None:
+        """Each split count either kernel can take (SPLIT_COUNTS: decode_num_splits and
+        prefill_num_splits give only those), with and without a sliding window where the model's
+        layers differ: one query row over one key of block 0, nothing written. The graphs'
+        captures compile only the counts of their sizes; an eager step (decodes beside a prompt
+        chunk, of any batch size) may need the others."""
+        k_cache, v_cache = kv_cache
+        q = torch.zeros(1, self.config.num_heads, self.config.head_dim, dtype=dtype, device=self.device)
+        out = torch.empty_like(q)
+        block_table, zero, one = device_int32([[0], [0], [1]], self.device)
+        block_table = block_table.view(1, 1)
+        for window in set(self.config.sliding_windows) or {None}:
+            for num_splits in SPLIT_COUNTS:
+                paged_decode_attention(q, k_cache, v_cache, block_table, one, 1.0, num_splits=num_splits,
+                                       sliding_window=window, out=out)
+                paged_prefill_attention(q, k_cache, v_cache, block_table, zero, one, one, 1, 1.0,
+                                        sliding_window=window, out=out, num_splits=num_splits)
 
     def _decode_num_splits(self, num_decodes: int) -> int:
         return decode_num_splits(num_decodes, self.config.num_kv_heads, self.num_sms)
