@@ -153,8 +153,7 @@ class PiecewiseGraphs:
             buffer = self._buffers[name] = torch.zeros(
                 (self.sizes[-1], *value.shape[1:]), dtype=value.dtype, device=value.device
             )
-        if buffer.data_ptr() != value.data_ptr():  # a fused norm may have updated the buffer in place
-            buffer[:size].copy_(value)
+        buffer[:size].copy_(value)
 
     @torch.no_grad()
     def _capture(self, pool: GraphPool) -> None:

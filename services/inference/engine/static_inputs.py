@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import torch
 
-from llmserve.inference.models.transfers import ALIGN_INT32S
+from llmserve.inference.models.transfers import aligned_int32s
 
 
 class StaticInputs:
@@ -26,7 +26,7 @@ class StaticInputs:
             self._offsets[name] = total
             # Each field 16-byte aligned, as transfers.device_int32's views: a kernel reading it
             # is the variant an eager step's metadata launches (Triton keys pointer alignment).
-            total += -(-length // ALIGN_INT32S) * ALIGN_INT32S
+            total += aligned_int32s(length)
         self._buffer = torch.zeros(total, dtype=torch.int32, device=device)
         # The device views a graph captures: fields[name] is [field_lengths[name]] int32.
         self.fields = {name: self._buffer[offset : offset + field_lengths[name]] for name, offset in self._offsets.items()}

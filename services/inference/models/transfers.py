@@ -22,11 +22,16 @@ def device_tensor(values, device: torch.device, dtype: torch.dtype = torch.long)
 ALIGN_INT32S = 4
 
 
+def aligned_int32s(length: int) -> int:
+    """`length` int32s rounded up to the next 16-byte boundary: where the next aligned field starts."""
+    return -(-length // ALIGN_INT32S) * ALIGN_INT32S
+
+
 def device_int32(value_lists: list, device: torch.device) -> list[torch.Tensor]:
     """Several int lists or numpy arrays as int32 device tensors (16-byte aligned views of one),
     in one host-to-device copy: a step's small inputs each cost ~30 µs of host time sent alone."""
     lengths = [len(values) for values in value_lists]
-    padded_lengths = [-(-length // ALIGN_INT32S) * ALIGN_INT32S for length in lengths]
+    padded_lengths = [aligned_int32s(length) for length in lengths]
     flat = np.zeros(sum(padded_lengths), dtype=np.int32)
     start = 0
     for values, length, padded in zip(value_lists, lengths, padded_lengths):
