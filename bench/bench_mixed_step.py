@@ -5,7 +5,7 @@ arriving prompt joins a decoding batch, which no whole-forward graph takes.
     python bench/bench_mixed_step.py                             # CPU smoke run: the Triton interpreter,
                                                                  # pieces uncaptured (numbers mean nothing)
 
-One engine core (triton attention backend, --piecewise-graphs, one step at a time). Per cell
+One engine core (triton attention backend, piecewise graphs on, one step at a time). Per cell
 (--decodes D, --chunk-tokens C): D requests decode, and before each step a new request arrives
 with a C-token prompt asking for one token, so every step computes D decodes and one C-token
 chunk. The steps alternate between the pieces and the eager forward (the same engine, the same

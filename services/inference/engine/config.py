@@ -169,12 +169,14 @@ class EngineConfig:
         "progress); for comparison and debugging",
     )  # fmt: skip
     enforce_eager: bool = _flagged(False, "--enforce-eager", "CUDA: skip CUDA-graph capture")
-    # Off until the full stack is measured with it: on the H200 a mixed step takes 0.30-0.47x the
-    # eager one (docs/benchmarks.md), the served ratio and the start-up cost are not measured yet.
+    # On the H200 (1.5B shape) a mixed step takes 0.30-0.47x the eager one, the served stack at
+    # 256 streams went from 0.82-0.91x of the core loop to 0.98-1.03x, and start-up takes ~1.3 s
+    # longer (docs/benchmarks.md, "Twelfth session").
     piecewise_graphs: bool = _flagged(
-        False, "--piecewise-graphs", "CUDA, triton attention backend: also capture the model between its "
-        "attention calls, per padded token count up to 2048, so steps no whole-forward graph takes "
-        "(decodes and prefill chunks in one step, several chunks) replay those pieces instead of "
+        True, "--no-piecewise-graphs", "CUDA, triton attention backend: capture only the whole-forward "
+        "graphs (decode steps, one-chunk prefills); by default the model is also captured between its "
+        "attention calls, per padded token count up to 2048, so steps those graphs do not take "
+        "(decodes and prefill chunks in one step, several chunks) replay the pieces instead of "
         "launching every kernel from Python (engine/piecewise_graphs.py)",
         group=KERNELS_GROUP,
     )  # fmt: skip

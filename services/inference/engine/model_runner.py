@@ -13,8 +13,8 @@ EngineConfig.attention_backend, and handed to the model; each step the runner as
 step's attention metadata. Where the backend supports them (triton), decode-only steps replay a
 CUDA graph per decode batch size (engine/cuda_graphs.py) and small single-chunk prefill steps
 one per padded token count (engine/prefill_graphs.py), all in one memory pool, unless
-enforce_eager. With piecewise_graphs, the other steps of up to 2048 tokens replay the model's
-pieces between its attention calls (engine/piecewise_graphs.py); the rest run eagerly.
+enforce_eager. With piecewise_graphs (the default), the other steps of up to 2048 tokens replay the
+model's pieces between its attention calls (engine/piecewise_graphs.py); the rest run eagerly.
 """
 
 from __future__ import annotations
