@@ -90,6 +90,7 @@ def test_inference_rejects_an_unknown_log_level(tiny_model_dir, capsys):
 def test_new_inference_flags_default_to_the_engine_defaults(tiny_model_dir):
     engine = config_from_args(inference_args(tiny_model_dir)).engine
     assert (engine.attention_backend, engine.kv_cache_dtype, engine.quantization) == ("auto", "auto", "none")
+    assert engine.piecewise_graphs  # on where they apply (triton on CUDA): docs/benchmarks.md, "Twelfth session"
 
 
 @pytest.mark.parametrize(("device", "overlaps"), [("cpu", False), ("cuda", True), ("cuda:1", True)])
@@ -109,6 +110,7 @@ def test_async_scheduling_is_on_by_default_only_where_a_device_computes_beside_t
         (["--quantization", "fp8"], {"quantization": "fp8"}),
         (["--quantization", "int8"], {"quantization": "int8"}),
         (["--no-async-scheduling"], {"async_scheduling": False}),
+        (["--no-piecewise-graphs"], {"piecewise_graphs": False}),
         (
             ["--attention-backend", "triton", "--kv-cache-dtype", "fp8", "--quantization", "int8",
              "--no-async-scheduling"],
