@@ -16,6 +16,7 @@ from pathlib import Path
 from llmserve.block_hash import DEFAULT_BLOCK_SIZE
 from llmserve.buckets import DEFAULT_BUCKET_BOUNDS, LENGTH_BUCKETS_FLAG, BucketConfig
 from llmserve.preprocess.config import (
+    DEFAULT_INLINE_MAX_PROMPT_BYTES,
     DEFAULT_MAX_BATCH_PROMPTS,
     DEFAULT_MAX_IN_FLIGHT_PROMPT_BYTES,
     DEFAULT_MAX_OUTPUT_TOKENS,
@@ -97,6 +98,12 @@ def build_parser() -> argparse.ArgumentParser:
         "--max-batch-prompts", type=_positive_int, default=DEFAULT_MAX_BATCH_PROMPTS, metavar="N",
         help="prompts tokenized in one call at most; requests that arrive while every tokenizer thread is busy "
         "are tokenized together (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--inline-max-prompt-bytes", type=int, default=DEFAULT_INLINE_MAX_PROMPT_BYTES, metavar="BYTES",
+        help="tokenize a prompt of up to this many bytes on the event loop when it arrives alone (no other "
+        "prompt queued or tokenizing, none started in the last 5 ms), saving the hand-off to a tokenizer thread "
+        "and back (~0.3 ms on a 512-token prompt) on the first token's path; 0 sends every prompt to a thread (default: %(default)s)",
     )
     parser.add_argument(
         "--prompt-cache-bytes", type=int, default=DEFAULT_PROMPT_CACHE_BYTES, metavar="BYTES",

@@ -33,12 +33,16 @@ from llmserve.preprocess.tokenizer_threads import TokenizerThreads
 class PreprocessPipeline:
     """Preprocess, Tokenize and Detokenize as the servicer calls them. Use from one event loop."""
 
-    def __init__(self, preprocessor: Preprocessor, threads: TokenizerThreads, cache: PromptCache | None, max_batch_prompts: int):
+    def __init__(
+        self, preprocessor: Preprocessor, threads: TokenizerThreads, cache: PromptCache | None, max_batch_prompts: int,
+        inline_max_prompt_bytes: int = 0,
+    ):
         self.preprocessor = preprocessor
         self.threads = threads
         self._cache = cache
         self._batcher: MicroBatcher[EncodeJob, Encoded] = MicroBatcher(
-            threads, preprocessor.encoder.encode_batch, max_batch_jobs=max_batch_prompts
+            threads, preprocessor.encoder.encode_batch, max_batch_jobs=max_batch_prompts,
+            inline_max_bytes=inline_max_prompt_bytes,
         )
         self._writes: set[asyncio.Task] = set()
 
@@ -57,7 +61,7 @@ class PreprocessPipeline:
                 preprocessor.tail, max_bytes=config.prompt_cache_bytes, namespace=namespace,
                 vocab_size=preprocessor.info.vocab_size, remote=remote,
             )
-        return cls(preprocessor, threads, cache, config.max_batch_prompts)
+        return cls(preprocessor, threads, cache, config.max_batch_prompts, config.inline_max_prompt_bytes)
 
     @property
     def is_reusing_prefixes(self) -> bool:

@@ -75,6 +75,15 @@ class TokenizerThreads:
             if elapsed_s:  # empty when the caller was cancelled before fn finished
                 self._measure(num_bytes, elapsed_s[0])
 
+    def run_here(self, num_bytes: int, fn: Callable[[], T]) -> T:
+        """`fn()` on the calling thread (the event loop: MicroBatcher's jobs alone and small),
+        timed into the rate estimate as `execute` times its calls."""
+        start_s = time.perf_counter()
+        try:
+            return fn()
+        finally:
+            self._measure(num_bytes, time.perf_counter() - start_s)
+
     def close(self) -> None:
         """Stop the tokenizer threads (after the gRPC server has stopped)."""
         self._executor.shutdown(wait=True, cancel_futures=True)
