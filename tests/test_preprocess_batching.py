@@ -11,7 +11,7 @@ import threading
 import grpc
 import pytest
 
-from llmserve.preprocess import micro_batcher
+from llmserve.preprocess import tokenizer_threads
 from llmserve.preprocess.config import PreprocessConfig
 from llmserve.preprocess.micro_batcher import MicroBatcher
 from llmserve.preprocess.server import start_server
@@ -57,62 +57,70 @@ async def test_jobs_queued_behind_a_busy_worker_run_as_one_batch_with_their_own_
         pool.close()
 
 
-def _thread_recording_batch(threads_seen: list[int]):
-    def negate_batch(jobs):
-        threads_seen.append(threading.get_ident())
-        return [ValueError(f"no {job}") if job == 3 else -job for job in jobs]
-    return negate_batch
+def _where() -> int:
+    return threading.get_ident()
 
 
-async def test_a_small_job_alone_runs_on_the_loop_and_anything_else_on_a_thread(monkeypatch):
+def _refuse() -> int:
+    raise ValueError(f"refused on {threading.get_ident()}")
+
+
+async def test_a_small_call_alone_runs_on_the_loop_and_anything_else_on_a_thread(monkeypatch):
     loop_thread = threading.get_ident()
-    seen: list[int] = []
-    pool = TokenizerThreads(num_tokenizer_threads=1, max_in_flight_bytes=1000)
+    monkeypatch.setattr(tokenizer_threads, "INLINE_IDLE_S", 3600.0)  # "started recently" whatever the machine's pace
+    pools = [TokenizerThreads(num_tokenizer_threads=1, max_in_flight_bytes=1000, inline_max_bytes=100) for _ in range(4)]
+    never = TokenizerThreads(num_tokenizer_threads=1, max_in_flight_bytes=1000, inline_max_bytes=0)
     try:
-        batcher = MicroBatcher(pool, _thread_recording_batch(seen), max_batch_jobs=4, inline_max_bytes=100)
-        monkeypatch.setattr(micro_batcher, "INLINE_IDLE_S", 3600.0)  # "started recently" whatever the machine's pace
-        assert await batcher.run(1, 100) == -1  # the first job: nothing started before it
-        assert seen == [loop_thread] and batcher.num_inline_jobs == 1
-        assert await batcher.run(2, 10) == -2  # another job started within the idle gap: a thread
-        assert seen[-1] != loop_thread
+        first, small_alone, too_large, beside_another = pools
+        with first.hold(100):
+            assert await first.execute(100, _where) == loop_thread  # nothing started before it
+        with first.hold(10):
+            assert await first.execute(10, _where) != loop_thread  # a call started within the idle gap
+        assert first.num_inline_calls == 1
 
-        fresh = MicroBatcher(pool, _thread_recording_batch(seen), max_batch_jobs=4, inline_max_bytes=100)
-        assert await fresh.run(4, 101) == -4  # over the size: a thread
-        assert seen[-1] != loop_thread and fresh.num_inline_jobs == 0
-
-        alone = MicroBatcher(pool, _thread_recording_batch(seen), max_batch_jobs=4, inline_max_bytes=100)
-        with pytest.raises(ValueError, match="no 3"):  # a job's own error, raised on the loop
-            await alone.run(3, 1)
-        assert seen[-1] == loop_thread and alone.num_inline_jobs == 1
-
-        never = MicroBatcher(pool, _thread_recording_batch(seen), max_batch_jobs=4, inline_max_bytes=0)
-        assert await never.run(5, 0) == -5
-        assert seen[-1] != loop_thread and never.num_inline_jobs == 0
+        with small_alone.hold(1), pytest.raises(ValueError, match=f"refused on {loop_thread}"):
+            await small_alone.execute(1, _refuse)  # its own error, raised on the loop
+        with too_large.hold(101):
+            assert await too_large.execute(101, _where) != loop_thread
+        with beside_another.hold(5), beside_another.hold(10):  # another request's bytes are held
+            assert await beside_another.execute(10, _where) != loop_thread
+        with never.hold(1):
+            assert await never.execute(1, _where) != loop_thread
+        assert [p.num_inline_calls for p in (*pools, never)] == [1, 1, 0, 0, 0]
     finally:
-        pool.close()
+        for pool in (*pools, never):
+            pool.close()
 
 
-async def test_a_job_arriving_while_another_runs_is_not_run_on_the_loop():
+async def test_a_job_arriving_while_another_runs_is_batched_on_a_thread_and_one_alone_runs_on_the_loop():
     first_running, release = threading.Event(), threading.Event()
     seen: list[int] = []
 
-    def slow_first(jobs):
+    def negate_batch(jobs):
         seen.append(threading.get_ident())
         if len(seen) == 1:
             first_running.set()
             release.wait(HANG_GUARD_S)
         return [-job for job in jobs]
 
-    pool = TokenizerThreads(num_tokenizer_threads=1, max_in_flight_bytes=1000)
-    batcher = MicroBatcher(pool, slow_first, max_batch_jobs=4, inline_max_bytes=100)
+    pool = TokenizerThreads(num_tokenizer_threads=1, max_in_flight_bytes=1000, inline_max_bytes=100)
+    batcher = MicroBatcher(pool, negate_batch, max_batch_jobs=4)
+
+    async def run(job, num_bytes):
+        with pool.hold(num_bytes):  # as the pipeline holds a request's bytes
+            return await batcher.run(job, num_bytes)
+
     try:
-        first = asyncio.create_task(batcher.run(1, 101))  # too large to run inline: a thread
+        first = asyncio.create_task(run(1, 101))  # too large to run on the loop
         assert await asyncio.to_thread(first_running.wait, HANG_GUARD_S)
-        second = asyncio.create_task(batcher.run(2, 1))  # small, but a job is running: it queues
+        second = asyncio.create_task(run(2, 1))  # small, but the first is running: it queues
         await asyncio.sleep(0)
         release.set()
         assert (await first, await second) == (-1, -2)
-        assert threading.get_ident() not in seen and batcher.num_inline_jobs == 0
+        assert threading.get_ident() not in seen and pool.num_inline_calls == 0
+        await asyncio.sleep(tokenizer_threads.INLINE_IDLE_S * 2)
+        assert await run(3, 1) == -3  # alone, after the idle gap: on the loop
+        assert seen[-1] == threading.get_ident() and pool.num_inline_calls == 1
     finally:
         release.set()
         pool.close()

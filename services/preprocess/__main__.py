@@ -101,10 +101,10 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument(
         "--inline-max-prompt-bytes", type=int, default=DEFAULT_INLINE_MAX_PROMPT_BYTES, metavar="BYTES",
-        help="tokenize a prompt of up to this many bytes on the event loop when it arrives alone (no other "
-        "prompt queued or tokenizing, none started in the last 5 ms), saving the hand-off to a tokenizer thread "
-        "and back (~0.3 ms on a 512-token prompt) on the first token's path; 0 sends every prompt to a thread "
-        "(default: %(default)s)",
+        help="process a prompt (text, chat or token ids) of up to this many bytes on the event loop when it "
+        "arrives alone (no other prompt held, none started in the last 5 ms), saving the hand-off to a tokenizer "
+        "thread and back (~0.3 ms on a 512-token prompt) on the first token's path; 0 sends every prompt to a "
+        "thread (default: %(default)s)",
     )
     parser.add_argument(
         "--prompt-cache-bytes", type=int, default=DEFAULT_PROMPT_CACHE_BYTES, metavar="BYTES",

@@ -33,22 +33,20 @@ from llmserve.preprocess.tokenizer_threads import TokenizerThreads
 class PreprocessPipeline:
     """Preprocess, Tokenize and Detokenize as the servicer calls them. Use from one event loop."""
 
-    def __init__(
-        self, preprocessor: Preprocessor, threads: TokenizerThreads, cache: PromptCache | None, max_batch_prompts: int,
-        inline_max_prompt_bytes: int = 0,
-    ):
+    def __init__(self, preprocessor: Preprocessor, threads: TokenizerThreads, cache: PromptCache | None, max_batch_prompts: int):
         self.preprocessor = preprocessor
         self.threads = threads
         self._cache = cache
         self._batcher: MicroBatcher[EncodeJob, Encoded] = MicroBatcher(
-            threads, preprocessor.encoder.encode_batch, max_batch_jobs=max_batch_prompts,
-            inline_max_bytes=inline_max_prompt_bytes,
+            threads, preprocessor.encoder.encode_batch, max_batch_jobs=max_batch_prompts
         )
         self._writes: set[asyncio.Task] = set()
 
     @classmethod
     def build(cls, preprocessor: Preprocessor, config: PreprocessConfig) -> "PreprocessPipeline":
-        threads = TokenizerThreads(config.num_tokenizer_threads, config.max_in_flight_prompt_bytes)
+        threads = TokenizerThreads(
+            config.num_tokenizer_threads, config.max_in_flight_prompt_bytes, config.inline_max_prompt_bytes
+        )
         cache = None
         if preprocessor.tail.is_enabled:
             remote = None
@@ -61,7 +59,7 @@ class PreprocessPipeline:
                 preprocessor.tail, max_bytes=config.prompt_cache_bytes, namespace=namespace,
                 vocab_size=preprocessor.info.vocab_size, remote=remote,
             )
-        return cls(preprocessor, threads, cache, config.max_batch_prompts, config.inline_max_prompt_bytes)
+        return cls(preprocessor, threads, cache, config.max_batch_prompts)
 
     @property
     def is_reusing_prefixes(self) -> bool:

@@ -9,6 +9,12 @@ rate), so a flood of long but legal prompts cannot grow memory without bound, wh
 prompts still fit beside long ones. Refusing rather than queueing without end lets the client
 (or a balancer) retry elsewhere with an honest hint. A request is always admitted when nothing
 is in flight, so the budget never refuses a prompt the byte cap allows.
+At light load a small call runs on the event loop itself (`inline_max_bytes`): when its bytes are
+the only ones held (nothing else waits or runs) and no call started in the last `INLINE_IDLE_S`,
+the hand-off to a thread and the wake-up back are a large part of a short prompt's time at
+preprocess, on the first token's path (a 512-token prompt alone: the gateway's round trip 2.77
+against 3.09 ms, medians of 8 interleaved rounds; docs/benchmarks.md, "Twelfth session"). Under
+load calls keep going to the threads, which tokenize in parallel while the loop serves.
 """
 
 from __future__ import annotations
@@ -29,18 +35,24 @@ T = TypeVar("T")
 _INITIAL_BYTES_PER_S = 2_000_000.0
 # Weight of the newest measurement in the rate's moving average.
 _RATE_SMOOTHING = 0.2
+# A call runs on the loop only if none started this recently: arrivals further apart than this
+# leave the loop idle most of the time, so a ~1 ms tokenization there delays little else.
+INLINE_IDLE_S = 0.005
 
 
 class TokenizerThreads:
     """Runs blocking pipeline calls on tokenizer threads, within a byte budget. Use from one event
     loop: the accounting is done on the loop thread, never on the threads."""
 
-    def __init__(self, num_tokenizer_threads: int, max_in_flight_bytes: int):
+    def __init__(self, num_tokenizer_threads: int, max_in_flight_bytes: int, inline_max_bytes: int = 0):
         self._executor = ThreadPoolExecutor(max_workers=num_tokenizer_threads, thread_name_prefix="preprocess")
         self.num_tokenizer_threads = num_tokenizer_threads
         self._max_in_flight_bytes = max_in_flight_bytes
+        self._inline_max_bytes = inline_max_bytes  # 0: every call goes to a tokenizer thread
         self._in_flight_bytes = 0  # prompts admitted and not finished (waiting or running)
         self._bytes_per_s = _INITIAL_BYTES_PER_S  # one tokenizer thread's, moving average
+        self._last_start_s = -math.inf  # when the latest call started, here or on a thread
+        self.num_inline_calls = 0
 
     async def run(self, num_bytes: int, fn: Callable[..., T], /, *args, **kwargs) -> T:
         """`fn(*args, **kwargs)` on a tokenizer thread, holding `num_bytes` of the budget meanwhile;
@@ -58,8 +70,11 @@ class TokenizerThreads:
             self._in_flight_bytes -= num_bytes
 
     async def execute(self, num_bytes: int, fn: Callable[[], T]) -> T:
-        """`fn()` on a tokenizer thread (no admission: the caller holds the bytes), timed into the rate
-        estimate as work on `num_bytes` of prompts."""
+        """`fn()` on a tokenizer thread, or on the loop when alone and small (no admission: the caller
+        holds the bytes), timed into the rate estimate as work on `num_bytes` of prompts."""
+        if self._is_alone_and_small(num_bytes):
+            return self._run_here(num_bytes, fn)
+        self._last_start_s = time.monotonic()
         elapsed_s: list[float] = []  # set by the tokenizer thread when fn returns or raises
 
         def timed() -> T:
@@ -75,14 +90,20 @@ class TokenizerThreads:
             if elapsed_s:  # empty when the caller was cancelled before fn finished
                 self._measure(num_bytes, elapsed_s[0])
 
-    def run_here(self, num_bytes: int, fn: Callable[[], T]) -> T:
-        """`fn()` on the calling thread (the event loop: MicroBatcher's jobs alone and small),
-        timed into the rate estimate as `execute` times its calls."""
-        start_s = time.perf_counter()
+    def _is_alone_and_small(self, num_bytes: int) -> bool:
+        return (
+            0 < num_bytes <= self._inline_max_bytes
+            and self._in_flight_bytes == num_bytes  # only the caller's bytes are held
+            and time.monotonic() - self._last_start_s >= INLINE_IDLE_S
+        )
+
+    def _run_here(self, num_bytes: int, fn: Callable[[], T]) -> T:
+        self._last_start_s = time.monotonic()
+        self.num_inline_calls += 1
         try:
             return fn()
         finally:
-            self._measure(num_bytes, time.perf_counter() - start_s)
+            self._measure(num_bytes, time.monotonic() - self._last_start_s)
 
     def close(self) -> None:
         """Stop the tokenizer threads (after the gRPC server has stopped)."""
