@@ -107,12 +107,17 @@ async def test_over_the_kv_budget_is_resource_exhausted_with_a_retry_hint_and_ho
 
 
 async def test_the_retry_hint_follows_the_measured_drain(engine):
-    await run_to_end(engine, make_request("measure"))  # its blocks are released: a KV drain rate
-    async with aclosing(generate(engine, make_request("running"))) as running:
+    # A drain sample spans at least drain_meter.MIN_SAMPLE_S with blocks in flight, summed over
+    # requests: run whole requests until that much has passed, however fast this machine is (a
+    # request kept running for it would end first on a fast one).
+    in_flight_s, num_measured = 0.0, 0
+    while in_flight_s <= 2 * MIN_SAMPLE_S:
         started = time.monotonic()
-        async for _ in running:  # a sample spans at least drain_meter.MIN_SAMPLE_S in flight
-            if time.monotonic() - started > MIN_SAMPLE_S:
-                break
+        await run_to_end(engine, make_request(f"measure-{num_measured}"))  # its blocks released: drained
+        in_flight_s += time.monotonic() - started
+        num_measured += 1
+    async with aclosing(generate(engine, make_request("running"))) as running:
+        await asyncio.wait_for(running.__anext__(), HANG_GUARD_S)  # holds its blocks now
         with pytest.raises(ResourceExhausted) as refused:
             await first_output(engine, make_request("refused"))
     # its exact value (the excess over the measured drain, spread) is test_admission's
