@@ -14,7 +14,7 @@ from llmserve.server_flags import DEFAULT_GRACE_PERIOD_S, DEFAULT_HOST
 DEFAULT_MAX_OUTPUT_TOKENS = 4096
 DEFAULT_MAX_BATCH_PROMPTS = 32
 # A prompt up to this many bytes, alone at light load, is tokenized on the event loop instead of a
-# tokenizer thread (micro_batcher.py): ~2k tokens, ~1-2 ms of the loop at most.
+# tokenizer thread (tokenizer_threads.py): ~2k tokens, ~1-2 ms of the loop at most.
 DEFAULT_INLINE_MAX_PROMPT_BYTES = 8 * 1024
 DEFAULT_PROMPT_CACHE_BYTES = 64 * 1024 * 1024
 DEFAULT_REDIS_TIMEOUT_MS = 20

@@ -9,6 +9,7 @@ rate), so a flood of long but legal prompts cannot grow memory without bound, wh
 prompts still fit beside long ones. Refusing rather than queueing without end lets the client
 (or a balancer) retry elsewhere with an honest hint. A request is always admitted when nothing
 is in flight, so the budget never refuses a prompt the byte cap allows.
+
 At light load a small call runs on the event loop itself (`inline_max_bytes`): when its bytes are
 the only ones held (nothing else waits or runs) and no call started in the last `INLINE_IDLE_S`,
 the hand-off to a thread and the wake-up back are a large part of a short prompt's time at
@@ -100,10 +101,11 @@ class TokenizerThreads:
     def _run_here(self, num_bytes: int, fn: Callable[[], T]) -> T:
         self._last_start_s = time.monotonic()
         self.num_inline_calls += 1
+        start_s = time.perf_counter()  # the clock execute's threads time fn with
         try:
             return fn()
         finally:
-            self._measure(num_bytes, time.monotonic() - self._last_start_s)
+            self._measure(num_bytes, time.perf_counter() - start_s)
 
     def close(self) -> None:
         """Stop the tokenizer threads (after the gRPC server has stopped)."""

@@ -170,8 +170,8 @@ class EngineConfig:
     )  # fmt: skip
     enforce_eager: bool = _flagged(False, "--enforce-eager", "CUDA: skip CUDA-graph capture")
     # On the H200 (1.5B shape) a mixed step takes 0.30-0.47x the eager one, the served stack at
-    # 256 streams went from 0.82-0.91x of the core loop to 0.98-1.03x, and start-up takes ~1.3 s
-    # longer (docs/benchmarks.md, "Twelfth session").
+    # 256 streams went from 0.82-0.91x of the core loop to 0.98-1.05x, and the capture takes
+    # ~0.6 s and ~0.15 GiB (docs/benchmarks.md, "Twelfth session").
     piecewise_graphs: bool = _flagged(
         True, "--no-piecewise-graphs", "CUDA, triton attention backend: capture only the whole-forward "
         "graphs (decode steps, one-chunk prefills); by default the model is also captured between its "

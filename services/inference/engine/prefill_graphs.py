@@ -30,8 +30,9 @@ Not covered: one chunk plus decode rows (common under load). The decode rows wou
 decode part of fixed size in every prefill graph (a graph per (decode size, token size) pair),
 or run through the prefill kernel as one-token chunks of a fixed number of chunk slots (a
 64-row tile for one query, no GQA sharing of K/V loads: fine for a few decodes, far slower than
-the decode kernel for the tens to hundreds a loaded step has); so those steps replay the model's pieces between attention calls
-(engine/piecewise_graphs.py), or run eagerly with --no-piecewise-graphs.
+the decode kernel for the tens to hundreds a loaded step has); so those steps replay the model's
+pieces between attention calls (engine/piecewise_graphs.py), or run eagerly with
+--no-piecewise-graphs.
 
 `PrefillGraphs(pool=None)` runs the same static-buffer path uncaptured (CPU tests).
 """
