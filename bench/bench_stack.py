@@ -171,6 +171,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     load.add_argument("--connections-per-client", type=int, default=1, metavar="N",
                       help="connections each client process spreads its streams over: the gateway's workers are "
                       "balanced by connection (default: %(default)s)")
+    load.add_argument("--balance-calls", action="store_true",
+                      help="gateway path: start the gateway with --worker-ports and send to every worker's own "
+                      "port with grpc's round_robin, so calls, not connections, are spread over its workers")
     load.add_argument("--seed", type=int, default=0)
     variants = parser.add_argument_group("variants (repeatable, shell-split)")
     for name, help in (("--engine-arg", "engine flag(s) for every path"),

@@ -51,21 +51,30 @@ def measurement(summary: dict, usage: dict[str, dict]) -> dict:
         "cpu_pct": {role: significant(u["cpu_pct"], 3) for role, u in usage.items()},
         "threads": {role: [{**t, "cpu_pct": significant(t["cpu_pct"], 3)} for t in u["threads"]]
                     for role, u in usage.items()},
-        **gateway_workers(usage.get("gateway")),
+        **gateway_workers(usage.get("gateway"), summary["completion_tokens_by_worker"]),
         "first_errors": summary["first_errors"],
     }
 
 
-def gateway_workers(usage: dict | None) -> dict:
-    """With --workers N the gateway role is the parent, then its N workers: each worker's CPU%,
-    and the busiest over the least busy (issue 19's target: within 1.3x). None with one process."""
+def gateway_workers(usage: dict | None, tokens_by_worker: dict[str, int]) -> dict:
+    """With --workers N the gateway role is the parent, then its N workers: each worker's CPU%
+    and the output tokens it served (x-gateway-worker), and for each the busiest over the least
+    busy (issue 19's target: within 1.3x; None where one had none). None with one process."""
     workers = [process["cpu_pct"] for process in (usage or {}).get("processes", [])[1:]]
     if len(workers) < 2:
-        return {"gateway_worker_cpu_pct": None, "gateway_worker_spread": None}
+        return {"gateway_worker_cpu_pct": None, "gateway_worker_spread": None,
+                "gateway_worker_tokens": None, "gateway_worker_token_spread": None}
+    tokens = [tokens_by_worker.get(str(worker_id), 0) for worker_id in range(len(workers))]
     return {
         "gateway_worker_cpu_pct": [significant(pct, 3) for pct in workers],
-        "gateway_worker_spread": significant(max(workers) / min(workers), 3) if min(workers) > 0 else None,
+        "gateway_worker_spread": _busiest_over_least(workers),
+        "gateway_worker_tokens": tokens,
+        "gateway_worker_token_spread": _busiest_over_least(tokens),
     }
+
+
+def _busiest_over_least(loads: list[float]) -> float | None:
+    return significant(max(loads) / min(loads), 3) if min(loads) > 0 else None
 
 
 def ratio(value: float | None, baseline: float | None) -> float | None:
@@ -158,7 +167,7 @@ class Report:
 
 # The row fields whose min/median/max over repeats the spread table gives.
 SPREAD_FIELDS = ("output_tokens_per_s", "output_ratio_vs_core", "ttft_p50_ms", "itl_p50_ms", "itl_ratio_vs_core",
-                 "gateway_tokens_per_s_per_core", "gateway_worker_spread")
+                 "gateway_tokens_per_s_per_core", "gateway_worker_spread", "gateway_worker_token_spread")
 SPREAD_CPU_ROLES = ("engine-core", "gateway")
 
 
@@ -200,21 +209,22 @@ def _cell(value) -> str:
 def format_table(rows: list[dict]) -> str:
     header = ["path", "streams", "out tok/s", "vs core", "TTFT p50 ms", "TTFT p99 ms", "ITL p50 ms", "ITL vs core",
               "tokens per message", *(f"CPU% {role}" for role in ROLES), "gateway tok/s per core",
-              "gateway workers CPU% (max / min)"]
+              "gateway workers CPU% (max / min)", "gateway workers' tokens (max / min)"]
     lines = ["| " + " | ".join(header) + " |", "|" + " --- |" * len(header)]
     for row in rows:
         cells = [row["label"], row["streams"], row["output_tokens_per_s"], row["output_ratio_vs_core"],
                  row["ttft_p50_ms"], row["ttft_p99_ms"], row["itl_p50_ms"], row["itl_ratio_vs_core"],
                  row["tokens_per_message"], *(row["cpu_pct"].get(role) for role in ROLES), row["gateway_tokens_per_s_per_core"],
-                 _workers_cell(row)]
+                 _workers_cell(row, "gateway_worker_cpu_pct", "gateway_worker_spread"),
+                 _workers_cell(row, "gateway_worker_tokens", "gateway_worker_token_spread")]
         lines.append("| " + " | ".join(_cell(c) for c in cells) + " |")
     return "\n".join(lines)
 
 
-def _workers_cell(row: dict) -> str:
-    if not row.get("gateway_worker_cpu_pct"):
+def _workers_cell(row: dict, loads: str, spread: str) -> str:
+    if not row.get(loads):
         return "-"
-    return " / ".join(f"{pct:g}" for pct in row["gateway_worker_cpu_pct"]) + f" ({_cell(row['gateway_worker_spread'])})"
+    return " / ".join(f"{load:g}" for load in row[loads]) + f" ({_cell(row[spread])})"
 
 
 def format_threads(rows: list[dict]) -> str:

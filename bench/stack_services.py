@@ -17,6 +17,8 @@ import proc_cpu
 import stack_drivers
 import stack_hops
 import stack_report
+from llmserve.call_balancing import balanced_target
+from llmserve.gateway.worker_ports import read_worker_ports
 from llmserve.inference.engine_flags import engine_argv
 from llmserve.tools.launcher import PREPROCESS_ENGINE_OPTIONS
 from llmserve.tools.loadgen import openai_client
@@ -53,6 +55,8 @@ def start_services(path: str, args, options, model_dir: Path, log_dir: Path, htt
             http = ["--http-port", str(http_port)] if http_port is not None else []
             if gateway_metrics_port is not None:
                 http += ["--metrics-port", str(gateway_metrics_port)]
+            if args.balance_calls:
+                http += ["--worker-ports", "0", "--worker-ports-file", str(worker_ports_file(log_dir))]
             started["gateway"] = start_service(
                 "gateway", [*model, "--preprocess", started["preprocess"].address, "--inference",
                             started["inference"].address, *http, *args.gateway_arg],
@@ -61,6 +65,18 @@ def start_services(path: str, args, options, model_dir: Path, log_dir: Path, htt
         stop_services(started)
         raise
     return started
+
+
+def worker_ports_file(log_dir: Path) -> Path:
+    """Where a --balance-calls gateway writes its workers' own ports."""
+    return log_dir / "gateway.worker-ports"
+
+
+def gateway_target(gateway, args, log_dir: Path) -> str:
+    """The clients' target: the gateway's port, or with --balance-calls every worker's own port."""
+    if not args.balance_calls:
+        return gateway.address
+    return balanced_target("127.0.0.1", read_worker_ports(worker_ports_file(log_dir)))
 
 
 def stop_services(services: dict) -> None:
@@ -89,7 +105,7 @@ def run_services(path: str, args, options, model_dir: Path, plans: stack_drivers
         return roles
 
     front = services["gateway" if path in STACK_PATHS else "inference"]
-    driver: dict = {"address": front.address}
+    driver: dict = {"address": gateway_target(front, args, log_dir) if path == "gateway" else front.address}
     if path == "grpc":
         driver["send"] = stack_drivers.send_to_inference
     elif path == "http":

@@ -47,6 +47,7 @@ class RunningServer:
     health: health.aio.HealthServicer
     service_names: tuple[str, ...]
     more_servers: tuple[grpc.aio.Server, ...] = ()
+    second_port: int | None = None  # create_server's `second_address`, bound
 
     async def stop(self, grace_s: float | None) -> None:
         """Stop accepting on every accept loop; in-flight RPCs get `grace_s` to finish."""
@@ -71,6 +72,7 @@ async def create_server(
     interceptors: Iterable[grpc.aio.ServerInterceptor] = (),
     options: Iterable[tuple[str, int]] = (),
     num_accept_loops: int = 1,
+    second_address: str | None = None,
 ) -> RunningServer:
     """Build, register and start a server on `address` ("host:port"; port 0 = any free port).
 
@@ -86,6 +88,9 @@ async def create_server(
     request_call outstanding), so on a loop kept busy streaming tokens a burst of new RPCs waits
     in line before any handler runs. grpc sets SO_REUSEPORT, so the kernel spreads connections
     over the servers, and each accepts its own connections' RPCs (bench/bench_accept.py).
+
+    `second_address`: another "host:port" every accept loop also listens on (port 0: one free
+    port, the first loop's), as a gateway worker's own port (gateway.worker_ports).
     """
     options = (
         ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
@@ -96,23 +101,34 @@ async def create_server(
     health_servicer = health.aio.HealthServicer()
     names = tuple(service_names)
     servers: list[grpc.aio.Server] = []
-    port = 0
+    port, second_port = 0, None
     try:
         for loop_index in range(num_accept_loops):
             server = _build_server(register, names, health_servicer, interceptors, options)
             # The first binds `address`; the others the port it got (port 0 picks one).
-            bind = address if loop_index == 0 else f"{address.rsplit(':', 1)[0]}:{port}"
-            port = server.add_insecure_port(bind)
-            if port == 0:
-                raise RuntimeError(f"could not bind {bind}")
+            port = _bind(server, address if loop_index == 0 else _with_port(address, port))
+            if second_address is not None:
+                second_bind = second_address if loop_index == 0 else _with_port(second_address, second_port)
+                second_port = _bind(server, second_bind)
             await server.start()
             servers.append(server)
     except BaseException:
         await asyncio.gather(*(server.stop(None) for server in servers))
         raise
-    running = RunningServer(servers[0], port, health_servicer, names, tuple(servers[1:]))
+    running = RunningServer(servers[0], port, health_servicer, names, tuple(servers[1:]), second_port)
     await running.set_serving(False)
     return running
+
+
+def _bind(server: grpc.aio.Server, address: str) -> int:
+    port = server.add_insecure_port(address)
+    if port == 0:
+        raise RuntimeError(f"could not bind {address}")
+    return port
+
+
+def _with_port(address: str, port: int) -> str:
+    return f"{address.rsplit(':', 1)[0]}:{port}"
 
 
 def _build_server(

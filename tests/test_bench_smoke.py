@@ -167,10 +167,12 @@ def test_bench_stack_repeats_cells_and_sends_text_prompts(tmp_path):
     """--repeat 2: every cell twice (new prompts), each compared with the core loop's same repeat,
     and min/median/max per (path, streams); --prompt-form text: the gateway paths' prompts (gRPC
     and the OpenAI HTTP API) are text that preprocess tokenizes to the core loop's prompt lengths;
-    two gateway workers, each one's CPU reported."""
+    two gateway workers, each one's CPU reported, and with --balance-calls the gRPC clients' calls
+    spread over the workers' own ports, each worker's output tokens reported."""
     paths = ("core", "gateway", "http")
     report = run_bench("bench_stack.py", ["--smoke", "--paths", ",".join(paths), "--repeat", "2", "--prompt-form", "text",
-                                          "--gateway-arg", "--workers 2", "--out-dir", str(tmp_path)], tmp_path)
+                                          "--gateway-arg", "--workers 2", "--balance-calls", "--out-dir", str(tmp_path)],
+                       tmp_path)
     assert report["errors"] == {}
     rows = {(row["path"], row["streams"], row["repeat"]): row for row in report["rows"]}
     assert set(rows) == {(path, streams, repeat) for path in paths for streams in (1, 4) for repeat in (1, 2)}
@@ -181,6 +183,10 @@ def test_bench_stack_repeats_cells_and_sends_text_prompts(tmp_path):
         # --workers 2: each worker's CPU, for the spread between them (not the parent's)
         workers = row["gateway_worker_cpu_pct"]
         assert (len(workers) == 2 and all(pct >= 0 for pct in workers)) if path != "core" else workers is None
+        # the tokens each worker served, as its x-gateway-worker said (gRPC only: HTTP has no such header)
+        tokens = row["gateway_worker_tokens"]
+        total = row["num_succeeded"] * row["completion_tokens_per_request"]
+        assert sum(tokens) == total if path == "gateway" else tokens in (None, [0, 0])
         assert_first_token_hops(row, path != "core")  # summed over the two workers
     spreads = {(entry["path"], entry["streams"]): entry for entry in report["spread"]}
     assert set(spreads) == {(path, streams) for path in paths for streams in (1, 4)}

@@ -178,13 +178,21 @@ def test_serve_generate_chat_models_then_sigterm_stops_everything(private_model_
 
 def test_serve_replicas_are_routed_by_their_kv_cache(private_model_dir, tmp_path):
     serve = ServeProcess(
-        ["--model", str(private_model_dir), "--replicas", "2", "--port", "0", "--gateway-workers", "1"],
+        ["--model", str(private_model_dir), "--replicas", "2", "--port", "0", "--gateway-workers", "1",
+         "--gateway-worker-ports", "0"],
         tmp_path / "serve.log",
     )
     try:
         address = serve.wait_for_address()
         assert len(pids_with_argument(str(private_model_dir)) - {serve.process.pid}) == 4, serve.log()
-        stub = gateway_pb2_grpc.GatewayServiceStub(grpc.insecure_channel(address))
+        # --gateway-worker-ports: the banner gives the target of every worker's own port (one here)
+        banner = [serve.lines.get(timeout=5)]
+        while "Ctrl-C stops all services" not in banner[-1]:
+            banner.append(serve.lines.get(timeout=5))
+        by_call = next(line for line in banner if line.startswith("  by call: llmserve bench --address "))
+        target = by_call.split("--address ")[1].split()[0]
+        assert re.fullmatch(r"ipv4:127\.0\.0\.1:\d+", target) and target.rsplit(":", 1)[1] != address.rsplit(":", 1)[1]
+        stub = gateway_pb2_grpc.GatewayServiceStub(grpc.insecure_channel(target))
         sampling = common_pb2.SamplingParams(temperature=0.0, max_tokens=4)
 
         def send(prompt):

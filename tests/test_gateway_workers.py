@@ -2,6 +2,8 @@
 
 Many clients on their own channels all succeed and both workers serve some (`x-gateway-worker`);
 one channel's calls move between workers as its connections age (--max-connection-age-s);
+with --worker-ports each worker also listens on its own port, and one round_robin channel over
+them spreads its calls evenly;
 SIGTERM to the parent drains every worker (a stream in flight finishes, exit 0); a worker that
 dies takes the gateway down with a log line naming it.
 """
@@ -16,7 +18,10 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 
 import grpc
+import pytest
 
+from llmserve.call_balancing import balanced_target, balancing_options
+from llmserve.gateway.worker_ports import read_worker_ports
 from llmserve.tools.cli import build_parser as build_cli_parser
 from llmserve.gateway.__main__ import build_parser as build_gateway_parser
 from llmserve.gateway.__main__ import config_from_args as gateway_config_from_args
@@ -148,6 +153,53 @@ def test_an_aged_connection_moves_and_its_stream_in_flight_finishes(stack, tiny_
             rest = list(long_stream)  # read only now: it waited, unread, across every age
             assert rest[-1].request_id == first.request_id and started_on in workers
             assert rest[-1].result.usage.completion_tokens == DRAIN_MAX_TOKENS
+
+
+def served_by(channel: grpc.Channel) -> str:
+    """The worker that serves one short call on `channel`."""
+    _, call = gateway_pb2_grpc.GatewayServiceStub(channel).Generate.with_call(
+        gateway_pb2.GenerateRequest(params=params(1)), timeout=60.0
+    )
+    return dict(call.initial_metadata())["x-gateway-worker"]
+
+
+@pytest.mark.parametrize("num_workers", [1, NUM_WORKERS])
+def test_worker_ports_spread_one_channels_calls_over_every_worker(stack, tiny_model_dir, tmp_path, num_workers):
+    """--worker-ports 0: each worker's own port serves that worker, and one channel with
+    round_robin over all of them places its calls on the workers in turn."""
+    ports_file = tmp_path / "worker-ports"
+    args = ["--model", str(tiny_model_dir), "--preprocess", stack["preprocess"].address, "--inference",
+            stack["inference"].address, "--workers", str(num_workers), "--worker-ports", "0",
+            "--worker-ports-file", str(ports_file)]
+    with running_service("gateway", args, tmp_path) as gateway:
+        ports = read_worker_ports(ports_file)
+        assert len(set(ports)) == num_workers and gateway.port not in ports
+        for worker_id, port in enumerate(ports):
+            with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
+                assert served_by(channel) == str(worker_id)
+        target = balanced_target("localhost", ports)
+        with grpc.insecure_channel(target, options=balancing_options(target)) as channel:
+            # round_robin places calls only on connections that are ready: until every worker's is
+            workers = [served_by(channel)]
+            while len(set(workers[-num_workers:])) < num_workers and len(workers) < MAX_CHANNELS:
+                workers.append(served_by(channel))
+            in_turn = [served_by(channel) for _ in range(4 * num_workers)]
+        assert sorted(in_turn) == sorted(str(i) for i in range(num_workers) for _ in range(4)), workers + in_turn
+        log_text = gateway.log_path.read_text()
+        for worker_id, port in enumerate(ports):
+            assert f"gateway worker {worker_id}'s own port: {port}" in log_text
+
+
+def test_worker_ports_are_checked_at_start():
+    parse = build_gateway_parser().parse_args
+    base = ["--model", "m", "--preprocess", "p:1", "--inference", "i:1", "--workers", "4"]
+    assert gateway_config_from_args(parse([*base, "--worker-ports", "6000"])).worker_base_port == 6000
+    with pytest.raises(ValueError, match=r"worker_ports 50050..50053 hold the shared port 50051"):
+        gateway_config_from_args(parse([*base, "--port", "50051", "--worker-ports", "50050"]))
+    with pytest.raises(ValueError, match=r"base \+ workers - 1 <= 65535, got 65533"):
+        gateway_config_from_args(parse([*base, "--worker-ports", "65533"]))
+    with pytest.raises(ValueError, match="worker_ports_file needs worker_ports"):
+        gateway_config_from_args(parse([*base, "--worker-ports-file", "f"]))
 
 
 def test_a_dead_worker_takes_the_gateway_down(stack, tiny_model_dir, tmp_path):

@@ -116,9 +116,10 @@ def run_models(args: argparse.Namespace) -> int:
 def _channel(address: str):
     import grpc
 
+    from llmserve.call_balancing import balancing_options
     from llmserve.server import CHANNEL_OPTIONS
 
-    return grpc.insecure_channel(address, options=CHANNEL_OPTIONS)
+    return grpc.insecure_channel(address, options=(*CHANNEL_OPTIONS, *balancing_options(address)))
 
 
 def _report_rpc_error(error, address: str) -> int:

@@ -23,8 +23,10 @@ import threading
 from pathlib import Path
 from typing import IO, Sequence
 
+from llmserve.call_balancing import balanced_target
 from llmserve.gateway.slow_reader_flags import slow_reader_argv
 from llmserve.gateway.stream_interval import stream_interval_argv
+from llmserve.gateway.worker_ports import read_worker_ports
 from llmserve.inference.engine_flags import engine_argv
 from llmserve.tools.model_store import DEFAULT_MODEL_NAME, ModelResolutionError, is_default_model_spec, resolve_model
 from llmserve.tools.serve_config import ServeConfig
@@ -106,9 +108,17 @@ def gateway_argv(
     ]
     if config.http_port is not None:
         args += ["--http-port", str(config.http_port)]
+    if config.gateway_worker_ports is not None:
+        args += ["--worker-ports", str(config.gateway_worker_ports),
+                 "--worker-ports-file", str(worker_ports_file(Path(preprocess.port_file).parent))]
     for replica in replicas:
         args += ["--inference", replica.address]
     return args
+
+
+def worker_ports_file(run_dir: Path) -> Path:
+    """Where the gateway writes its workers' own ports (--gateway-worker-ports)."""
+    return run_dir / "gateway.worker-ports"
 
 
 def connect_host(bind_host: str) -> str:
@@ -116,7 +126,7 @@ def connect_host(bind_host: str) -> str:
     return LOOPBACK if bind_host in ("0.0.0.0", "::", "[::]", "") else bind_host
 
 
-def print_banner(config: ServeConfig, port: int, model_dir: Path, out: IO[str]) -> None:
+def print_banner(config: ServeConfig, port: int, model_dir: Path, out: IO[str], run_dir: Path) -> None:
     address = f"{connect_host(config.host)}:{port}"
     # The first line is stable: scripts and tests parse it.
     out.write(
@@ -126,11 +136,19 @@ def print_banner(config: ServeConfig, port: int, model_dir: Path, out: IO[str]) 
         f"           llmserve generate --address {address} \"The capital of France is\" --max-tokens 32\n"
         f"           llmserve models --address {address}\n"
         f"  grpcurl: grpcurl -plaintext -d '{{\"params\": {{\"prompt\": \"Hi\"}}}}' {address} llmserve.v1.GatewayService/GenerateStream\n"
+        f"{_worker_ports_banner(config, run_dir)}"
         f"{_http_banner(config)}"
         f"{_metrics_banner(config)}"
         f"  Ctrl-C stops all services.\n"
     )
     out.flush()
+
+
+def _worker_ports_banner(config: ServeConfig, run_dir: Path) -> str:
+    if config.gateway_worker_ports is None:
+        return ""
+    target = balanced_target(connect_host(config.host), read_worker_ports(worker_ports_file(run_dir)))
+    return f"  by call: llmserve bench --address {target}   (grpc round_robin over each gateway worker's own port)\n"
 
 
 def _http_banner(config: ServeConfig) -> str:
@@ -230,7 +248,7 @@ def _run_services(
         )
         gateway.start()
         port = gateway.wait_until_serving(config.startup_timeout_s, stop=signals.stop)
-        print_banner(config, port, model_dir, out)
+        print_banner(config, port, model_dir, out, run_dir)
         return _supervise((gateway, preprocess, *replicas), signals)
     except ServiceStartError as error:
         if signals.stop.is_set():

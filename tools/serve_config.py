@@ -15,6 +15,7 @@ from llmserve.config_checks import check_at_least
 from llmserve.gateway.slow_reader import SlowReaderBounds
 from llmserve.gateway.slow_reader_flags import add_slow_reader_arguments, slow_reader_bounds
 from llmserve.gateway.stream_interval import add_stream_interval_argument, check_stream_interval, stream_interval_s
+from llmserve.gateway.worker_ports import check_worker_ports
 from llmserve.inference.engine.config import MODEL_GROUP
 from llmserve.inference.engine_flags import (
     EngineOptions,
@@ -53,6 +54,9 @@ class ServeConfig:
     startup_timeout_s: float = DEFAULT_STARTUP_TIMEOUT_S
     max_output_tokens: int | None = None  # None: preprocess's default
     gateway_workers: int = field(default_factory=default_gateway_workers)
+    # Each gateway worker's own port, worker i on this + i (0: free ports), for clients that
+    # spread calls over them (gateway.worker_ports); None: none.
+    gateway_worker_ports: int | None = None
     num_replicas: int = 1  # inference replicas behind the gateway, routed by their KV events
     # Set: /metrics of the gateway on this port, preprocess on the next, replica i on the next + i.
     metrics_port: int | None = None
@@ -70,6 +74,7 @@ class ServeConfig:
         if self.metrics_port is not None and not 1 <= self.metrics_port <= 65535 - 1 - self.num_replicas:
             raise ValueError(f"--metrics-port must leave room for every service's port, got {self.metrics_port}")
         check_stream_interval(self.stream_interval_s, self.slow_readers.max_unread_s)
+        check_worker_ports(self.gateway_worker_ports, self.gateway_workers, self.port, None)
 
     @property
     def stop_timeout_s(self) -> float:
@@ -108,6 +113,12 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
         "--gateway-workers", type=int, default=default_gateway_workers(), metavar="N",
         help="gateway processes sharing the port; each uses up to a core, about one per 8k output "
         "tokens/s (default: one per 4 cores, 1 to 8: %(default)s here)",
+    )
+    server.add_argument(
+        "--gateway-worker-ports", type=int, metavar="BASE",
+        help="also give gateway worker i a port of its own, BASE + i (0: free ports, shown at start), so that "
+        "a client can spread its calls over the workers: grpc's round_robin over ipv4:HOST:BASE,HOST:BASE+1,... "
+        "(default: off; the shared port spreads connections, not calls)",
     )
     server.add_argument(
         "--replicas", type=int, default=1, metavar="N",
@@ -162,6 +173,7 @@ def serve_config_from_args(args: argparse.Namespace) -> ServeConfig:
         startup_timeout_s=args.startup_timeout_s,
         max_output_tokens=args.max_output_tokens,
         gateway_workers=args.gateway_workers,
+        gateway_worker_ports=args.gateway_worker_ports,
         num_replicas=args.replicas,
         metrics_port=args.metrics_port,
         log_format=args.log_format,

@@ -21,6 +21,7 @@ from llmserve.gateway.stream_interval import add_stream_interval_argument, strea
 from llmserve.gateway.routing_flags import add_routing_arguments, routing_options
 from llmserve.gateway.worker import run_worker
 from llmserve.gateway.worker_group import run_worker_group
+from llmserve.gateway.worker_ports import add_worker_ports_arguments, write_worker_ports
 from llmserve.server import configure_logging, exit_with_parent, write_port_file
 from llmserve.metrics_endpoint import start_metrics_endpoint
 from llmserve.server_flags import GATEWAY_PORT, add_server_arguments, server_options
@@ -38,6 +39,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="gateway processes sharing the port (SO_REUSEPORT: the kernel spreads connections over them); "
         "each uses up to a core, about one per 8k output tokens/s (default: %(default)s)",
     )
+    add_worker_ports_arguments(server)
     server.add_argument(
         "--max-connection-age-s", type=float, default=DEFAULT_MAX_CONNECTION_AGE_S, metavar="SECONDS",
         help="ask a client connection to go after about this long (gRPC: HTTP/2 GOAWAY, its streams in "
@@ -101,6 +103,8 @@ def config_from_args(args: argparse.Namespace) -> GatewayConfig:
         log_level=args.log_level,
         downstream_ready_timeout_s=args.downstream_ready_timeout_s,
         num_workers=args.workers,
+        worker_base_port=args.worker_ports,
+        worker_ports_file=args.worker_ports_file,
         num_accept_loops=args.accept_loops,
         max_connection_age_s=args.max_connection_age_s,
         http_port=args.http_port,
@@ -122,7 +126,13 @@ def main(argv: list[str] | None = None) -> int:
     if config.num_workers > 1:
         return run_worker_group(config)  # it serves the workers' metrics, summed
     start_metrics_endpoint(config.observability, config.host)
-    return run_worker(config, 0, on_serving=lambda port: write_port_file(config.port_file, port))
+
+    def on_serving(port: int, own_port: int | None) -> None:
+        if own_port is not None:
+            write_worker_ports(config.worker_ports_file, [own_port])
+        write_port_file(config.port_file, port)
+
+    return run_worker(config, 0, on_serving=on_serving)
 
 
 if __name__ == "__main__":

@@ -26,6 +26,7 @@ from llmserve.gateway.replica_set import ReplicaSet
 from llmserve.gateway.router import Router
 from llmserve.gateway.routing_index import RoutingIndex
 from llmserve.gateway.servicer import SERVICE_NAME, GatewayServicer
+from llmserve.gateway.worker_ports import own_address
 from llmserve.message_limits import prompt_request_bytes
 from llmserve.server import RunningServer, create_server
 from llmserve.v1 import gateway_pb2_grpc
@@ -61,7 +62,8 @@ async def start_gateway(config: GatewayConfig, worker_id: int = 0) -> RunningGat
     """Connect to the hops, wait until they serve, and start the gateway (SERVING on return).
 
     `worker_id` names this process among the gateway's workers (gateway.worker_group); each worker
-    binds `config.port` itself (grpc sets SO_REUSEPORT, so they share it).
+    binds `config.port` itself (grpc sets SO_REUSEPORT, so they share it), and with
+    `config.worker_base_port` a port of its own too (gateway.worker_ports).
     """
     preprocess = PreprocessServers(config)
     index: RoutingIndex | None = None
@@ -93,6 +95,7 @@ async def start_gateway(config: GatewayConfig, worker_id: int = 0) -> RunningGat
         max_receive_bytes=max_receive_bytes,
         options=connection_age_options(config.max_connection_age_s),
         num_accept_loops=config.num_accept_loops,
+        second_address=own_address(config.host, config.worker_base_port, worker_id),
     )
     http = None
     if config.http_port is not None:
@@ -110,6 +113,8 @@ async def start_gateway(config: GatewayConfig, worker_id: int = 0) -> RunningGat
         ", ".join(map(str, config.inference_targets)), len(replicas.live()), config.routing.policy.value,
         "in Redis" if config.redis else "in memory",
     )
+    if server.second_port is not None:
+        log.info("gateway worker %d's own port: %d", worker_id, server.second_port)
     if http is not None:
         log.info("OpenAI-compatible HTTP API on http://%s:%d/v1", config.host, http.port)
     return RunningGateway(server=server, preprocess=preprocess, replicas=replicas, index=index, model=model, http=http)

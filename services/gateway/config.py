@@ -11,6 +11,7 @@ from llmserve.gateway.discovery import DEFAULT_RESOLVE_INTERVAL_S, Target
 from llmserve.gateway.router import RoutingConfig
 from llmserve.gateway.slow_reader import SlowReaderBounds
 from llmserve.gateway.stream_interval import check_stream_interval
+from llmserve.gateway.worker_ports import check_worker_ports
 from llmserve.prefix_index.redis_config import RedisIndexConfig
 from llmserve.observability import ObservabilityConfig
 from llmserve.server_flags import DEFAULT_GRACE_PERIOD_S, DEFAULT_HOST, GATEWAY_PORT
@@ -42,6 +43,10 @@ class GatewayConfig:
     downstream_ready_timeout_s: float = DEFAULT_DOWNSTREAM_READY_TIMEOUT_S
     # Gateway processes sharing the port (SO_REUSEPORT); 1 serves in the gateway process itself.
     num_workers: int = 1
+    # Each worker's own port besides the shared one, worker i on this + i (0: free ports), so a
+    # client can spread calls over the workers (worker_ports.py); None: none.
+    worker_base_port: int | None = None
+    worker_ports_file: str | None = None  # where the workers' own ports are written
     # After this long a client connection is asked to go (GOAWAY; its streams in flight finish)
     # and the client's next call connects again, wherever the kernel or a load balancer puts
     # it now (connection_age.py). 0: never.
@@ -71,6 +76,7 @@ class GatewayConfig:
             raise ValueError("at least one inference address is required")
         check_at_least("grace_period_s", self.grace_period_s, 0)
         check_at_least("num_workers", self.num_workers, 1)
+        check_worker_ports(self.worker_base_port, self.num_workers, self.port, self.worker_ports_file)
         check_stream_interval(self.stream_interval_s, self.slow_readers.max_unread_s)
         check_at_least("max_connection_age_s", self.max_connection_age_s, 0)
         check_at_least("num_accept_loops", self.num_accept_loops, 1)

@@ -18,6 +18,7 @@ from typing import AsyncIterator
 import grpc
 
 from llmserve.block_hash import check_cache_salt
+from llmserve.call_balancing import WORKER_METADATA_KEY
 from llmserve.client_text import quoted
 from llmserve.errors import InvalidArgument, NotFound
 from llmserve.gateway.generation import GenerationDelta, GenerationPipeline, GenerationRequest, GenerationResult
@@ -32,8 +33,6 @@ from llmserve.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc
 log = logging.getLogger(__name__)
 
 SERVICE_NAME = gateway_pb2.DESCRIPTOR.services_by_name["GatewayService"].full_name
-# Initial metadata naming the gateway worker process that serves the call (see gateway.worker_group).
-WORKER_METADATA_KEY = "x-gateway-worker"
 
 
 class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
@@ -106,6 +105,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
         return response
 
     async def ListModels(self, request: gateway_pb2.ListModelsRequest, context: grpc.aio.ServicerContext):
+        await context.send_initial_metadata((self._worker_metadata,))
         model = common_pb2.ModelInfo(
             model_name=self._model_name,
             architecture=self._model.architecture,

@@ -1,6 +1,6 @@
 """One gateway worker: a full gateway in this process, served until SIGTERM/SIGINT.
 
-Start (gateway.app.start_gateway) → `on_serving(port)` → serve → drain on the signal (health
+Start (gateway.app.start_gateway) → `on_serving(port, own port)` → serve → drain on the signal (health
 NOT_SERVING, in-flight streams finish within the grace period) → close the hop clients. With
 `--workers 1` the gateway process is its only worker; with more, gateway.worker_group runs this
 in each child.
@@ -21,9 +21,13 @@ from llmserve.server import serve_until_signal
 log = logging.getLogger("llmserve.gateway")
 
 
-async def _serve(config: GatewayConfig, worker_id: int, on_serving: Callable[[int], None]) -> None:
+# on_serving(the shared port, this worker's own port or None): called once SERVING
+OnServing = Callable[[int, "int | None"], None]
+
+
+async def _serve(config: GatewayConfig, worker_id: int, on_serving: OnServing) -> None:
     gateway = await start_gateway(config, worker_id)
-    on_serving(gateway.port)
+    on_serving(gateway.port, gateway.server.second_port)
     try:
         await serve_until_signal(
             gateway.server, grace_s=config.grace_period_s,
@@ -33,7 +37,7 @@ async def _serve(config: GatewayConfig, worker_id: int, on_serving: Callable[[in
         await gateway.close_clients()
 
 
-def run_worker(config: GatewayConfig, worker_id: int, on_serving: Callable[[int], None]) -> int:
+def run_worker(config: GatewayConfig, worker_id: int, on_serving: OnServing) -> int:
     """Serve until a signal; the process exit code (1: could not start)."""
     try:
         asyncio.run(_serve(config, worker_id, on_serving))

@@ -8,8 +8,9 @@ and many channels spread.
 
 Start-up: reserve the port (a SO_REUSEPORT socket bound here and held, never listening, so port
 0 resolves once and the port stays ours) → spawn the workers (multiprocessing "spawn": grpc does
-not survive fork), each binding host:port (grpc sets SO_REUSEPORT by default on Linux) → wait until
-each reports SERVING through its pipe → write the port file. A worker that exits during start-up
+not survive fork), each binding host:port (grpc sets SO_REUSEPORT by default on Linux), and its own port with
+--worker-ports (gateway.worker_ports) → wait until each reports SERVING through its pipe → write
+the worker ports file, then the port file. A worker that exits during start-up
 fails the gateway with its exit code.
 
 Serving: a worker that dies takes the gateway down (exit 1, a log line naming the worker); the
@@ -40,6 +41,7 @@ from multiprocessing.connection import Connection, wait
 from multiprocessing.process import BaseProcess
 from llmserve.gateway.config import GatewayConfig
 from llmserve.gateway.worker import run_worker
+from llmserve.gateway.worker_ports import write_worker_ports
 from llmserve.metrics_endpoint import shared_metrics, start_metrics_endpoint
 from llmserve.server import PARENT_PID_ENV, configure_logging, exit_with_parent, write_port_file
 
@@ -72,15 +74,16 @@ def _worker_main(config: GatewayConfig, worker_id: int, parent_pid: int, ready: 
     os.environ[PARENT_PID_ENV] = str(parent_pid)  # whom exit_with_parent watches
     configure_logging(f"gateway/{worker_id}", config.log_level, config.observability)
     exit_with_parent()
-    sys.exit(run_worker(config, worker_id, on_serving=ready.send))
+    sys.exit(run_worker(config, worker_id, on_serving=lambda port, own_port: ready.send((port, own_port))))
 
 
 @dataclass
 class _Worker:
     worker_id: int
     process: BaseProcess
-    ready: Connection  # the parent's end: the worker sends its port once SERVING
+    ready: Connection  # the parent's end: the worker sends its ports once SERVING
     is_serving: bool = False
+    own_port: int | None = None  # --worker-ports: the worker's own
 
     @classmethod
     def start(cls, config: GatewayConfig, worker_id: int) -> "_Worker":
@@ -96,7 +99,7 @@ class _Worker:
 
     def receive_ready(self) -> None:
         try:
-            self.ready.recv()
+            _, self.own_port = self.ready.recv()
             self.is_serving = True
         except EOFError:  # it exited before serving; process.exitcode says how
             self.process.join()
@@ -155,6 +158,17 @@ def _stop_flag() -> threading.Event:
     return stop
 
 
+def _announce_ports(config: GatewayConfig, port: int, workers: list[_Worker]) -> None:
+    """Write the worker ports file (--worker-ports) and the port file, and log both."""
+    log.info("gateway serving on %s:%d with %d workers", config.host, port, len(workers))
+    if config.worker_base_port is not None:
+        own_ports = [worker.own_port for worker in workers]
+        write_worker_ports(config.worker_ports_file, own_ports)
+        log.info("workers' own ports (a client spreads its calls over them with round_robin): %s",
+                 " ".join(map(str, own_ports)))
+    write_port_file(config.port_file, port)
+
+
 def run_worker_group(config: GatewayConfig) -> int:
     """Run `config.num_workers` gateway workers on `config.port` until a signal; the exit code."""
     stop = _stop_flag()
@@ -171,8 +185,7 @@ def run_worker_group(config: GatewayConfig) -> int:
         try:
             exit_code = _wait_until_serving(workers, stop)
             if exit_code is None:
-                write_port_file(config.port_file, port)
-                log.info("gateway serving on %s:%d with %d workers", config.host, port, len(workers))
+                _announce_ports(config, port, workers)
                 exit_code = _supervise(workers, stop)
         finally:
             log.info("stopping %d gateway workers (grace %.1fs)", len(workers), config.grace_period_s)

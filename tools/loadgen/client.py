@@ -12,12 +12,13 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Awaitable, Callable
-from contextlib import AbstractAsyncContextManager, AsyncExitStack
+from contextlib import AbstractAsyncContextManager, AsyncExitStack, asynccontextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
 import grpc
 
+from llmserve.call_balancing import WORKER_METADATA_KEY, balancing_options, reach_every_worker
 from llmserve.tools.loadgen.conversation import Conversation
 from llmserve.tools.loadgen.workload import PlannedRequest, WorkloadConfig
 from llmserve.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc
@@ -45,6 +46,8 @@ class RequestRecord:
     queue_ms: float | None = None
     status: str = "OK"  # a grpc.StatusCode name; over HTTP also HTTP_<status> (openai_client.py)
     error: str = ""
+    # The gateway worker that served it (its `x-gateway-worker` metadata); "" where none said.
+    worker: str = ""
     # The answer, kept only in multi-turn runs (the next turn's prompt includes it).
     answer_text: str = ""
     answer_token_ids: list[int] = field(default_factory=list)
@@ -75,7 +78,7 @@ class ClientPlan:
     # into a spawned client, which imports them by name.
     send: Callable[[Any, PlannedRequest, "ClientPlan", Conversation], Awaitable[RequestRecord]] | None = None
     # Opens a connection `send` uses, num_connections times per client process. None: a gRPC
-    # channel (grpc_channel).
+    # channel (grpc_connection).
     connect: Callable[["ClientPlan"], AbstractAsyncContextManager[Any]] | None = None
     # Connections this client spreads its conversations over, round robin. A multi-process
     # server (the gateway's --workers) is balanced by connection, so how many a load has
@@ -100,7 +103,18 @@ async def send_one(channel: grpc.aio.Channel, planned: PlannedRequest, plan: Cli
     request = build_request(planned, plan.workload, plan.ignore_eos, plan.model, conversation)
     record.start_s = time.monotonic()
     stream = stub.GenerateStream(request, timeout=plan.timeout_s)
-    return await record_stream(record, stream, _result, keep_answer=plan.workload.num_turns > 1)
+    await record_stream(record, stream, _result, keep_answer=plan.workload.num_turns > 1)
+    record.worker = await _worker(stream)
+    return record
+
+
+async def _worker(stream) -> str:
+    """The gateway worker that served `stream` (ended), from its initial metadata."""
+    try:
+        metadata = await stream.initial_metadata()
+    except grpc.aio.AioRpcError:  # it failed before any headers
+        return ""
+    return dict(metadata or ()).get(WORKER_METADATA_KEY, "")
 
 
 def _result(message: gateway_pb2.GenerateStreamResponse):
@@ -142,7 +156,7 @@ async def run_plan(plan: ClientPlan, start_at_s: float, on_done=None) -> list[Re
     """Send every request of the plan (closed loop, or at its send time), at most
     `max_in_flight` at once, a conversation's turns one after the other (a failed turn ends its
     conversation: the later turns are recorded as not sent); `on_done(record)` after each."""
-    send, connect = plan.send or send_one, plan.connect or grpc_channel
+    send, connect = plan.send or send_one, plan.connect or grpc_connection
     async with AsyncExitStack() as connections:
         channels = [await connections.enter_async_context(connect(plan)) for _ in range(max(1, plan.num_connections))]
         in_flight = asyncio.Semaphore(plan.max_in_flight)
@@ -175,10 +189,22 @@ async def run_plan(plan: ClientPlan, start_at_s: float, on_done=None) -> list[Re
 def grpc_channel(plan: ClientPlan) -> grpc.aio.Channel:
     # A local subchannel pool: a process's channels to one address with the same options would
     # otherwise share one connection (grpc's global pool), and num_connections would be one.
+    # An `ipv4:A:P0,A:P1,...` address (a gateway's --worker-ports): round_robin, each call on the
+    # next worker's connection (llmserve.call_balancing).
     options = [("grpc.max_send_message_length", _MAX_MESSAGE_BYTES),
                ("grpc.max_receive_message_length", _MAX_MESSAGE_BYTES),
-               ("grpc.use_local_subchannel_pool", 1)]
+               ("grpc.use_local_subchannel_pool", 1), *balancing_options(plan.address)]
     return grpc.aio.insecure_channel(plan.address, options=options)
+
+
+@asynccontextmanager
+async def grpc_connection(plan: ClientPlan):
+    """grpc_channel, open; one that spreads calls over several addresses first reaches every one
+    (llmserve.call_balancing: else the first burst goes where a connection was ready first)."""
+    async with grpc_channel(plan) as channel:
+        if balancing_options(plan.address):
+            await reach_every_worker(channel, plan.address)
+        yield channel
 
 
 def _not_sent(planned: PlannedRequest, failed: RequestRecord) -> RequestRecord:

@@ -92,9 +92,20 @@ def summarize(records: list[RequestRecord], start_s: float, end_s: float) -> dic
         "num_cached_tokens": sum(r.num_cached_tokens for r in ok),
         "num_pulled_tokens": sum(r.num_pulled_tokens for r in ok),
         "num_messages": sum(len(r.message_times_s) for r in ok),
+        # the gateway workers' shares of the load (gRPC to a gateway; empty elsewhere)
+        "completion_tokens_by_worker": tokens_by_worker(ok),
         **{name: distribution(values) for name, values in latency_samples_ms(records).items()},
         "first_errors": [f"{r.status}: {r.error}" for r in records if not r.is_ok][:5],
     }
+
+
+def tokens_by_worker(records: list[RequestRecord]) -> dict[str, int]:
+    """Completion tokens per gateway worker that served them, by worker id."""
+    tokens: dict[str, int] = {}
+    for record in records:
+        if record.worker:
+            tokens[record.worker] = tokens.get(record.worker, 0) + record.num_completion_tokens
+    return dict(sorted(tokens.items()))
 
 
 def timeline(records: list[RequestRecord], start_s: float, end_s: float, bin_s: float = 1.0) -> dict:

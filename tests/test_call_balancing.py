@@ -1,0 +1,22 @@
+"""llmserve.call_balancing: the target and options of a channel that spreads calls over several
+ports (a gateway's --worker-ports; tests/test_gateway_workers.py runs it against real workers)."""
+
+from __future__ import annotations
+
+import pytest
+
+from llmserve.call_balancing import ROUND_ROBIN_SERVICE_CONFIG, balanced_target, balancing_options
+
+
+def test_the_target_lists_every_port_on_a_numeric_address():
+    assert balanced_target("127.0.0.1", [5001, 5002]) == "ipv4:127.0.0.1:5001,127.0.0.1:5002"
+    assert balanced_target("[::1]", (7000, 7001)) == "ipv6:[::1]:7000,[::1]:7001"
+    assert balanced_target("localhost", [9]).split(":", 1)[0] in ("ipv4", "ipv6")  # resolved here
+    with pytest.raises(ValueError, match="at least one port"):
+        balanced_target("127.0.0.1", [])
+
+
+def test_only_a_target_of_several_addresses_is_balanced_by_call():
+    assert balancing_options("ipv4:127.0.0.1:1,127.0.0.1:2") == (("grpc.service_config", ROUND_ROBIN_SERVICE_CONFIG),)
+    for one in ("127.0.0.1:50051", "ipv4:127.0.0.1:1", "dns:///gateway:50051", "localhost:1,2"):
+        assert balancing_options(one) == ()
