@@ -233,6 +233,9 @@ def test_two_workers_serve_their_sum_at_the_parent(stack):
         after = scrape_when(url, lambda samples: requests_ended(samples) == requests_ended(before) + len(served))
         assert moved(before, after, gateway_name("requests_total"), finish_reason="length") == len(served)
         assert moved(before, after, gateway_name("completion_tokens_total")) == 3 * len(served)
+        for worker in map(str, range(NUM_WORKERS)):  # each worker's share, as x-gateway-worker said
+            num_served = sum(1 for served_by, _ in served if served_by == worker)
+            assert moved(before, after, gateway_name("worker_completion_tokens_total"), worker=worker) == 3 * num_served
         assert moved(before, after, gateway_name("e2e_request_latency_seconds_count")) == len(served)
         assert moved(before, after, routing_name("decisions_total"), replica="r0", reason="load") == len(served)
         # Gauges: in flight adds up over the workers (none now); each worker sees the one replica.

@@ -21,6 +21,7 @@ from llmserve.gateway.connection_age import connection_age_options
 from llmserve.gateway.detokenizer import Detokenizer
 from llmserve.gateway.generation import GenerationPipeline
 from llmserve.gateway.inference_client import ModelCard
+from llmserve.gateway.metrics import bind_worker
 from llmserve.gateway.preprocess_servers import PreprocessServers
 from llmserve.gateway.replica_set import ReplicaSet
 from llmserve.gateway.router import Router
@@ -65,6 +66,7 @@ async def start_gateway(config: GatewayConfig, worker_id: int = 0) -> RunningGat
     binds `config.port` itself (grpc sets SO_REUSEPORT, so they share it), and with
     `config.worker_base_port` a port of its own too (gateway.worker_ports).
     """
+    bind_worker(worker_id)
     preprocess = PreprocessServers(config)
     index: RoutingIndex | None = None
     replicas: ReplicaSet | None = None

@@ -66,6 +66,13 @@ REQUEST_PREPROCESS_TIME = Histogram(
 )
 PROMPT_TOKENS = Counter(_PREFIX + "prompt_tokens", "Prompt tokens of finished requests.")
 COMPLETION_TOKENS = Counter(_PREFIX + "completion_tokens", "Completion tokens of finished requests.")
+# By worker (`--workers N`): how the load spreads over them, by connection or, with
+# --worker-ports, by call (worker_ports.py). Bound to this process's worker at start (bind_worker).
+WORKER_COMPLETION_TOKENS = Counter(
+    _PREFIX + "worker_completion_tokens", "Completion tokens of finished requests, by the gateway worker that served them.",
+    ["worker"],
+)
+_worker_completion_tokens = WORKER_COMPLETION_TOKENS.labels(worker="0")
 CACHED_PROMPT_TOKENS = Counter(
     _PREFIX + "cached_prompt_tokens", "Prompt tokens of finished requests served from a replica's prefix cache."
 )
@@ -144,6 +151,7 @@ def record_finished(result: GenerationResult, *, is_reported_by_inference: bool)
     unknown, so neither the queue time nor the routing prediction is counted."""
     PROMPT_TOKENS.inc(result.num_prompt_tokens)
     COMPLETION_TOKENS.inc(result.num_completion_tokens)
+    _worker_completion_tokens.inc(result.num_completion_tokens)
     CACHED_PROMPT_TOKENS.inc(result.num_cached_tokens)
     REQUEST_PREPROCESS_TIME.observe(result.preprocess_time_ns / _NS_PER_S)
     E2E_REQUEST_LATENCY.observe(result.total_time_ns / _NS_PER_S)
@@ -181,6 +189,12 @@ class RequestOutcome:
     """How one request ended, as the servicer saw it; see `tracked_request`."""
 
     finish_reason: FinishReason | None = None  # set once its result is known
+
+
+def bind_worker(worker_id: int) -> None:
+    """Label this process's per-worker metrics with its worker id (gateway.app, at start)."""
+    global _worker_completion_tokens
+    _worker_completion_tokens = WORKER_COMPLETION_TOKENS.labels(worker=str(worker_id))
 
 
 @contextlib.contextmanager
