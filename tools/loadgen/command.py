@@ -54,7 +54,8 @@ def add_bench_parser(commands, add_client_options) -> None:
                       help="client processes sharing the load, so the client is never the bottleneck (default: %(default)s)")
     load.add_argument("--connections-per-client", type=_positive_int, default=1, metavar="N",
                       help="connections each client process spreads its requests over: a gateway with several "
-                      "--workers is balanced by connection, not by request (default: %(default)s)")
+                      "--workers is balanced by connection, not by request, unless --address lists their --worker-ports "
+                      "(default: %(default)s)")
     shape = p.add_argument_group("requests")
     shape.add_argument("--prompt-tokens", type=LengthDistribution.parse, default=LengthDistribution.parse("256"),
                        metavar="LEN", help="prompt length: N, uniform:LOW:HIGH or normal:MEAN:STDDEV (default: 256)")
