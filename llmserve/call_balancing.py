@@ -18,12 +18,15 @@ from __future__ import annotations
 import asyncio
 import ipaddress
 import json
+import logging
 import socket
 import time
 
 import grpc
 
 from llmserve.v1 import gateway_pb2, gateway_pb2_grpc
+
+log = logging.getLogger(__name__)
 
 # Initial metadata naming the gateway worker process that served a call (gateway.worker_group):
 # what a client, or a bench, reads to see how its calls were spread.
@@ -67,8 +70,14 @@ async def reach_every_worker(channel: grpc.aio.Channel, target: str, timeout_s: 
     deadline = time.monotonic() + timeout_s
     while len(workers) < num_addresses and time.monotonic() < deadline:
         call = stub.ListModels(gateway_pb2.ListModelsRequest(), timeout=timeout_s)
-        await call
+        try:
+            await call
+        except grpc.aio.AioRpcError as error:  # the calls that follow will say it too, as their status
+            log.warning("could not reach the gateway at %s: %s", target, error.code().name)
+            return len(workers)
         workers.add(dict(await call.initial_metadata()).get(WORKER_METADATA_KEY, ""))
         if len(workers) < num_addresses:
             await asyncio.sleep(0.001)  # the other connections are still being made
+    if len(workers) < num_addresses:
+        log.warning("%d of the %d addresses of %s answered within %g s", len(workers), num_addresses, target, timeout_s)
     return len(workers)

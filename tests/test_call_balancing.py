@@ -3,9 +3,13 @@ ports (a gateway's --worker-ports; tests/test_gateway_workers.py runs it against
 
 from __future__ import annotations
 
+import asyncio
+import socket
+
+import grpc
 import pytest
 
-from llmserve.call_balancing import ROUND_ROBIN_SERVICE_CONFIG, balanced_target, balancing_options
+from llmserve.call_balancing import ROUND_ROBIN_SERVICE_CONFIG, balanced_target, balancing_options, reach_every_worker
 
 
 def test_the_target_lists_every_port_on_a_numeric_address():
@@ -20,3 +24,21 @@ def test_only_a_target_of_several_addresses_is_balanced_by_call():
     assert balancing_options("ipv4:127.0.0.1:1,127.0.0.1:2") == (("grpc.service_config", ROUND_ROBIN_SERVICE_CONFIG),)
     for one in ("127.0.0.1:50051", "ipv4:127.0.0.1:1", "dns:///gateway:50051", "localhost:1,2"):
         assert balancing_options(one) == ()
+
+
+def test_reaching_workers_that_do_not_listen_gives_up_with_a_warning(caplog):
+    """Nothing listens: the first call fails (UNAVAILABLE), none answered, and the load that
+    follows reports the failure as its status, not a crash of the client."""
+    ports = []
+    for _ in range(2):
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", 0))
+            ports.append(sock.getsockname()[1])
+    target = balanced_target("127.0.0.1", ports)
+
+    async def reach() -> int:
+        async with grpc.aio.insecure_channel(target, options=balancing_options(target)) as channel:
+            return await reach_every_worker(channel, target, timeout_s=5.0)
+
+    assert asyncio.run(reach()) == 0
+    assert "could not reach the gateway at ipv4:127.0.0.1:" in caplog.text
