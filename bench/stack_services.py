@@ -52,14 +52,14 @@ def start_services(path: str, args, options, model_dir: Path, log_dir: Path, htt
             "inference", [*model, *engine_argv(options), *metrics, *args.inference_arg], log_dir,
             timeout_s=args.startup_timeout_s)
         if path in STACK_PATHS:
-            http = ["--http-port", str(http_port)] if http_port is not None else []
+            flags = ["--http-port", str(http_port)] if http_port is not None else []
             if gateway_metrics_port is not None:
-                http += ["--metrics-port", str(gateway_metrics_port)]
+                flags += ["--metrics-port", str(gateway_metrics_port)]
             if args.balance_calls:
-                http += ["--worker-ports", "0", "--worker-ports-file", str(worker_ports_file(log_dir))]
+                flags += ["--worker-ports", "0", "--worker-ports-file", str(worker_ports_file(log_dir))]
             started["gateway"] = start_service(
                 "gateway", [*model, "--preprocess", started["preprocess"].address, "--inference",
-                            started["inference"].address, *http, *args.gateway_arg],
+                            started["inference"].address, *flags, *args.gateway_arg],
                 log_dir, timeout_s=args.startup_timeout_s)
     except BaseException:
         stop_services(started)

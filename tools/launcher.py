@@ -97,10 +97,12 @@ def replica_engine_options(config: ServeConfig, replica: int) -> dict:
 
 
 def gateway_argv(
-    config: ServeConfig, common: list[str], preprocess: ServiceProcess, replicas: Sequence[ServiceProcess]
+    config: ServeConfig, common: list[str], preprocess: ServiceProcess, replicas: Sequence[ServiceProcess],
+    run_dir: Path | None = None,
 ) -> list[str]:
     """The gateway's flags: the public address, its workers, `common` (common_argv), its metrics
-    port, and the addresses of `preprocess` and every replica (all serving already)."""
+    port, and the addresses of `preprocess` and every replica (all serving already); with
+    --gateway-worker-ports, where in `run_dir` it writes its workers' ports."""
     args = [
         "--host", config.host, "--port", str(config.port), "--workers", str(config.gateway_workers), *common,
         "--preprocess", preprocess.address, *_metrics_args(config, 0), *slow_reader_argv(config.slow_readers),
@@ -109,8 +111,9 @@ def gateway_argv(
     if config.http_port is not None:
         args += ["--http-port", str(config.http_port)]
     if config.gateway_worker_ports is not None:
-        args += ["--worker-ports", str(config.gateway_worker_ports),
-                 "--worker-ports-file", str(worker_ports_file(Path(preprocess.port_file).parent))]
+        args += ["--worker-ports", str(config.gateway_worker_ports)]
+        if run_dir is not None:
+            args += ["--worker-ports-file", str(worker_ports_file(run_dir))]
     for replica in replicas:
         args += ["--inference", replica.address]
     return args
@@ -243,7 +246,7 @@ def _run_services(
         for service in (preprocess, *replicas):
             service.wait_until_serving(config.startup_timeout_s, stop=signals.stop)
         gateway = ServiceProcess(
-            "gateway", "llmserve.gateway", gateway_argv(config, common, preprocess, replicas),
+            "gateway", "llmserve.gateway", gateway_argv(config, common, preprocess, replicas, run_dir),
             port_file=run_dir / "gateway.port", log_sink=log_sink, connect_host=connect_host(config.host),
         )
         gateway.start()

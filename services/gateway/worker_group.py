@@ -8,9 +8,9 @@ and many channels spread.
 
 Start-up: reserve the port (a SO_REUSEPORT socket bound here and held, never listening, so port
 0 resolves once and the port stays ours) → spawn the workers (multiprocessing "spawn": grpc does
-not survive fork), each binding host:port (grpc sets SO_REUSEPORT by default on Linux), and its own port with
---worker-ports (gateway.worker_ports) → wait until each reports SERVING through its pipe → write
-the worker ports file, then the port file. A worker that exits during start-up
+not survive fork), each binding host:port (grpc sets SO_REUSEPORT by default on Linux), and with
+--worker-ports a port of its own (gateway.worker_ports) → wait until each reports SERVING through
+its pipe → write the worker ports file, then the port file. A worker that exits during start-up
 fails the gateway with its exit code.
 
 Serving: a worker that dies takes the gateway down (exit 1, a log line naming the worker); the
