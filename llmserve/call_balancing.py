@@ -47,8 +47,11 @@ def balanced_target(host: str, ports: list[int] | tuple[int, ...]) -> str:
 
 
 def balancing_options(target: str) -> tuple[tuple[str, str], ...]:
-    """The channel options that spread calls over `target`'s addresses (none for one address)."""
-    if target.startswith(("ipv4:", "ipv6:")) and "," in target:
+    """The channel options that spread calls over `target`'s addresses: those it lists
+    (`ipv4:`/`ipv6:` with several), or every address a `dns:` name resolves to (a Kubernetes
+    headless Service of gateway pods: the chart's `<release>-llmserve-gateway-pods`); none for
+    one address."""
+    if target.startswith(("ipv4:", "ipv6:")) and "," in target or target.startswith("dns:"):
         return (("grpc.service_config", ROUND_ROBIN_SERVICE_CONFIG),)
     return ()
 
@@ -62,8 +65,9 @@ def _numeric(host: str) -> str:
 
 
 async def reach_every_worker(channel: grpc.aio.Channel, target: str, timeout_s: float = 10.0) -> int:
-    """Call the gateway's ListModels on `channel` until every address of `target` has answered
-    (each a worker: its `x-gateway-worker`), at most `timeout_s`; how many answered."""
+    """Call the gateway's ListModels on `channel` until every address `target` lists has answered
+    (each a worker: its `x-gateway-worker`), at most `timeout_s`; how many answered. A `dns:`
+    name's addresses are not known here: one answer does."""
     num_addresses = target.count(",") + 1
     stub = gateway_pb2_grpc.GatewayServiceStub(channel)
     workers: set[str] = set()

@@ -20,9 +20,10 @@ def test_the_target_lists_every_port_on_a_numeric_address():
         balanced_target("127.0.0.1", [])
 
 
-def test_only_a_target_of_several_addresses_is_balanced_by_call():
-    assert balancing_options("ipv4:127.0.0.1:1,127.0.0.1:2") == (("grpc.service_config", ROUND_ROBIN_SERVICE_CONFIG),)
-    for one in ("127.0.0.1:50051", "ipv4:127.0.0.1:1", "dns:///gateway:50051", "localhost:1,2"):
+def test_only_a_target_of_several_addresses_or_a_dns_name_is_balanced_by_call():
+    for several in ("ipv4:127.0.0.1:1,127.0.0.1:2", "dns:///rel-llmserve-gateway-pods.ns.svc:50051"):
+        assert balancing_options(several) == (("grpc.service_config", ROUND_ROBIN_SERVICE_CONFIG),)
+    for one in ("127.0.0.1:50051", "ipv4:127.0.0.1:1", "localhost:1,2"):
         assert balancing_options(one) == ()
 
 

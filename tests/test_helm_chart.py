@@ -276,6 +276,17 @@ def test_the_gateways_http_api_is_on_its_public_service_and_can_be_turned_off(re
     assert [p["name"] for p in named(docs, "Service", "rel-llmserve-gateway")["spec"]["ports"]] == ["grpc"]
 
 
+def test_gateway_pods_are_listed_by_a_headless_service_for_clients_that_spread_calls(rendered):
+    """gateway.headlessService (on by default): every gateway pod's gRPC port behind one DNS name,
+    what a round_robin client spreads its calls over; off, no such Service."""
+    service = named(rendered["default"], "Service", "rel-llmserve-gateway-pods")
+    assert service["spec"]["clusterIP"] == "None"
+    assert [(p["name"], p["port"], p["targetPort"]) for p in service["spec"]["ports"]] == [("grpc", 50051, "grpc")]
+    assert [pod.workload for pod in _pods_behind(rendered["default"], service["spec"]["selector"])] == ["rel-llmserve-gateway"]
+    docs = render_values(merge_values(mode_values("default"), {"gateway": {"headlessService": False}}))
+    assert "rel-llmserve-gateway-pods" not in {s["metadata"]["name"] for s in of_kind(docs, "Service")}
+
+
 def test_inference_gets_a_gpu_by_default(rendered):
     pod = next(pod for pod in pod_templates(rendered["default"]) if pod.workload.endswith("-inference"))
     inference = pod.container("inference")

@@ -65,7 +65,8 @@ def _add_serve(commands) -> None:
 def _add_client_options(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--address", default=os.environ.get(ADDRESS_ENV, DEFAULT_ADDRESS),
-        help=f"gateway HOST:PORT, or ipv4:IP:P0,IP:P1,... to spread calls over a gateway's --worker-ports "
+        help=f"gateway HOST:PORT; ipv4:IP:P0,IP:P1,... (a gateway's --worker-ports) or dns:///NAME:PORT (every "
+        f"address NAME resolves to, e.g. the chart's gateway-pods Service) spread calls over them with round_robin "
         f"(default: ${ADDRESS_ENV} or {DEFAULT_ADDRESS})",
     )
     p.add_argument(
