@@ -120,10 +120,19 @@ async def create_server(
     return running
 
 
+class BindError(OSError):
+    """An address a server cannot listen on: held by a socket without SO_REUSEPORT (grpc sets
+    it, so our own servers share a port), or not an address of this host. The services say it
+    in one line and exit 1."""
+
+
 def _bind(server: grpc.aio.Server, address: str) -> int:
-    port = server.add_insecure_port(address)
+    try:
+        port = server.add_insecure_port(address)
+    except RuntimeError:  # grpc's "Failed to bind to address ..."
+        port = 0
     if port == 0:
-        raise RuntimeError(f"could not bind {address}")
+        raise BindError(f"cannot bind {address}: the port is held by another program, or the host is not this machine's")
     return port
 
 

@@ -14,6 +14,7 @@ import http.client
 import os
 import re
 import signal
+import socket
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -27,7 +28,7 @@ from llmserve.gateway.__main__ import build_parser as build_gateway_parser
 from llmserve.gateway.__main__ import config_from_args as gateway_config_from_args
 from llmserve.tools.launcher import common_argv, gateway_argv
 from llmserve.tools.serve_config import ServeConfig, default_gateway_workers, serve_config_from_args
-from llmserve.tools.service_process import ServiceProcess
+from llmserve.tools.service_process import ServiceProcess, ServiceStartError, stop_service
 from llmserve.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc
 from tests.procs import free_port, running_service, stack_fixture
 
@@ -188,6 +189,30 @@ def test_worker_ports_spread_one_channels_calls_over_every_worker(stack, tiny_mo
         log_text = gateway.log_path.read_text()
         for worker_id, port in enumerate(ports):
             assert f"gateway worker {worker_id}'s own port: {port}" in log_text
+
+
+def test_a_worker_port_another_program_holds_stops_the_gateway_in_one_line(stack, tiny_model_dir, tmp_path):
+    """A socket without SO_REUSEPORT holds worker 1's port: that worker cannot bind it, says so
+    in one log line (no traceback), and the gateway exits 1 without serving."""
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", 0))
+        held.listen()
+        base = held.getsockname()[1] - 1  # worker 1's port is the held one
+        args = ["--model", str(tiny_model_dir), "--preprocess", stack["preprocess"].address, "--inference",
+                stack["inference"].address, "--port", "0", "--workers", str(NUM_WORKERS), "--worker-ports", str(base)]
+        gateway = ServiceProcess("gateway", "llmserve.gateway", args, port_file=tmp_path / "gateway.port",
+                                 log_path=tmp_path / "gateway.log")
+        gateway.start()
+        try:
+            with pytest.raises(ServiceStartError):
+                gateway.wait_until_serving(EXIT_TIMEOUT_S)
+            assert gateway.wait(EXIT_TIMEOUT_S) == 1
+        finally:
+            stop_service(gateway)
+    log_text = (tmp_path / "gateway.log").read_text()
+    assert f"cannot start: cannot bind 127.0.0.1:{base + 1}: the port is held by another program" in log_text
+    assert "gateway worker 1 exited with code 1 during start-up" in log_text
+    assert "Traceback" not in log_text
 
 
 def test_worker_ports_are_checked_at_start():

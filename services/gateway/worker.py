@@ -16,7 +16,7 @@ from llmserve.errors import ServiceError
 from llmserve.gateway.app import start_gateway
 from llmserve.gateway.block_layout import BlockLayoutMismatch
 from llmserve.gateway.config import GatewayConfig
-from llmserve.server import serve_until_signal
+from llmserve.server import BindError, serve_until_signal
 
 log = logging.getLogger("llmserve.gateway")
 
@@ -44,7 +44,7 @@ def run_worker(config: GatewayConfig, worker_id: int, on_serving: OnServing) -> 
     except ServiceError as error:  # a hop never became ready
         log.error("%s", error.message)
         return 1
-    except BlockLayoutMismatch as error:  # preprocess and inference were started differently
+    except (BlockLayoutMismatch, BindError) as error:  # hops started differently; a port taken
         log.error("cannot start: %s", error)
         return 1
     except KeyboardInterrupt:  # interrupted during start-up, before the signal handlers exist

@@ -29,7 +29,8 @@ from llmserve.message_limits import token_ids_request_bytes
 from llmserve.model_files import ModelFiles
 from llmserve.prefix_index.redis_config import add_redis_arguments, redis_config_from_args
 from llmserve.server import (
-    RunningServer, configure_logging, create_server, exit_with_parent, serve_until_signal, write_port_file,
+    BindError, RunningServer, configure_logging, create_server, exit_with_parent, serve_until_signal,
+    write_port_file,
 )
 from llmserve.metrics_endpoint import start_metrics_endpoint
 from llmserve.server_flags import add_server_arguments, observability_options, server_options
@@ -163,7 +164,7 @@ def main(argv: list[str] | None = None) -> None:
     exit_with_parent()
     try:
         asyncio.run(serve(config_from_args(args)))
-    except (BackendUnavailable, FileNotFoundError) as exc:  # a wrong flag: say why, no traceback
+    except (BackendUnavailable, FileNotFoundError, BindError) as exc:  # a wrong flag or port: say why, no traceback
         log.error("%s", exc)
         raise SystemExit(1) from None
 

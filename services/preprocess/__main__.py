@@ -27,7 +27,7 @@ from llmserve.preprocess.config import (
     available_cores,
 )
 from llmserve.preprocess.server import start_server
-from llmserve.server import configure_logging, exit_with_parent, serve_until_signal
+from llmserve.server import BindError, configure_logging, exit_with_parent, serve_until_signal
 from llmserve.metrics_endpoint import start_metrics_endpoint
 from llmserve.server_flags import PREPROCESS_PORT, add_server_arguments, observability_options, server_options
 
@@ -147,8 +147,8 @@ async def _serve(config: PreprocessConfig) -> int:
     start_metrics_endpoint(config.observability, config.host)
     try:
         server = await start_server(config)
-    except (FileNotFoundError, ValueError) as exc:
-        # A bad model directory or flag combination: one line, no traceback.
+    except (FileNotFoundError, ValueError, BindError) as exc:
+        # A bad model directory, flag combination or port: one line, no traceback.
         log.error("cannot start: %s", exc)
         return 1
     try:
