@@ -211,7 +211,7 @@ def test_a_worker_port_another_program_holds_stops_the_gateway_in_one_line(stack
             stop_service(gateway)
     log_text = (tmp_path / "gateway.log").read_text()
     assert f"cannot start: cannot bind 127.0.0.1:{base + 1}: the port is held by another program" in log_text
-    assert "gateway worker 1 exited with code 1 during start-up" in log_text
+    assert re.search(r"gateway worker \d exited with code 1 during start-up", log_text)  # 1, unless 0's port was taken too
     assert "Traceback" not in log_text
 
 
