@@ -16,6 +16,7 @@ import pytest
 
 from llmserve.tools.loadgen.client import ClientPlan, RequestRecord, build_request, run_plan
 from llmserve.tools.loadgen.conversation import Conversation
+from llmserve.tools.loadgen.report import format_table
 from llmserve.tools.loadgen.runner import RunConfig, run_workload
 from llmserve.tools.loadgen.stats import itl_samples_ms, percentile, summarize, timeline, tpot_ms, ttft_ms
 from llmserve.tools.loadgen.workload import LengthDistribution, PromptBuilder, PromptForm, WorkloadConfig, plan_requests
@@ -138,6 +139,22 @@ def test_statistics_spread_coalesced_messages_over_their_tokens():
     assert summary["total_tokens_per_s"] == pytest.approx(15.0)
     over_time = timeline([record], 10.0, 10.16, bin_s=0.1)
     assert over_time["output_tokens_per_s"] == pytest.approx([10.0, 40.0])
+
+
+def test_the_summary_counts_each_gateway_workers_tokens_and_the_table_shows_their_spread():
+    """x-gateway-worker, as each record keeps it: tokens per worker (failures and records
+    without a worker left out), and a table line once there are two workers."""
+    served = []
+    for index, (worker, tokens) in enumerate([("0", 5), ("1", 3), ("1", 7), ("", 4)]):
+        record = _record(index, 10.0, [10.1], [tokens])
+        record.worker = worker
+        served.append(record)
+    failed = _record(4, 10.0, [], [], status="UNAVAILABLE", completion=0)
+    failed.worker = "0"
+    summary = summarize([*served, failed], 10.0, 11.0)
+    assert summary["completion_tokens_by_worker"] == {"0": 5, "1": 10}
+    assert "workers      0: 5, 1: 10 completion tokens (max / min 2.00)" in format_table(summary)
+    assert "workers " not in format_table(summarize(served[:1], 10.0, 11.0))
 
 
 stack = stack_fixture()

@@ -27,6 +27,11 @@ def format_table(summary: dict) -> str:
     for label, key in _LATENCIES:
         values = summary[key]
         lines.append(f"  {label:<11}" + "".join(_cell(values[f"p{p}"]) for p in PERCENTILES) + _cell(values["mean"]))
+    by_worker = summary.get("completion_tokens_by_worker", {})
+    if len(by_worker) > 1:  # a gateway of several --workers: how the calls spread over them
+        spread = max(by_worker.values()) / max(1, min(by_worker.values()))
+        lines.append("workers      " + ", ".join(f"{worker}: {tokens}" for worker, tokens in by_worker.items())
+                     + f" completion tokens (max / min {spread:.2f})")
     for error in summary["first_errors"]:
         lines.append(f"  error: {error}")
     return "\n".join(lines)
