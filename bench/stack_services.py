@@ -20,7 +20,7 @@ import stack_report
 from llmserve.call_balancing import balanced_target
 from llmserve.gateway.worker_ports import read_worker_ports
 from llmserve.inference.engine_flags import engine_argv
-from llmserve.tools.launcher import PREPROCESS_ENGINE_OPTIONS
+from llmserve.tools.launcher import PREPROCESS_ENGINE_OPTIONS, worker_ports_file
 from llmserve.tools.loadgen import openai_client
 from llmserve.tools.loadgen.runner import RunConfig, run_workload
 from llmserve.tools.loadgen.stats import summarize
@@ -65,11 +65,6 @@ def start_services(path: str, args, options, model_dir: Path, log_dir: Path, htt
         stop_services(started)
         raise
     return started
-
-
-def worker_ports_file(log_dir: Path) -> Path:
-    """Where a --balance-calls gateway writes its workers' own ports."""
-    return log_dir / "gateway.worker-ports"
 
 
 def gateway_target(gateway, args, log_dir: Path) -> str:

@@ -14,7 +14,7 @@ import os
 import signal
 import sys
 from dataclasses import dataclass
-from typing import Awaitable, Callable, Iterable
+from typing import Awaitable, Callable, Iterable, Sequence
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -157,13 +157,14 @@ def _build_server(
     return server
 
 
-def write_port_file(path: str | None, port: int) -> None:
-    """Tell a launcher which port was bound (written atomically)."""
+def write_port_file(path: str | None, ports: int | Sequence[int]) -> None:
+    """Tell a launcher which port was bound, or which ports (space-separated; a gateway's
+    --worker-ports-file), written atomically."""
     if not path:
         return
     tmp = f"{path}.tmp"
     with open(tmp, "w") as f:
-        f.write(str(port))
+        f.write(str(ports) if isinstance(ports, int) else " ".join(map(str, ports)))
     os.replace(tmp, path)
 
 

@@ -120,7 +120,7 @@ def gateway_argv(
 
 
 def worker_ports_file(run_dir: Path) -> Path:
-    """Where the gateway writes its workers' own ports (--gateway-worker-ports)."""
+    """Where the gateway writes its workers' own ports (--gateway-worker-ports; bench_stack's --balance-calls)."""
     return run_dir / "gateway.worker-ports"
 
 

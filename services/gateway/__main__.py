@@ -21,7 +21,7 @@ from llmserve.gateway.stream_interval import add_stream_interval_argument, strea
 from llmserve.gateway.routing_flags import add_routing_arguments, routing_options
 from llmserve.gateway.worker import run_worker
 from llmserve.gateway.worker_group import run_worker_group
-from llmserve.gateway.worker_ports import add_worker_ports_arguments, write_worker_ports
+from llmserve.gateway.worker_ports import add_worker_ports_arguments
 from llmserve.server import configure_logging, exit_with_parent, write_port_file
 from llmserve.metrics_endpoint import start_metrics_endpoint
 from llmserve.server_flags import GATEWAY_PORT, add_server_arguments, server_options
@@ -129,7 +129,7 @@ def main(argv: list[str] | None = None) -> int:
 
     def on_serving(port: int, own_port: int | None) -> None:
         if own_port is not None:
-            write_worker_ports(config.worker_ports_file, [own_port])
+            write_port_file(config.worker_ports_file, [own_port])
         write_port_file(config.port_file, port)
 
     return run_worker(config, 0, on_serving=on_serving)

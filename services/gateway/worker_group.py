@@ -41,7 +41,6 @@ from multiprocessing.connection import Connection, wait
 from multiprocessing.process import BaseProcess
 from llmserve.gateway.config import GatewayConfig
 from llmserve.gateway.worker import run_worker
-from llmserve.gateway.worker_ports import write_worker_ports
 from llmserve.metrics_endpoint import shared_metrics, start_metrics_endpoint
 from llmserve.server import PARENT_PID_ENV, configure_logging, exit_with_parent, write_port_file
 
@@ -163,7 +162,7 @@ def _announce_ports(config: GatewayConfig, port: int, workers: list[_Worker]) ->
     log.info("gateway serving on %s:%d with %d workers", config.host, port, len(workers))
     if config.worker_base_port is not None:
         own_ports = [worker.own_port for worker in workers]
-        write_worker_ports(config.worker_ports_file, own_ports)
+        write_port_file(config.worker_ports_file, own_ports)
         log.info("workers' own ports (a client spreads its calls over them with round_robin): %s",
                  " ".join(map(str, own_ports)))
     write_port_file(config.port_file, port)

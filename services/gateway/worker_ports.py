@@ -10,14 +10,14 @@ all of them and places each call on the next connection (grpc's `round_robin` ov
 `ipv4:HOST:P0,HOST:P1,...`; llmserve.call_balancing) spreads its calls evenly over the workers.
 
 Worker i listens on BASE + i; BASE 0 gives each a free port. `--worker-ports-file PATH` is where
-the gateway writes them, once every worker serves: one line, the ports in worker order,
-space-separated (llmserve.call_balancing.balanced_target makes the client's target of them).
+the gateway writes them, once every worker serves (llmserve.server.write_port_file: the ports in
+worker order, space-separated; llmserve.call_balancing.balanced_target makes the client's target
+of them).
 """
 
 from __future__ import annotations
 
 import argparse
-import os
 from pathlib import Path
 
 MAX_PORT = 65535
@@ -55,14 +55,6 @@ def own_address(host: str, base: int | None, worker_id: int) -> str | None:
     return f"{host}:{base + worker_id if base else 0}"
 
 
-def write_worker_ports(path: str | None, ports: list[int]) -> None:
-    """Write the workers' ports to `path` (atomically, as the port file)."""
-    if not path:
-        return
-    tmp = f"{path}.tmp"
-    Path(tmp).write_text(" ".join(map(str, ports)) + "\n")
-    os.replace(tmp, path)
-
-
 def read_worker_ports(path: str | Path) -> list[int]:
+    """The ports a --worker-ports-file lists, in worker order."""
     return [int(port) for port in Path(path).read_text().split()]
