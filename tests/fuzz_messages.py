@@ -28,7 +28,7 @@ from hypothesis import strategies as st
 
 from llmserve.message_limits import MAX_TOKEN_ID_BYTES
 from llmserve.pb import MAX_LOGPROBS, MAX_N, MAX_STOP_STRING_CHARS, MAX_STOP_STRINGS, MAX_STOP_TOKEN_IDS
-from llmserve.preprocess.validation import ALLOWED_ROLES
+from llmserve.preprocessing.validation import ALLOWED_ROLES
 from llmserve.v1 import common_pb2, gateway_pb2, inference_pb2, preprocess_pb2
 
 # The longest log line the fuzz tests accept: "a few KB" (issue 18). A request field of this

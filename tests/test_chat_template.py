@@ -19,8 +19,8 @@ from tokenizers import processors
 from transformers import AutoTokenizer
 
 from llmserve.errors import InvalidArgument
-from llmserve.preprocess.chat_template import ChatTemplate
-from llmserve.preprocess.tokenizer import ModelTokenizer
+from llmserve.preprocessing.chat_template import ChatTemplate
+from llmserve.preprocessing.tokenizer import ModelTokenizer
 from llmserve.sampling import ChatMessage
 from llmserve.tools.tiny_model import CHATML_TEMPLATE, build_tokenizer
 

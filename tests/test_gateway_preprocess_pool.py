@@ -90,8 +90,9 @@ def inference(tiny_model_dir, tmp_path_factory):
 
 def start_gateway(model_dir: Path, log_dir: Path, inference: ServiceProcess, *preprocess: str) -> ServiceProcess:
     targets = [arg for target in preprocess for arg in ("--preprocess", target)]
-    return start_service("gateway", ["--model", str(model_dir), *targets, "--inference", inference.address], log_dir,
-                         module="llmserve.gateway")
+    # Every prompt to the pool: these small prompts would otherwise be preprocessed in the gateway.
+    return start_service("gateway", ["--model", str(model_dir), *targets, "--inference", inference.address,
+                                     "--local-preprocess-max-bytes", "0"], log_dir, module="llmserve.gateway")
 
 
 def test_requests_spread_and_survive_a_killed_preprocess_replica_that_then_comes_back(

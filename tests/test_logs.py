@@ -216,7 +216,9 @@ def test_the_gateway_stack_labels_every_hop_and_keeps_text_in_the_text_fields(ti
     gateway minted, and prompt text or token ids appear in text fields only (which the formatter
     drops without the flag: test_text_fields_are_written_only_with_log_prompts)."""
     flags = [*JSON_DEBUG, "--log-prompts"]
-    with running_stack(tiny_model_dir, tmp_path, service_args=flags) as stack:
+    # Through preprocess: a prompt this small would otherwise be preprocessed in the gateway.
+    with running_stack(tiny_model_dir, tmp_path, service_args=flags,
+                       gateway_args=["--local-preprocess-max-bytes", "0"]) as stack:
         gateway = gateway_pb2_grpc.GatewayServiceStub(grpc.insecure_channel(stack["gateway"].address))
         params = gateway_pb2.GenerateParams(
             prompt=SECRET, sampling=common_pb2.SamplingParams(max_tokens=4, temperature=0.0), return_token_ids=True

@@ -14,7 +14,7 @@ import pytest
 
 from llmserve.inference.engine.torch_engine import TorchEngineCore
 from llmserve.preprocess.config import PreprocessConfig
-from llmserve.preprocess.preprocessor import TOKEN_IDS_FIELD, Preprocessor
+from llmserve.preprocessing.preprocessor import TOKEN_IDS_FIELD, Preprocessor
 from tests.factories import with_context
 from tests.test_torch_engine import Result, assert_pool_full, drain, greedy, make_engine, make_prompt, request, run
 
@@ -126,7 +126,7 @@ def test_a_cache_salt_shares_cached_blocks_only_with_the_same_salt(tiny_model_di
 def test_preprocess_hashes_like_the_engine_for_the_same_prompt_and_salt(tiny_model_dir):
     """The engine computes the hashes of a request sent without them; the same prompt sent
     with preprocess's hashes then hits every block, for the same salt only."""
-    preprocessor = Preprocessor.load(PreprocessConfig(model_path=tiny_model_dir))
+    preprocessor = Preprocessor.load(tiny_model_dir, PreprocessConfig(model_path=tiny_model_dir).preprocessor_settings)
     engine = make_engine(tiny_model_dir)
     prompt = make_prompt(40, seed=6)
 

@@ -13,10 +13,10 @@ import pytest
 import pytest_asyncio
 import tokenizers
 
-from llmserve.preprocess.batch_encoder import EncodeJob
+from llmserve.preprocessing.batch_encoder import EncodeJob
 from llmserve.preprocess.config import PreprocessConfig
 from llmserve.prompt_input import Chat
-from llmserve.preprocess.preprocessor import Preprocessor
+from llmserve.preprocessing.preprocessor import Preprocessor
 from llmserve.preprocess.server import start_server
 from llmserve.sampling import ChatMessage
 from llmserve.server import CHANNEL_OPTIONS
@@ -72,7 +72,7 @@ def model_dir(request, tiny_model_dir, tmp_path_factory) -> Path:
 
 def _load(model_dir: Path) -> tuple[Preprocessor, tokenizers.Tokenizer]:
     config = PreprocessConfig(model_path=model_dir, max_prompt_bytes=10_000_000)
-    return Preprocessor.load(config), tokenizers.Tokenizer.from_file(str(model_dir / "tokenizer.json"))
+    return Preprocessor.load(config.model_path, config.preprocessor_settings), tokenizers.Tokenizer.from_file(str(model_dir / "tokenizer.json"))
 
 
 def test_tail_tokenization_equals_full_tokenization_on_random_conversations(model_dir):

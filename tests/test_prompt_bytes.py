@@ -11,7 +11,7 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from llmserve.message_limits import prompt_request_bytes, token_ids_request_bytes
-from llmserve.preprocess.tokenizer import ModelTokenizer
+from llmserve.preprocessing.tokenizer import ModelTokenizer
 from llmserve.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc, inference_pb2, inference_pb2_grpc
 from llmserve.v1 import preprocess_pb2, preprocess_pb2_grpc
 from tests.procs import running_service, stack_fixture

@@ -14,7 +14,7 @@ from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers,
 from transformers import AutoTokenizer
 
 from llmserve.gateway.detokenizer import Detokenizer
-from llmserve.preprocess.tokenizer import ModelTokenizer
+from llmserve.preprocessing.tokenizer import ModelTokenizer
 from llmserve.text_decoder import CleanUpStream, TextDecoder, clean_up_tokenization
 
 TEXTS = [

@@ -16,6 +16,7 @@ from pathlib import Path
 from llmserve.gateway.config import DEFAULT_ACCEPT_LOOPS, DEFAULT_DOWNSTREAM_READY_TIMEOUT_S, GatewayConfig
 from llmserve.gateway.connection_age import DEFAULT_MAX_CONNECTION_AGE_S
 from llmserve.gateway.discovery import Target
+from llmserve.gateway.local_preprocess import add_local_preprocess_arguments, local_preprocess_config
 from llmserve.gateway.slow_reader_flags import add_slow_reader_arguments, slow_reader_bounds
 from llmserve.gateway.stream_interval import add_stream_interval_argument, stream_interval_s
 from llmserve.gateway.routing_flags import add_routing_arguments, routing_options
@@ -89,6 +90,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     add_slow_reader_arguments(parser)
     add_stream_interval_argument(parser)
+    add_local_preprocess_arguments(parser)
     add_routing_arguments(parser)
     return parser
 
@@ -110,6 +112,7 @@ def config_from_args(args: argparse.Namespace) -> GatewayConfig:
         http_port=args.http_port,
         slow_readers=slow_reader_bounds(args),
         stream_interval_s=stream_interval_s(args),
+        local_preprocess=local_preprocess_config(args),
         **routing_options(args),
     )
 

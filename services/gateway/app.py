@@ -21,7 +21,9 @@ from llmserve.gateway.connection_age import connection_age_options
 from llmserve.gateway.detokenizer import Detokenizer
 from llmserve.gateway.generation import GenerationPipeline
 from llmserve.gateway.inference_client import ModelCard
+from llmserve.gateway.local_preprocess import LocalPreprocess
 from llmserve.gateway.metrics import bind_worker
+from llmserve.gateway.preprocess_client import PREPROCESS_FIELDS_AS_CLIENT_FIELDS
 from llmserve.gateway.preprocess_servers import PreprocessServers
 from llmserve.gateway.replica_set import ReplicaSet
 from llmserve.gateway.router import Router
@@ -74,10 +76,15 @@ async def start_gateway(config: GatewayConfig, worker_id: int = 0) -> RunningGat
         # Loading the tokenizer overlaps with waiting for the hops.
         detokenizer_task = asyncio.create_task(asyncio.to_thread(Detokenizer.from_model_dir, config.model_path))
         preprocess_card = await preprocess.start()
+        local_task = asyncio.create_task(asyncio.to_thread(
+            LocalPreprocess.load, config.model_path, preprocess_card, config.local_preprocess,
+            PREPROCESS_FIELDS_AS_CLIENT_FIELDS,
+        ))
         index = RoutingIndex.open(config)
         replicas = ReplicaSet(config, preprocess_card.block_layout, index.events)
         model = await replicas.start()
         detokenizer = await detokenizer_task
+        local_preprocess = await local_task
     except BaseException:
         for part in (replicas, index, preprocess):
             if part is not None:
@@ -86,7 +93,7 @@ async def start_gateway(config: GatewayConfig, worker_id: int = 0) -> RunningGat
     model_name = config.model_name or model.model_name
     router = Router(config.routing, replicas.live, index.lookups)
     servicer = GatewayServicer(
-        GenerationPipeline(preprocess.pool, router, detokenizer), model, model_name, worker_id=worker_id
+        GenerationPipeline(preprocess.pool, router, detokenizer, local_preprocess), model, model_name, worker_id=worker_id
     )
     # A client's request is preprocess's, plus sampling: the same bound, from the same cap.
     max_receive_bytes = prompt_request_bytes(preprocess_card.max_prompt_bytes, preprocess_card.max_context_tokens)

@@ -8,6 +8,7 @@ from pathlib import Path
 from llmserve.config_checks import check_at_least
 from llmserve.gateway.connection_age import DEFAULT_MAX_CONNECTION_AGE_S
 from llmserve.gateway.discovery import DEFAULT_RESOLVE_INTERVAL_S, Target
+from llmserve.gateway.local_preprocess import LocalPreprocessConfig
 from llmserve.gateway.router import RoutingConfig
 from llmserve.gateway.slow_reader import SlowReaderBounds
 from llmserve.gateway.stream_interval import check_stream_interval
@@ -59,6 +60,8 @@ class GatewayConfig:
     # Least seconds between two messages of one client stream (stream_interval.py); 0: none.
     stream_interval_s: float = 0.0
     routing: RoutingConfig = RoutingConfig()
+    # Small prompts at light load preprocessed in the gateway itself (local_preprocess.py).
+    local_preprocess: LocalPreprocessConfig = LocalPreprocessConfig()
     # Seconds between DNS resolutions of dns:/// targets (preprocess and inference).
     resolve_interval_s: float = DEFAULT_RESOLVE_INTERVAL_S
     # Asked of each replica's WatchKvEvents; 0: the replica's default.

@@ -1,7 +1,8 @@
 """One generation request through the gateway, as a stream of text deltas.
 
 Lifecycle (the servicer turns each step's output into protobuf):
-  1. preprocess.Preprocess: template, tokenize, validate; it resolves max_tokens.
+  1. preprocess.Preprocess: template, tokenize, validate; it resolves max_tokens. A small prompt
+     at light load is preprocessed in this process instead (local_preprocess.py).
   2. the router picks a live replica (router.py), counting the request in flight there;
      the request goes on the replica's Multiplex stream (max_tokens resolved, stop strings kept
      here); its outputs come back as EngineOutputs, everything since the last one merged
@@ -32,7 +33,10 @@ from llmserve.engine_output import EngineOutput
 from llmserve.errors import ServiceError
 from llmserve.gateway.detokenizer import Detokenizer, DetokenizerStream
 from llmserve.gateway.hop_errors import DownstreamError
-from llmserve.gateway.metrics import record_finished, record_first_tokens, record_next_tokens, record_reroute
+from llmserve.gateway.local_preprocess import LocalPreprocess
+from llmserve.gateway.metrics import (
+    record_finished, record_first_tokens, record_next_tokens, record_preprocessed_in_gateway, record_reroute,
+)
 from llmserve.gateway.preprocess_client import PreparedPrompt
 from llmserve.prompt_input import PromptInput
 from llmserve.gateway.preprocess_pool import PreprocessPool
@@ -128,40 +132,58 @@ class _RequestState:
 class GenerationPipeline:
     """Runs requests through preprocess and inference; shared by all requests."""
 
-    def __init__(self, preprocess: PreprocessPool, router: Router, detokenizer: Detokenizer):
+    def __init__(
+        self, preprocess: PreprocessPool, router: Router, detokenizer: Detokenizer, local: LocalPreprocess | None = None
+    ):
         self._preprocess = preprocess
         self._router = router
         self._detokenizer = detokenizer
+        self._local = local
+        self._num_in_flight = 0  # requests in `generate` now (the local preprocess rule reads it)
 
     async def generate(
         self, request: GenerationRequest, time_remaining: TimeRemaining
     ) -> AsyncIterator[GenerationDelta]:
         """Yield a delta per inference message and sequence; each sequence's last one has
         `result` set, and the iteration ends after the last sequence's."""
-        prompt = await self._preprocess.preprocess(
+        self._num_in_flight += 1
+        try:
+            prompt = await self._prepare(request, time_remaining)
+            refused: list[Replica] = []
+            while True:
+                route = await self._router.choose(prompt, excluding=refused)
+                has_output = False
+                try:
+                    async with aclosing(self._generate_routed(route, request, prompt, time_remaining)) as deltas:
+                        async for delta in deltas:
+                            has_output = True
+                            yield delta
+                    return
+                except DownstreamError as error:
+                    refused.append(route.replica)
+                    if has_output or not _is_admission_refusal(error) or not self._router.has_replica_beyond(refused):
+                        raise
+                    record_reroute(route.replica.name)
+                    log.info("replica %s refused request %s (%s); routing it again", route.replica.name,
+                             request.request_id, error)
+        finally:
+            self._num_in_flight -= 1
+
+    async def _prepare(self, request: GenerationRequest, time_remaining: TimeRemaining) -> PreparedPrompt:
+        """The prompt preprocessed: here when it is small and the worker lightly loaded, else by the tier."""
+        if self._local is not None and self._local.takes(request.prompt_input, self._num_in_flight):
+            prompt = self._local.preprocess(
+                request.prompt_input, max_tokens=request.sampling.max_tokens, cache_salt=request.cache_salt
+            )
+            record_preprocessed_in_gateway()
+            return prompt
+        return await self._preprocess.preprocess(
             request.request_id,
             request.prompt_input,
             max_tokens=request.sampling.max_tokens,
             cache_salt=request.cache_salt,
             timeout_s=time_remaining(),
         )
-        refused: list[Replica] = []
-        while True:
-            route = await self._router.choose(prompt, excluding=refused)
-            has_output = False
-            try:
-                async with aclosing(self._generate_routed(route, request, prompt, time_remaining)) as deltas:
-                    async for delta in deltas:
-                        has_output = True
-                        yield delta
-                return
-            except DownstreamError as error:
-                refused.append(route.replica)
-                if has_output or not _is_admission_refusal(error) or not self._router.has_replica_beyond(refused):
-                    raise
-                record_reroute(route.replica.name)
-                log.info("replica %s refused request %s (%s); routing it again", route.replica.name,
-                         request.request_id, error)
 
     async def _generate_routed(
         self, route: RouteDecision, request: GenerationRequest, prompt: PreparedPrompt, time_remaining: TimeRemaining

@@ -64,6 +64,11 @@ REQUEST_PREPROCESS_TIME = Histogram(
     _PREFIX + "request_preprocess_time_seconds", "The preprocess hop of a finished request.",
     buckets=_LATENCY_BUCKETS_S,
 )
+PREPROCESSED_IN_GATEWAY = Counter(
+    _PREFIX + "preprocessed_in_gateway",
+    "Requests preprocessed in the gateway itself (a small prompt at light load: local_preprocess) instead of "
+    "by the preprocess tier.",
+)
 PROMPT_TOKENS = Counter(_PREFIX + "prompt_tokens", "Prompt tokens of finished requests.")
 COMPLETION_TOKENS = Counter(_PREFIX + "completion_tokens", "Completion tokens of finished requests.")
 # By worker (`--workers N`): how the load spreads over them, by connection or, with
@@ -170,6 +175,10 @@ def record_route(replica: str, reason: str, fallback_cause: str | None) -> None:
     ROUTING_DECISIONS.labels(replica, reason).inc()
     if fallback_cause is not None:
         ROUTING_FALLBACKS.labels(fallback_cause).inc()
+
+
+def record_preprocessed_in_gateway() -> None:
+    PREPROCESSED_IN_GATEWAY.inc()
 
 
 def record_reroute(refusing_replica: str) -> None:

@@ -28,7 +28,7 @@ log = logging.getLogger(__name__)
 
 # Preprocess fields that the gateway's clients know under another name: a field violation from
 # preprocess is re-labelled so that the error names the field the client actually set.
-_PREPROCESS_FIELDS_AS_CLIENT_FIELDS = {"max_tokens": "sampling.max_tokens"}
+PREPROCESS_FIELDS_AS_CLIENT_FIELDS = {"max_tokens": "sampling.max_tokens"}
 # gRPC's reconnect backoff grows to 120 s; a preprocess server restarted at its address (or a
 # pool's server back from a crash) is then found within a second instead.
 _CHANNEL_OPTIONS = (*CHANNEL_OPTIONS, ("grpc.max_reconnect_backoff_ms", 1000))
@@ -41,6 +41,8 @@ class PreprocessCard:
     block_layout: BlockLayout
     max_context_tokens: int
     max_prompt_bytes: int  # larger prompts are refused (the gateway sizes its receive limit by it)
+    max_output_tokens: int  # the largest max_tokens accepted
+    has_chat_template: bool  # chats are refused without one
 
 
 @dataclass(frozen=True, slots=True)
@@ -71,7 +73,7 @@ class PreprocessClient:
         self.address = address
         self._channel = grpc.aio.insecure_channel(address, options=_CHANNEL_OPTIONS)
         self._stub = preprocess_pb2_grpc.PreprocessServiceStub(self._channel)
-        self._stream = PreprocessStreamClient(self._stub, _PREPROCESS_FIELDS_AS_CLIENT_FIELDS)
+        self._stream = PreprocessStreamClient(self._stub, PREPROCESS_FIELDS_AS_CLIENT_FIELDS)
 
     async def wait_until_serving(self, timeout_s: float) -> None:
         await wait_until_serving(self._channel, f"preprocess at {self.address}", timeout_s)
@@ -84,6 +86,8 @@ class PreprocessClient:
             block_layout=BlockLayout.of_model_info(response.model),
             max_context_tokens=response.model.max_context_tokens,
             max_prompt_bytes=response.max_prompt_bytes,
+            max_output_tokens=response.max_output_tokens,
+            has_chat_template=response.has_chat_template,
         )
 
     async def preprocess(
@@ -108,7 +112,7 @@ class PreprocessClient:
                 log.info("preprocess at %s has no PreprocessStream: unary calls from now on", self.address)
         if response is None:
             response = await call_hop(
-                "preprocess", self._stub.Preprocess, request, _PREPROCESS_FIELDS_AS_CLIENT_FIELDS,
+                "preprocess", self._stub.Preprocess, request, PREPROCESS_FIELDS_AS_CLIENT_FIELDS,
                 timeout=timeout_s, metadata=request_metadata(request_id),
             )
         return PreparedPrompt(

@@ -9,6 +9,7 @@ from pathlib import Path
 from llmserve.block_hash import DEFAULT_BLOCK_SIZE
 from llmserve.buckets import BucketConfig
 from llmserve.observability import ObservabilityConfig
+from llmserve.preprocessing.preprocessor import PreprocessorSettings
 from llmserve.server_flags import DEFAULT_GRACE_PERIOD_S, DEFAULT_HOST
 
 DEFAULT_MAX_OUTPUT_TOKENS = 4096
@@ -75,6 +76,15 @@ class PreprocessConfig:
                 raise ValueError(f"{name} must not be negative, got {getattr(self, name)}")
         if self.max_context_tokens is not None and self.max_context_tokens < 2:
             raise ValueError(f"max_context_tokens must be at least 2, got {self.max_context_tokens}")
+
+    @property
+    def preprocessor_settings(self) -> PreprocessorSettings:
+        return PreprocessorSettings(
+            max_output_tokens=self.max_output_tokens, block_size_tokens=self.block_size_tokens,
+            reuse_prefixes=self.prompt_cache_bytes > 0, model_name=self.model_name,
+            max_context_tokens=self.max_context_tokens, max_prompt_bytes=self.max_prompt_bytes,
+            length_buckets=self.length_buckets,
+        )
 
     @property
     def address(self) -> str:

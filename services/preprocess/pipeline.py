@@ -20,11 +20,11 @@ import functools
 from typing import Sequence
 
 from llmserve.message_limits import MAX_TOKEN_ID_BYTES
-from llmserve.preprocess.batch_encoder import Encoded, EncodeJob
+from llmserve.preprocessing.batch_encoder import Encoded, EncodeJob
 from llmserve.preprocess.config import PreprocessConfig
 from llmserve.prompt_input import PromptInput, PromptTokenIds, TextOrChat
 from llmserve.preprocess.micro_batcher import MicroBatcher
-from llmserve.preprocess.preprocessor import TOKEN_IDS_FIELD, Preprocessed, Preprocessor, Tokenized
+from llmserve.preprocessing.preprocessor import TOKEN_IDS_FIELD, Preprocessed, Preprocessor, Tokenized, input_field
 from llmserve.preprocess.prompt_cache import PromptCache, cache_namespace
 from llmserve.preprocess.redis_prompt_store import RedisPromptStore
 from llmserve.preprocess.tokenizer_threads import TokenizerThreads
@@ -73,7 +73,7 @@ class PreprocessPipeline:
                     self.preprocessor.finish, request_input.token_ids, TOKEN_IDS_FIELD, max_tokens, cache_salt
                 )
                 return await self.threads.execute(num_bytes, finish)
-            field = "prompt" if isinstance(request_input, str) else "chat"
+            field = input_field(request_input)
 
             def finish_encoding(encoding) -> Preprocessed:
                 return self.preprocessor.finish(encoding.token_ids, field, max_tokens, cache_salt)

@@ -26,7 +26,7 @@ from typing import Sequence
 
 from llmserve.preprocess import metrics
 from llmserve.preprocess.redis_prompt_store import RedisPromptStore, decode_entry, encode_entry
-from llmserve.preprocess.tail_tokenizer import TailTokenizer, TokenizedPrefix
+from llmserve.preprocessing.tail_tokenizer import TailTokenizer, TokenizedPrefix
 from llmserve.sampling import ChatMessage
 
 _KEY_PREFIX = "llmserve:prompt:v1"

@@ -15,7 +15,7 @@ from llmserve.message_limits import prompt_request_bytes
 from llmserve.preprocess import metrics
 from llmserve.preprocess.config import PreprocessConfig
 from llmserve.preprocess.pipeline import PreprocessPipeline
-from llmserve.preprocess.preprocessor import Preprocessor
+from llmserve.preprocessing.preprocessor import Preprocessor
 from llmserve.preprocess.servicer import SERVICE_NAME, PreprocessServicer
 from llmserve.server import RunningServer, create_server, write_port_file
 from llmserve.v1 import preprocess_pb2_grpc
@@ -41,7 +41,7 @@ class PreprocessServer:
 
 async def start_server(config: PreprocessConfig) -> PreprocessServer:
     """Load, bind `config.address`, set health SERVING and only then write the port file."""
-    preprocessor = await asyncio.to_thread(Preprocessor.load, config)
+    preprocessor = await asyncio.to_thread(Preprocessor.load, config.model_path, config.preprocessor_settings)
     pipeline = PreprocessPipeline.build(preprocessor, config)
     servicer = PreprocessServicer(pipeline)
     info = preprocessor.info

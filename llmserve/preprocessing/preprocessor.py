@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Sequence
 
 import jinja2
@@ -30,14 +31,13 @@ from llmserve.client_text import num_bytes
 from llmserve.errors import InvalidArgument
 from llmserve.message_limits import MAX_TOKEN_ID_BYTES
 from llmserve.model_files import ModelFiles
-from llmserve.preprocess import validation
-from llmserve.preprocess.batch_encoder import BatchEncoder, Encoding
-from llmserve.preprocess.chat_template import ChatTemplate
-from llmserve.preprocess.config import PreprocessConfig
+from llmserve.preprocessing import validation
+from llmserve.preprocessing.batch_encoder import BatchEncoder, EncodeJob, Encoding
+from llmserve.preprocessing.chat_template import ChatTemplate
 from llmserve.prompt_input import PromptInput, PromptTokenIds, TextOrChat
-from llmserve.preprocess.tail_tokenizer import TailTokenizer
-from llmserve.preprocess.tokenizer import ModelTokenizer
-from llmserve.preprocess.validation import Limits
+from llmserve.preprocessing.tail_tokenizer import TailTokenizer
+from llmserve.preprocessing.tokenizer import ModelTokenizer
+from llmserve.preprocessing.validation import Limits
 
 log = logging.getLogger(__name__)
 
@@ -78,6 +78,20 @@ class PreprocessInfo:
         return self.hash_namespace.block_size_tokens
 
 
+@dataclass(frozen=True, slots=True)
+class PreprocessorSettings:
+    """What a Preprocessor is built with besides its checkpoint: the preprocess service's flags
+    (PreprocessConfig.preprocessor_settings), or the tier's card for the gateway's own."""
+
+    max_output_tokens: int  # capped so that one prompt token fits the context
+    block_size_tokens: int
+    reuse_prefixes: bool  # a tail tokenizer for the prompt cache (chats only)
+    model_name: str | None = None  # None: the name the checkpoint gives itself
+    max_context_tokens: int | None = None  # None: the model's; may only lower it
+    max_prompt_bytes: int | None = None  # None: derived from the context (validation.default_max_prompt_bytes)
+    length_buckets: BucketConfig = BucketConfig()
+
+
 class Preprocessor:
     """Templates, tokenizes and validates requests for one model. Build with `load`."""
 
@@ -114,28 +128,28 @@ class Preprocessor:
         )
 
     @classmethod
-    def load(cls, config: PreprocessConfig) -> "Preprocessor":
+    def load(cls, model_path: str | Path, settings: PreprocessorSettings) -> "Preprocessor":
         """Read the checkpoint's tokenizer, template and context once (blocking)."""
-        model = ModelFiles.load(config.model_path, config.model_name)
+        model = ModelFiles.load(model_path, settings.model_name)
         tokenizer = ModelTokenizer.load(model.path)
         limits = Limits.resolve(
-            model.max_context_tokens, config.max_context_tokens, config.max_output_tokens,
-            config.max_prompt_bytes, tokenizer.max_token_bytes,
+            model.max_context_tokens, settings.max_context_tokens, settings.max_output_tokens,
+            settings.max_prompt_bytes, tokenizer.max_token_bytes,
         )
-        if limits.max_output_tokens < config.max_output_tokens:
+        if limits.max_output_tokens < settings.max_output_tokens:
             log.info(
                 "max output tokens capped to %d by the context of %d tokens",
                 limits.max_output_tokens,
                 limits.max_context_tokens,
             )
         chat_template = _compile_chat_template(model, tokenizer)
-        reuse_prefixes = config.prompt_cache_bytes > 0 and chat_template is not None
+        reuse_prefixes = settings.reuse_prefixes and chat_template is not None
         return cls(
             tokenizer=tokenizer,
             chat_template=chat_template,
             limits=limits,
-            buckets=config.length_buckets.limited_to(limits.max_context_tokens),
-            hash_namespace=HashNamespace.of_model_dir(model.path, config.block_size_tokens),
+            buckets=settings.length_buckets.limited_to(limits.max_context_tokens),
+            hash_namespace=HashNamespace.of_model_dir(model.path, settings.block_size_tokens),
             model_name=model.model_name,
             eos_token_ids=model.eos_token_ids,
             tail=TailTokenizer(_template_boundary_tokens(tokenizer, chat_template) if reuse_prefixes else {}),
@@ -164,6 +178,19 @@ class Preprocessor:
             block_hashes=self.hash_namespace.block_hashes(token_ids, cache_salt),
             max_tokens=resolved_max_tokens,
         )
+
+    def preprocess(self, request_input: PromptInput | None, max_tokens: int | None, cache_salt: str) -> Preprocessed:
+        """Every step for one request on the calling thread, no batch and no prompt cache: what a
+        process beside the tier runs for a small prompt (the gateway's local_preprocess)."""
+        self.check(request_input, max_tokens)
+        if isinstance(request_input, PromptTokenIds):
+            return self.finish(request_input.token_ids, TOKEN_IDS_FIELD, max_tokens, cache_salt)
+        field = input_field(request_input)
+        job = EncodeJob(request_input, True, lambda encoding: self.finish(encoding.token_ids, field, max_tokens, cache_salt))
+        [outcome] = self.encoder.encode_batch([job])
+        if isinstance(outcome, Exception):
+            raise outcome
+        return outcome.result
 
     def check_tokenize(self, request_input: TextOrChat | None) -> int:
         """`check` for a Tokenize request (no length limits but the byte cap apply)."""
@@ -197,6 +224,11 @@ class Preprocessor:
         validation.resolve_max_tokens(TOKEN_IDS_FIELD, len(token_ids), max_tokens, self.limits)
         validation.check_token_ids(f"{TOKEN_IDS_FIELD}.token_ids", token_ids, self.tokenizer.vocab_size)
         return len(token_ids) * MAX_TOKEN_ID_BYTES
+
+
+def input_field(text_or_chat: TextOrChat) -> str:
+    """The request field a text or chat input comes in (error messages name it)."""
+    return "prompt" if isinstance(text_or_chat, str) else "chat"
 
 
 def _compile_chat_template(model: ModelFiles, tokenizer: ModelTokenizer) -> ChatTemplate | None:

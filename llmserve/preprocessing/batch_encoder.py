@@ -20,12 +20,12 @@ from typing import Callable, Generic, Sequence, TypeVar
 
 from llmserve.client_text import num_bytes
 from llmserve.errors import InvalidArgument
-from llmserve.preprocess import validation
-from llmserve.preprocess.chat_template import ChatTemplate
+from llmserve.preprocessing import validation
+from llmserve.preprocessing.chat_template import ChatTemplate
 from llmserve.prompt_input import Chat, TextOrChat
-from llmserve.preprocess.tail_tokenizer import TailTokenizer, TokenizedPrefix
-from llmserve.preprocess.tokenizer import ModelTokenizer
-from llmserve.preprocess.validation import Limits
+from llmserve.preprocessing.tail_tokenizer import TailTokenizer, TokenizedPrefix
+from llmserve.preprocessing.tokenizer import ModelTokenizer
+from llmserve.preprocessing.validation import Limits
 
 R = TypeVar("R")
 
