@@ -107,6 +107,10 @@ class Report:
             print(f"    {streams:>4} streams (#{repeat}): {cell['output_tokens_per_s']} out tok/s, "
                   f"TTFT p50 {cell['ttft_p50_ms']} ms, ITL p50 {cell['itl_p50_ms']} ms, CPU% {cell['cpu_pct']}",
                   flush=True)
+            num_failed = cell.get("num_requests", 0) - cell.get("num_succeeded", 0)
+            if num_failed:  # a cell of refused requests must not read as a slow one
+                print(f"    {num_failed} of {cell['num_requests']} requests failed {cell.get('errors_by_status')}, "
+                      f"e.g. {(cell.get('first_errors') or ['?'])[0]}", file=sys.stderr, flush=True)
             self.write()
 
         return on_cell
