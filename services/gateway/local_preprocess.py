@@ -16,8 +16,9 @@ A request is preprocessed here when both hold:
 The answer is the tier's: the same steps (`Preprocessor.preprocess`: check, render, tokenize,
 resolve max_tokens, hash blocks) with the tier's limits and block size, taken from its card. It
 is turned on only where the gateway's checkpoint is the tier's (its block layout, with the
-fingerprints of config.json and tokenizer.json, and its chat template agree); otherwise a log
-line says why and every request goes to the tier. Chats are rendered and tokenized whole: the
+fingerprints of config.json and tokenizer.json, agrees, and both or neither have a chat template:
+the card does not carry the template's text); otherwise a log line says why and every request
+goes to the tier. Chats are rendered and tokenized whole: the
 tier's prompt cache, which splices a cached system prompt's ids, stays the tier's.
 """
 
