@@ -17,7 +17,8 @@ import pytest
 
 from llmserve.errors import ServiceError
 from llmserve.gateway.local_preprocess import LocalPreprocess, LocalPreprocessConfig
-from llmserve.gateway.preprocess_client import PREPROCESS_FIELDS_AS_CLIENT_FIELDS, PreparedPrompt, PreprocessClient
+from llmserve.gateway.preprocess_client import PreparedPrompt, PreprocessClient
+from llmserve.preprocessing.tokenizer import ModelTokenizer
 from llmserve.prompt_input import Chat, PromptTokenIds
 from llmserve.sampling import ChatMessage
 from llmserve.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc
@@ -68,7 +69,9 @@ async def _card(address: str):
 
 
 def load_local(model_dir: Path, card, config: LocalPreprocessConfig = LocalPreprocessConfig()) -> LocalPreprocess | None:
-    return LocalPreprocess.load(model_dir, card, config, PREPROCESS_FIELDS_AS_CLIENT_FIELDS)
+    """As the gateway does: the tokenizer it loaded from --model, then the rest."""
+    tokenizer = ModelTokenizer.load(model_dir)
+    return LocalPreprocess.load(model_dir, tokenizer, card, config)
 
 
 def tier_answers(address: str, cases) -> list[PreparedPrompt | ServiceError]:
@@ -145,9 +148,12 @@ def test_off_or_another_checkpoint_leaves_every_prompt_to_the_tier(tiny_model_di
     with caplog.at_level(logging.WARNING):
         assert load_local(tiny_model_dir, dataclasses.replace(card, has_chat_template=False)) is None
     assert "has_chat_template True vs False" in caplog.text
+    tokenizer_only = tmp_path / "tokenizer-only"  # enough to detokenize, not to preprocess
+    shutil.copytree(tiny_model_dir, tokenizer_only)
+    (tokenizer_only / "config.json").unlink()
     with caplog.at_level(logging.WARNING):
-        assert load_local(tmp_path / "missing", card) is None
-    assert "cannot preprocess them itself" in caplog.text
+        assert load_local(tokenizer_only, card) is None
+    assert "cannot preprocess them itself" in caplog.text and "config.json is missing" in caplog.text
 
 
 def _text_params(prompt: str) -> gateway_pb2.GenerateParams:

@@ -128,10 +128,13 @@ class Preprocessor:
         )
 
     @classmethod
-    def load(cls, model_path: str | Path, settings: PreprocessorSettings) -> "Preprocessor":
-        """Read the checkpoint's tokenizer, template and context once (blocking)."""
+    def load(
+        cls, model_path: str | Path, settings: PreprocessorSettings, tokenizer: ModelTokenizer | None = None
+    ) -> "Preprocessor":
+        """Read the checkpoint's tokenizer, template and context once (blocking). `tokenizer`: one
+        already loaded from `model_path` (the gateway shares the one it detokenizes with)."""
         model = ModelFiles.load(model_path, settings.model_name)
-        tokenizer = ModelTokenizer.load(model.path)
+        tokenizer = tokenizer or ModelTokenizer.load(model.path)
         limits = Limits.resolve(
             model.max_context_tokens, settings.max_context_tokens, settings.max_output_tokens,
             settings.max_prompt_bytes, tokenizer.max_token_bytes,

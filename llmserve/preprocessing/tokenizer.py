@@ -44,7 +44,8 @@ class ModelTokenizer:
         self.version = version
         # Named special tokens (bos_token, eos_token, ...) that are set; chat templates see them.
         self.special_tokens = special_tokens
-        self._decoder = decoder
+        # The decode rule, shared with the gateway's streamed output (its Detokenizer).
+        self.decoder = decoder
         # One past the largest id, so that every id below it can be decoded. Equal to the
         # number of tokens (special tokens included) unless the vocabulary has holes.
         vocab_ids = backend.get_vocab(with_added_tokens=True).values()
@@ -104,4 +105,4 @@ class ModelTokenizer:
 
     def decode(self, token_ids: Sequence[int], *, skip_special_tokens: bool) -> str:
         """The text transformers' `tokenizer.decode` gives (llmserve.text_decoder's rule)."""
-        return self._decoder.decode(token_ids, skip_special_tokens=skip_special_tokens)
+        return self.decoder.decode(token_ids, skip_special_tokens=skip_special_tokens)

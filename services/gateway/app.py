@@ -23,7 +23,6 @@ from llmserve.gateway.generation import GenerationPipeline
 from llmserve.gateway.inference_client import ModelCard
 from llmserve.gateway.local_preprocess import LocalPreprocess
 from llmserve.gateway.metrics import bind_worker
-from llmserve.gateway.preprocess_client import PREPROCESS_FIELDS_AS_CLIENT_FIELDS
 from llmserve.gateway.preprocess_servers import PreprocessServers
 from llmserve.gateway.replica_set import ReplicaSet
 from llmserve.gateway.router import Router
@@ -31,6 +30,7 @@ from llmserve.gateway.routing_index import RoutingIndex
 from llmserve.gateway.servicer import SERVICE_NAME, GatewayServicer
 from llmserve.gateway.worker_ports import own_address
 from llmserve.message_limits import prompt_request_bytes
+from llmserve.preprocessing.tokenizer import ModelTokenizer
 from llmserve.server import RunningServer, create_server
 from llmserve.v1 import gateway_pb2_grpc
 
@@ -73,23 +73,23 @@ async def start_gateway(config: GatewayConfig, worker_id: int = 0) -> RunningGat
     index: RoutingIndex | None = None
     replicas: ReplicaSet | None = None
     try:
-        # Loading the tokenizer overlaps with waiting for the hops.
-        detokenizer_task = asyncio.create_task(asyncio.to_thread(Detokenizer.from_model_dir, config.model_path))
+        # Loading the tokenizer overlaps with waiting for the hops. One copy serves both uses:
+        # detokenizing the output, and preprocessing small prompts here (local_preprocess).
+        tokenizer_task = asyncio.create_task(asyncio.to_thread(ModelTokenizer.load, config.model_path))
         preprocess_card = await preprocess.start()
-        local_task = asyncio.create_task(asyncio.to_thread(
-            LocalPreprocess.load, config.model_path, preprocess_card, config.local_preprocess,
-            PREPROCESS_FIELDS_AS_CLIENT_FIELDS,
-        ))
         index = RoutingIndex.open(config)
         replicas = ReplicaSet(config, preprocess_card.block_layout, index.events)
         model = await replicas.start()
-        detokenizer = await detokenizer_task
-        local_preprocess = await local_task
+        tokenizer = await tokenizer_task
+        local_preprocess = await asyncio.to_thread(
+            LocalPreprocess.load, config.model_path, tokenizer, preprocess_card, config.local_preprocess
+        )
     except BaseException:
         for part in (replicas, index, preprocess):
             if part is not None:
                 await part.close()
         raise
+    detokenizer = Detokenizer(tokenizer.decoder)
     model_name = config.model_name or model.model_name
     router = Router(config.routing, replicas.live, index.lookups)
     servicer = GatewayServicer(

@@ -9,7 +9,7 @@ once the gateway is busy.
 
 A request is preprocessed here when both hold:
   - its prompt is at most `max_prompt_bytes` (UTF-8 bytes of the text or of a chat's roles and
-    contents; 4 bytes per token id), and
+    contents; 5 bytes per token id, as the tier counts them), and
   - this worker has at most `max_in_flight` requests in flight, the new one included: the work
     runs on the event loop, which at light load keeps nobody waiting, and which is the gateway's
     scarcest resource under load.
@@ -25,21 +25,21 @@ tier's prompt cache, which splices a cached system prompt's ids, stays the tier'
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import logging
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Mapping
 
-from llmserve.block_hash import HASH_VERSION
 from llmserve.client_text import num_bytes
 from llmserve.config_checks import check_at_least
 from llmserve.errors import InvalidArgument
 from llmserve.gateway.block_layout import BlockLayout
-from llmserve.gateway.preprocess_client import PreparedPrompt, PreprocessCard
+from llmserve.gateway.preprocess_client import PREPROCESS_FIELDS_AS_CLIENT_FIELDS, PreparedPrompt, PreprocessCard
 from llmserve.message_limits import MAX_TOKEN_ID_BYTES
 from llmserve.preprocessing import validation
 from llmserve.preprocessing.preprocessor import Preprocessor, PreprocessorSettings
+from llmserve.preprocessing.tokenizer import ModelTokenizer
 from llmserve.prompt_input import PromptInput, PromptTokenIds
 
 log = logging.getLogger(__name__)
@@ -85,17 +85,17 @@ def local_preprocess_config(args: argparse.Namespace) -> LocalPreprocessConfig:
 class LocalPreprocess:
     """The gateway's own preprocessor and the rule for when it answers. Build with `load`."""
 
-    def __init__(self, preprocessor: Preprocessor, config: LocalPreprocessConfig, client_fields: Mapping[str, str]):
+    def __init__(self, preprocessor: Preprocessor, config: LocalPreprocessConfig):
         self._preprocessor = preprocessor
         self._config = config
-        self._client_fields = client_fields  # preprocess's field names as the gateway's clients know them
 
     @classmethod
     def load(
-        cls, model_path: Path, card: PreprocessCard, config: LocalPreprocessConfig, client_fields: Mapping[str, str]
+        cls, model_path: Path, tokenizer: ModelTokenizer, card: PreprocessCard, config: LocalPreprocessConfig
     ) -> "LocalPreprocess | None":
-        """The preprocessor for `model_path` with the tier's limits, or None (off, or a checkpoint
-        that is not the tier's: logged). Blocking: reads the tokenizer."""
+        """The preprocessor for `model_path` (whose `tokenizer` the gateway loaded already) with
+        the tier's limits, or None (off, or a checkpoint that is not the tier's: logged).
+        Blocking: reads the checkpoint's config and compiles its chat template."""
         if not config.is_on:
             return None
         settings = PreprocessorSettings(
@@ -103,7 +103,7 @@ class LocalPreprocess:
             reuse_prefixes=False, max_context_tokens=card.max_context_tokens, max_prompt_bytes=card.max_prompt_bytes,
         )
         try:
-            preprocessor = Preprocessor.load(model_path, settings)
+            preprocessor = Preprocessor.load(model_path, settings, tokenizer)
         except (OSError, ValueError) as error:
             log.warning("small prompts go to preprocess too: the gateway cannot preprocess them itself (%s)", error)
             return None
@@ -118,7 +118,7 @@ class LocalPreprocess:
             "prompts of up to %d bytes are preprocessed in the gateway while it has at most %d requests in flight",
             config.max_prompt_bytes, config.max_in_flight,
         )
-        return cls(preprocessor, config, client_fields)
+        return cls(preprocessor, config)
 
     def takes(self, prompt_input: PromptInput | None, num_in_flight: int) -> bool:
         """Whether this request is preprocessed here (`num_in_flight` counts it)."""
@@ -130,12 +130,13 @@ class LocalPreprocess:
 
     def preprocess(self, prompt_input: PromptInput, *, max_tokens: int | None, cache_salt: str) -> PreparedPrompt:
         """What preprocess would answer, or the InvalidArgument it would refuse with, naming the
-        client's field."""
+        client's field as the tier's answers are relabelled (PREPROCESS_FIELDS_AS_CLIENT_FIELDS)."""
         start_ns = time.perf_counter_ns()
         try:
             result = self._preprocessor.preprocess(prompt_input, max_tokens, cache_salt)
         except InvalidArgument as error:
-            raise InvalidArgument(self._client_fields.get(error.field, error.field), error.problem) from None
+            field = PREPROCESS_FIELDS_AS_CLIENT_FIELDS.get(error.field, error.field)
+            raise InvalidArgument(field, error.problem) from None
         return PreparedPrompt(
             token_ids=result.token_ids,
             block_hashes=result.block_hashes,
@@ -157,17 +158,15 @@ def _prompt_bytes(prompt_input: PromptInput) -> int:
 
 
 def _differences(preprocessor: Preprocessor, card: PreprocessCard) -> list[str]:
-    """'what: the gateway's vs preprocess's' for each way the two would answer differently."""
+    """'name: the gateway's vs preprocess's' for each way the two would answer differently."""
     info = preprocessor.info
     namespace = info.hash_namespace
-    own_layout = BlockLayout(
-        namespace.block_size_tokens, HASH_VERSION, namespace.model_fingerprint, namespace.tokenizer_fingerprint
-    )
-    differences = []
-    for name in ("block_hash_version", "model_fingerprint", "tokenizer_fingerprint"):
-        own, tier = getattr(own_layout, name), getattr(card.block_layout, name)
-        if own != tier:
-            differences.append(f"{name} {own} vs {tier}")
-    if info.has_chat_template != card.has_chat_template:
-        differences.append(f"has_chat_template {info.has_chat_template} vs {card.has_chat_template}")
-    return differences
+    own = {
+        **dataclasses.asdict(BlockLayout(
+            namespace.block_size_tokens, info.block_hash_version, namespace.model_fingerprint,
+            namespace.tokenizer_fingerprint,
+        )),
+        "has_chat_template": info.has_chat_template,
+    }
+    tier = {**dataclasses.asdict(card.block_layout), "has_chat_template": card.has_chat_template}
+    return [f"{name} {own[name]} vs {tier[name]}" for name in own if own[name] != tier[name]]
