@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import json
 import logging
 import shutil
 from pathlib import Path
@@ -146,8 +147,18 @@ def test_off_or_another_checkpoint_leaves_every_prompt_to_the_tier(tiny_model_di
     assert "tokenizer_fingerprint" in caplog.text
     caplog.clear()
     with caplog.at_level(logging.WARNING):
-        assert load_local(tiny_model_dir, dataclasses.replace(card, has_chat_template=False)) is None
-    assert "has_chat_template True vs False" in caplog.text
+        assert load_local(tiny_model_dir, dataclasses.replace(card, chat_template_fingerprint=0)) is None
+    assert "chat_template_fingerprint" in caplog.text and "vs 0" in caplog.text  # the tier has none
+    caplog.clear()
+    retemplated = tmp_path / "retemplated"  # the same files but a chat template that renders otherwise
+    shutil.copytree(tiny_model_dir, retemplated)
+    tokenizer_config = json.loads((retemplated / "tokenizer_config.json").read_text())
+    tokenizer_config["chat_template"] = "System: " + tokenizer_config["chat_template"]
+    (retemplated / "tokenizer_config.json").write_text(json.dumps(tokenizer_config))
+    with caplog.at_level(logging.WARNING):
+        assert load_local(retemplated, card) is None
+    assert "chat_template_fingerprint" in caplog.text
+    caplog.clear()
     tokenizer_only = tmp_path / "tokenizer-only"  # enough to detokenize, not to preprocess
     shutil.copytree(tiny_model_dir, tokenizer_only)
     (tokenizer_only / "config.json").unlink()

@@ -143,6 +143,7 @@ async def _invalid_argument(call, request) -> str:
 
 async def test_get_info_fills_every_field(stub, reference, tiny_model_dir):
     info = await stub.GetPreprocessInfo(preprocess_pb2.GetPreprocessInfoRequest())
+    assert info.chat_template_fingerprint != 0  # its value: test_local_preprocess compares two checkpoints
 
     preprocess_fields = {
         "model_name", "tokenizer_vocab_size", "max_context_tokens", "eos_token_ids", "block_size_tokens",
@@ -167,6 +168,7 @@ async def test_get_info_fills_every_field(stub, reference, tiny_model_dir):
         ],
         has_chat_template=True,
         max_prompt_bytes=MAX_PROMPT_BYTES,
+        chat_template_fingerprint=info.chat_template_fingerprint,
     )
     # No field left at its proto3 default, of those preprocess fills.
     assert {field.name for field, _ in info.ListFields()} == {f.name for f in info.DESCRIPTOR.fields}
@@ -176,6 +178,7 @@ async def test_get_info_fills_every_field(stub, reference, tiny_model_dir):
 async def test_get_info_reports_a_missing_chat_template(stubs):
     info = await stubs["no_template"].GetPreprocessInfo(preprocess_pb2.GetPreprocessInfoRequest())
     assert info.has_chat_template is False
+    assert info.chat_template_fingerprint == 0
 
 
 # --- Preprocess ---------------------------------------------------------------------------

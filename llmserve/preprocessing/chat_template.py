@@ -20,6 +20,7 @@ import jinja2.nodes
 import jinja2.utils
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
+from llmserve.block_hash import fingerprint
 from llmserve.client_text import shortened
 from llmserve.errors import InvalidArgument
 from llmserve.sampling import ChatMessage
@@ -109,6 +110,8 @@ class ChatTemplate:
         self.source = source
         self._template = compile_template(source)
         self._special_tokens = dict(special_tokens)
+        # What the rendering depends on, as one number: a gateway compares its own with the tier's.
+        self.fingerprint = fingerprint(json.dumps([source, sorted(self._special_tokens.items())]).encode())
 
     def render(self, messages: Sequence[ChatMessage], *, add_generation_prompt: bool) -> str:
         """The conversation as the model expects it. A template that refuses the conversation

@@ -72,6 +72,7 @@ class PreprocessInfo:
     block_hash_version: int
     buckets: tuple[LengthBucket, ...]
     has_chat_template: bool
+    chat_template_fingerprint: int  # 0 without a template
 
     @property
     def block_size_tokens(self) -> int:
@@ -125,6 +126,7 @@ class Preprocessor:
             block_hash_version=HASH_VERSION,
             buckets=tuple(buckets.buckets()),
             has_chat_template=chat_template is not None,
+            chat_template_fingerprint=chat_template.fingerprint if chat_template is not None else 0,
         )
 
     @classmethod

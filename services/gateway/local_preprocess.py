@@ -16,9 +16,8 @@ A request is preprocessed here when both hold:
 The answer is the tier's: the same steps (`Preprocessor.preprocess`: check, render, tokenize,
 resolve max_tokens, hash blocks) with the tier's limits and block size, taken from its card. It
 is turned on only where the gateway's checkpoint is the tier's (its block layout, with the
-fingerprints of config.json and tokenizer.json, agrees, and both or neither have a chat template:
-the card does not carry the template's text); otherwise a log line says why and every request
-goes to the tier. Chats are rendered and tokenized whole: the
+fingerprints of config.json and tokenizer.json, agrees, and so does the chat template's
+fingerprint); otherwise a log line says why and every request goes to the tier. Chats are rendered and tokenized whole: the
 tier's prompt cache, which splices a cached system prompt's ids, stays the tier's.
 """
 
@@ -166,7 +165,7 @@ def _differences(preprocessor: Preprocessor, card: PreprocessCard) -> list[str]:
             namespace.block_size_tokens, info.block_hash_version, namespace.model_fingerprint,
             namespace.tokenizer_fingerprint,
         )),
-        "has_chat_template": info.has_chat_template,
+        "chat_template_fingerprint": info.chat_template_fingerprint,
     }
-    tier = {**dataclasses.asdict(card.block_layout), "has_chat_template": card.has_chat_template}
+    tier = {**dataclasses.asdict(card.block_layout), "chat_template_fingerprint": card.chat_template_fingerprint}
     return [f"{name} {own[name]} vs {tier[name]}" for name in own if own[name] != tier[name]]

@@ -42,7 +42,7 @@ class PreprocessCard:
     max_context_tokens: int
     max_prompt_bytes: int  # larger prompts are refused (the gateway sizes its receive limit by it)
     max_output_tokens: int  # the largest max_tokens accepted
-    has_chat_template: bool  # chats are refused without one
+    chat_template_fingerprint: int  # of its template's text and special tokens; 0: none (chats are refused)
 
 
 @dataclass(frozen=True, slots=True)
@@ -87,7 +87,7 @@ class PreprocessClient:
             max_context_tokens=response.model.max_context_tokens,
             max_prompt_bytes=response.max_prompt_bytes,
             max_output_tokens=response.max_output_tokens,
-            has_chat_template=response.has_chat_template,
+            chat_template_fingerprint=response.chat_template_fingerprint,
         )
 
     async def preprocess(

@@ -128,4 +128,5 @@ class PreprocessServicer(preprocess_pb2_grpc.PreprocessServiceServicer):
             buckets=[_bucket_to_pb(b) for b in info.buckets],
             has_chat_template=info.has_chat_template,
             max_prompt_bytes=info.max_prompt_bytes,
+            chat_template_fingerprint=info.chat_template_fingerprint,
         )
