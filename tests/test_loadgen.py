@@ -288,8 +288,10 @@ def test_bench_replays_conversations_over_their_own_answers(gateway_address, tin
 
 
 def test_bench_counts_errors_by_status(gateway_address, tiny_model_dir, tmp_path):
+    # Prompts that fit the tiny model's context: a too-long one is refused before its deadline
+    # passes where the gateway preprocesses it itself.
     completed = _bench(gateway_address, tiny_model_dir, tmp_path, "--num-requests", "4", "--timeout-s", "0.001",
-                       "--no-plots")
+                       "--prompt-tokens", "20", "--output-tokens", "32", "--no-plots")
     assert completed.returncode == 1
     summary = json.loads((tmp_path / "run.json").read_text())["summary"]
     assert summary["num_succeeded"] == 0 and summary["errors_by_status"] == {"DEADLINE_EXCEEDED": 4}
