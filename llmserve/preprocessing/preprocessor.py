@@ -36,6 +36,7 @@ from llmserve.preprocessing.batch_encoder import BatchEncoder, EncodeJob, Encodi
 from llmserve.preprocessing.chat_template import ChatTemplate
 from llmserve.prompt_input import PromptInput, PromptTokenIds, TextOrChat
 from llmserve.preprocessing.tail_tokenizer import TailTokenizer
+from llmserve.preprocessing.text_pieces import DEFAULT_MAX_TEXT_PIECES
 from llmserve.preprocessing.tokenizer import ModelTokenizer
 from llmserve.preprocessing.validation import Limits
 
@@ -91,6 +92,7 @@ class PreprocessorSettings:
     max_context_tokens: int | None = None  # None: the model's; may only lower it
     max_prompt_bytes: int | None = None  # None: derived from the context (validation.default_max_prompt_bytes)
     length_buckets: BucketConfig = BucketConfig()
+    max_text_pieces: int = DEFAULT_MAX_TEXT_PIECES  # a lone long text is tokenized in up to this many pieces at once
 
 
 class Preprocessor:
@@ -136,7 +138,7 @@ class Preprocessor:
         """Read the checkpoint's tokenizer, template and context once (blocking). `tokenizer`: one
         already loaded from `model_path` (the gateway shares the one it detokenizes with)."""
         model = ModelFiles.load(model_path, settings.model_name)
-        tokenizer = tokenizer or ModelTokenizer.load(model.path)
+        tokenizer = tokenizer or ModelTokenizer.load(model.path, settings.max_text_pieces)
         limits = Limits.resolve(
             model.max_context_tokens, settings.max_context_tokens, settings.max_output_tokens,
             settings.max_prompt_bytes, tokenizer.max_token_bytes,

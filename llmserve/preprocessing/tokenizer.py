@@ -15,12 +15,17 @@ gateway's streamed output follows too (llmserve.text_decoder).
 from __future__ import annotations
 
 import hashlib
+import logging
 from pathlib import Path
 from typing import Sequence
 
 import tokenizers
 
+from llmserve.preprocessing import text_pieces
+from llmserve.preprocessing.text_pieces import DEFAULT_MAX_TEXT_PIECES
 from llmserve.text_decoder import TextDecoder, read_tokenizer_config
+
+log = logging.getLogger(__name__)
 
 # The named special tokens transformers passes to chat templates (SPECIAL_TOKENS_ATTRIBUTES).
 SPECIAL_TOKEN_NAMES = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
@@ -37,7 +42,12 @@ class ModelTokenizer:
     """Thread-safe encode/decode with the model's tokenizer. Build with `load`."""
 
     def __init__(
-        self, backend: tokenizers.Tokenizer, special_tokens: dict[str, str], decoder: TextDecoder, version: str
+        self,
+        backend: tokenizers.Tokenizer,
+        special_tokens: dict[str, str],
+        decoder: TextDecoder,
+        version: str,
+        max_text_pieces: int = DEFAULT_MAX_TEXT_PIECES,
     ):
         self._backend = backend
         # Changes whenever tokenizer.json or the library does: part of shared cache keys.
@@ -56,10 +66,16 @@ class ModelTokenizer:
         self.max_token_bytes = max(1, max(len(text.encode("utf-8")) for text in texts))
         # `encode_batch_fast` (tokenizers >= 0.21) skips offset tracking we do not use.
         self._encode_batch = getattr(backend, "encode_batch_fast", backend.encode_batch)
+        # 1 (or a tokenizer whose pipeline could look across a cut): texts are encoded whole.
+        self.max_text_pieces = max_text_pieces
+        if max_text_pieces > 1 and (reason := text_pieces.why_not_cuttable(backend)) is not None:
+            log.info("long texts are tokenized whole, not in pieces: %s", reason)
+            self.max_text_pieces = 1
 
     @classmethod
-    def load(cls, model_dir: str | Path) -> "ModelTokenizer":
-        """Read tokenizer.json and tokenizer_config.json from a checkpoint directory."""
+    def load(cls, model_dir: str | Path, max_text_pieces: int = DEFAULT_MAX_TEXT_PIECES) -> "ModelTokenizer":
+        """Read tokenizer.json and tokenizer_config.json from a checkpoint directory.
+        `max_text_pieces`: a lone long text is encoded in up to this many pieces at once (1: whole)."""
         model_dir = Path(model_dir)
         tokenizer_json = (model_dir / "tokenizer.json").read_bytes()
         backend = tokenizers.Tokenizer.from_str(tokenizer_json.decode("utf-8"))
@@ -68,15 +84,29 @@ class ModelTokenizer:
             name: text for name in SPECIAL_TOKEN_NAMES if (text := _token_text(config.get(name))) is not None
         }
         digest = hashlib.blake2b(tokenizer_json, digest_size=8).hexdigest()
-        return cls(backend, special_tokens, TextDecoder(backend, config), f"{digest}-tokenizers{tokenizers.__version__}")
+        version = f"{digest}-tokenizers{tokenizers.__version__}"
+        return cls(backend, special_tokens, TextDecoder(backend, config), version, max_text_pieces)
 
     def encode(self, text: str, *, add_special_tokens: bool) -> list[int]:
         """Token ids of `text`; `add_special_tokens` runs the post-processor (BOS etc.)."""
         return self._encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
 
     def encode_batch(self, texts: Sequence[str], *, add_special_tokens: bool) -> list[list[int]]:
-        """`encode` of each text, in one call into Rust (one GIL release for the batch)."""
+        """`encode` of each text, in one call into Rust (one GIL release for the batch). A lone
+        long text is cut into pieces encoded at once (text_pieces); a batch of several is
+        already spread over the tokenizer's threads."""
+        if len(texts) == 1 and self.max_text_pieces > 1:
+            pieces = text_pieces.cut(texts[0], self.max_text_pieces)
+            if len(pieces) > 1:
+                return [self._encode_pieces(pieces, add_special_tokens)]
         return [encoding.ids for encoding in self._encode_batch(texts, add_special_tokens=add_special_tokens)]
+
+    def _encode_pieces(self, pieces: list[str], add_special_tokens: bool) -> list[int]:
+        """The ids of the text the pieces make up: encoded bare, merged, post-processed once."""
+        encoding = tokenizers.Encoding.merge(self._encode_batch(pieces, add_special_tokens=False), growing_offsets=False)
+        if add_special_tokens:
+            encoding = self._backend.post_process(encoding, add_special_tokens=True)
+        return encoding.ids
 
     def boundary_tokens(self) -> dict[str, int]:
         """Added tokens the tokenizer splits the text on before normalizing or pre-tokenizing it,

@@ -75,7 +75,7 @@ async def start_gateway(config: GatewayConfig, worker_id: int = 0) -> RunningGat
     try:
         # Loading the tokenizer overlaps with waiting for the hops. One copy serves both uses:
         # detokenizing the output, and preprocessing small prompts here (local_preprocess).
-        tokenizer_task = asyncio.create_task(asyncio.to_thread(ModelTokenizer.load, config.model_path))
+        tokenizer_task = asyncio.create_task(asyncio.to_thread(ModelTokenizer.load, config.model_path, config.local_preprocess.max_text_pieces))
         preprocess_card = await preprocess.start()
         index = RoutingIndex.open(config)
         replicas = ReplicaSet(config, preprocess_card.block_layout, index.events)

@@ -38,6 +38,7 @@ from llmserve.gateway.preprocess_client import PREPROCESS_FIELDS_AS_CLIENT_FIELD
 from llmserve.message_limits import MAX_TOKEN_ID_BYTES
 from llmserve.preprocessing import validation
 from llmserve.preprocessing.preprocessor import Preprocessor, PreprocessorSettings
+from llmserve.preprocessing.text_pieces import DEFAULT_MAX_TEXT_PIECES, add_text_pieces_argument
 from llmserve.preprocessing.tokenizer import ModelTokenizer
 from llmserve.prompt_input import PromptInput, PromptTokenIds
 
@@ -52,10 +53,12 @@ DEFAULT_MAX_IN_FLIGHT = 4
 class LocalPreprocessConfig:
     max_prompt_bytes: int = DEFAULT_MAX_PROMPT_BYTES  # 0: every request goes to the tier
     max_in_flight: int = DEFAULT_MAX_IN_FLIGHT  # this worker's requests, the new one included
+    max_text_pieces: int = DEFAULT_MAX_TEXT_PIECES  # a prompt text tokenized in up to this many pieces at once
 
     def __post_init__(self) -> None:
         check_at_least("max_prompt_bytes", self.max_prompt_bytes, 0, " (0: off)")
         check_at_least("max_in_flight", self.max_in_flight, 1)
+        check_at_least("max_text_pieces", self.max_text_pieces, 1)
 
     @property
     def is_on(self) -> bool:
@@ -75,10 +78,11 @@ def add_local_preprocess_arguments(parser: argparse.ArgumentParser | argparse._A
         help="lightly loaded: at most this many requests in flight in the worker, the new one included "
         "(default: %(default)s)",
     )
+    add_text_pieces_argument(parser)
 
 
 def local_preprocess_config(args: argparse.Namespace) -> LocalPreprocessConfig:
-    return LocalPreprocessConfig(args.local_preprocess_max_bytes, args.local_preprocess_max_in_flight)
+    return LocalPreprocessConfig(args.local_preprocess_max_bytes, args.local_preprocess_max_in_flight, args.max_text_pieces)
 
 
 class LocalPreprocess:

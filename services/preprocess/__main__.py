@@ -27,6 +27,7 @@ from llmserve.preprocess.config import (
     available_cores,
 )
 from llmserve.preprocess.server import start_server
+from llmserve.preprocessing.text_pieces import add_text_pieces_argument
 from llmserve.server import BindError, configure_logging, exit_with_parent, serve_until_signal
 from llmserve.metrics_endpoint import start_metrics_endpoint
 from llmserve.server_flags import PREPROCESS_PORT, add_server_arguments, observability_options, server_options
@@ -106,6 +107,7 @@ def build_parser() -> argparse.ArgumentParser:
         "thread and back (~0.3 ms on a 512-token prompt) on the first token's path; 0 sends every prompt to a "
         "thread (default: %(default)s)",
     )
+    add_text_pieces_argument(parser)
     parser.add_argument(
         "--prompt-cache-bytes", type=int, default=DEFAULT_PROMPT_CACHE_BYTES, metavar="BYTES",
         help="tokenized chat prefixes kept in process (an LRU), so that a chat's next turn and "

@@ -10,6 +10,7 @@ from llmserve.block_hash import DEFAULT_BLOCK_SIZE
 from llmserve.buckets import BucketConfig
 from llmserve.observability import ObservabilityConfig
 from llmserve.preprocessing.preprocessor import PreprocessorSettings
+from llmserve.preprocessing.text_pieces import DEFAULT_MAX_TEXT_PIECES
 from llmserve.server_flags import DEFAULT_GRACE_PERIOD_S, DEFAULT_HOST
 
 DEFAULT_MAX_OUTPUT_TOKENS = 4096
@@ -57,6 +58,7 @@ class PreprocessConfig:
     num_tokenizer_threads: int = field(default_factory=available_cores)
     max_batch_prompts: int = DEFAULT_MAX_BATCH_PROMPTS  # jobs in one micro-batch at most
     inline_max_prompt_bytes: int = DEFAULT_INLINE_MAX_PROMPT_BYTES  # 0: always on a tokenizer thread
+    max_text_pieces: int = DEFAULT_MAX_TEXT_PIECES  # a lone long text is tokenized in up to this many pieces at once
     # None: derived (context x the longest token's bytes x 2): larger prompts are refused untokenized.
     max_prompt_bytes: int | None = None
     max_in_flight_prompt_bytes: int = DEFAULT_MAX_IN_FLIGHT_PROMPT_BYTES
@@ -68,7 +70,7 @@ class PreprocessConfig:
 
     def __post_init__(self) -> None:
         for name in ("block_size_tokens", "max_output_tokens", "num_tokenizer_threads", "max_in_flight_prompt_bytes",
-                     "max_batch_prompts", "redis_timeout_ms", "redis_ttl_s"):
+                     "max_text_pieces", "max_batch_prompts", "redis_timeout_ms", "redis_ttl_s"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
         for name in ("prompt_cache_bytes", "inline_max_prompt_bytes"):
@@ -83,7 +85,7 @@ class PreprocessConfig:
             max_output_tokens=self.max_output_tokens, block_size_tokens=self.block_size_tokens,
             reuse_prefixes=self.prompt_cache_bytes > 0, model_name=self.model_name,
             max_context_tokens=self.max_context_tokens, max_prompt_bytes=self.max_prompt_bytes,
-            length_buckets=self.length_buckets,
+            length_buckets=self.length_buckets, max_text_pieces=self.max_text_pieces,
         )
 
     @property
