@@ -115,9 +115,13 @@ def _lowercase(spec):
     spec["normalizer"] = {"type": "Lowercase"}
 
 
+def _no_word_split(spec):
+    spec["pre_tokenizer"]["use_regex"] = False
+
+
 @pytest.mark.parametrize("edit, reason", [
     (_unknown_split, "split pattern"), (_stripping_token, "strips whitespace"), (_prefix_space, "prefix space"),
-    (_lowercase, "normalizer Lowercase"),
+    (_lowercase, "normalizer Lowercase"), (_no_word_split, "does not split words"),
 ])
 def test_a_pipeline_that_could_look_across_a_cut_is_tokenized_whole(tiny_model_dir, tmp_path, caplog, edit, reason):
     with caplog.at_level("INFO"):

@@ -61,9 +61,13 @@ def why_not_cuttable(backend: tokenizers.Tokenizer) -> str | None:
     spec = json.loads(backend.to_str())
     if spec["model"]["type"] != "BPE":
         return f"its model is {spec['model']['type']}, not BPE"
-    reason = _why_not_normalizer(spec.get("normalizer")) or _why_not_pre_tokenizer(spec.get("pre_tokenizer"))
+    pre_tokenizer = spec.get("pre_tokenizer")
+    reason = _why_not_normalizer(spec.get("normalizer")) or _why_not_pre_tokenizer(pre_tokenizer)
     if reason:
         return reason
+    parts = pre_tokenizer["pretokenizers"] if pre_tokenizer["type"] == "Sequence" else [pre_tokenizer]
+    if not any(_splits_words(part) for part in parts):
+        return "its pre-tokenizer does not split words: BPE would merge across a cut"
     for token in spec.get("added_tokens", []):
         if token["lstrip"] or token["rstrip"] or any(c.isspace() for c in token["content"]):
             return f"its added token {token['content']!r} holds or strips whitespace"
@@ -83,10 +87,7 @@ def _why_not_pre_tokenizer(pre_tokenizer: dict | None) -> str | None:
         return "it has no pre-tokenizer: BPE would merge across a cut"
     kind = pre_tokenizer["type"]
     if kind == "Sequence":
-        parts = pre_tokenizer["pretokenizers"]
-        if not any(_splits_words(part) for part in parts):
-            return "no part of its pre-tokenizer splits words"
-        return next(filter(None, map(_why_not_pre_tokenizer, parts)), None)
+        return next(filter(None, map(_why_not_pre_tokenizer, pre_tokenizer["pretokenizers"])), None)
     if kind == "ByteLevel":
         return "its ByteLevel pre-tokenizer adds a prefix space" if pre_tokenizer["add_prefix_space"] else None
     if kind == "Digits":
