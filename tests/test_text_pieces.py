@@ -8,7 +8,7 @@ import json
 import shutil
 
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 from tokenizers import Tokenizer, processors
 
@@ -59,6 +59,7 @@ def test_every_tokenizer_here_may_be_cut(tokenizer_dirs):
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(text=texts, add_special_tokens=st.booleans())
 def test_pieces_give_the_whole_texts_ids(tokenizer_dirs, text, add_special_tokens):
+    assume(len(text_pieces.cut(text, 8)) > 1)  # texts that are cut
     for whole, pieces in tokenizer_dirs.values():
         assert pieces.encode(text, add_special_tokens=add_special_tokens) == whole.encode(
             text, add_special_tokens=add_special_tokens
@@ -67,9 +68,15 @@ def test_pieces_give_the_whole_texts_ids(tokenizer_dirs, text, add_special_token
 
 def test_plain_prose_is_cut_and_matches(tokenizer_dirs):
     text = " ".join(["The quick brown fox's den, by 12 oaks\nand a café."] * 60)
-    assert len(text_pieces.cut(text, 8)) == 8
     framed_whole, framed_pieces = tokenizer_dirs["framed"]
-    ids = framed_pieces.encode(text, add_special_tokens=True)
+    calls = []
+    encode_batch = framed_pieces._encode_batch
+    framed_pieces._encode_batch = lambda texts, **kwargs: calls.append(len(texts)) or encode_batch(texts, **kwargs)
+    try:
+        ids = framed_pieces.encode(text, add_special_tokens=True)
+    finally:
+        framed_pieces._encode_batch = encode_batch
+    assert calls == [8]  # one call into the library, with the 8 pieces
     assert ids == framed_whole.encode(text, add_special_tokens=True)
     start, end = framed_whole.encode("", add_special_tokens=True)  # the template's two tokens
     assert ids == [start, *framed_whole.encode(text, add_special_tokens=False), end]  # once each, not per piece

@@ -89,7 +89,7 @@ class ModelTokenizer:
 
     def encode(self, text: str, *, add_special_tokens: bool) -> list[int]:
         """Token ids of `text`; `add_special_tokens` runs the post-processor (BOS etc.)."""
-        return self._encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
+        return self.encode_batch([text], add_special_tokens=add_special_tokens)[0]
 
     def encode_batch(self, texts: Sequence[str], *, add_special_tokens: bool) -> list[list[int]]:
         """`encode` of each text, in one call into Rust (one GIL release for the batch). A lone
