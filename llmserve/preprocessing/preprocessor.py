@@ -72,12 +72,15 @@ class PreprocessInfo:
     hash_namespace: HashNamespace
     block_hash_version: int
     buckets: tuple[LengthBucket, ...]
-    has_chat_template: bool
     chat_template_fingerprint: int  # 0 without a template
 
     @property
     def block_size_tokens(self) -> int:
         return self.hash_namespace.block_size_tokens
+
+    @property
+    def has_chat_template(self) -> bool:
+        return self.chat_template_fingerprint != 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -127,7 +130,6 @@ class Preprocessor:
             hash_namespace=hash_namespace,
             block_hash_version=HASH_VERSION,
             buckets=tuple(buckets.buckets()),
-            has_chat_template=chat_template is not None,
             chat_template_fingerprint=chat_template.fingerprint if chat_template is not None else 0,
         )
 

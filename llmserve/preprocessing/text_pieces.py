@@ -28,9 +28,10 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 
 import tokenizers
+
+from llmserve.cores import available_cores
 
 # Split regexes of the Qwen2/2.5/3 and Llama-3 tokenizers (tokenizer.json, exact text).
 KNOWN_SPLIT_PATTERNS = frozenset({
@@ -41,7 +42,7 @@ _CUTTABLE_NORMALIZERS = frozenset({"NFC", "NFKC"})
 # Shorter pieces cost more in hand-offs than they save.
 MIN_PIECE_CHARS = 256
 # 8 was the fastest of 2, 4 and 8 for a 512-token text on a 16-core host; no more than the cores.
-DEFAULT_MAX_TEXT_PIECES = min(8, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1)
+DEFAULT_MAX_TEXT_PIECES = min(8, available_cores())
 
 
 def add_text_pieces_argument(parser: argparse.ArgumentParser | argparse._ArgumentGroup) -> None:

@@ -24,8 +24,8 @@ from llmserve.preprocess.config import (
     DEFAULT_REDIS_TIMEOUT_MS,
     DEFAULT_REDIS_TTL_S,
     PreprocessConfig,
-    available_cores,
 )
+from llmserve.cores import available_cores
 from llmserve.preprocess.server import start_server
 from llmserve.preprocessing.text_pieces import add_text_pieces_argument
 from llmserve.server import BindError, configure_logging, exit_with_parent, serve_until_signal

@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from llmserve.block_hash import DEFAULT_BLOCK_SIZE
 from llmserve.buckets import BucketConfig
+from llmserve.cores import available_cores
 from llmserve.observability import ObservabilityConfig
 from llmserve.preprocessing.preprocessor import PreprocessorSettings
 from llmserve.preprocessing.text_pieces import DEFAULT_MAX_TEXT_PIECES
@@ -24,19 +24,6 @@ DEFAULT_REDIS_TTL_S = 3600
 # Prompt bytes preprocess holds at once (waiting for a tokenizer thread or being tokenized): a bound on its
 # memory under a flood; a request that does not fit gets RESOURCE_EXHAUSTED with a retry delay.
 DEFAULT_MAX_IN_FLIGHT_PROMPT_BYTES = 256 * 1024 * 1024
-
-
-def available_cores() -> int:
-    """The cores this process may use: the cgroup's CPU quota (a pod's limit) where one is set,
-    else the CPUs it may be scheduled on."""
-    num_cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-    try:
-        quota, period = open("/sys/fs/cgroup/cpu.max").read().split()
-    except (OSError, ValueError):
-        return num_cpus
-    if quota == "max":
-        return num_cpus
-    return max(1, min(num_cpus, int(quota) // int(period)))
 
 
 @dataclass(frozen=True, slots=True)
