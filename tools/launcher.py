@@ -106,7 +106,7 @@ def gateway_argv(
     args = [
         "--host", config.host, "--port", str(config.port), "--workers", str(config.gateway_workers), *common,
         "--preprocess", preprocess.address, *_metrics_args(config, 0), *slow_reader_argv(config.slow_readers),
-        *stream_interval_argv(config.stream_interval_s),
+        *stream_interval_argv(config.stream_interval),
     ]
     if config.http_port is not None:
         args += ["--http-port", str(config.http_port)]

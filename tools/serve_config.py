@@ -14,7 +14,7 @@ from pathlib import Path
 from llmserve.config_checks import check_at_least
 from llmserve.gateway.slow_reader import SlowReaderBounds
 from llmserve.gateway.slow_reader_flags import add_slow_reader_arguments, slow_reader_bounds
-from llmserve.gateway.stream_interval import add_stream_interval_argument, check_stream_interval, stream_interval_s
+from llmserve.gateway.stream_interval import StreamInterval, add_stream_interval_arguments, check_stream_interval, stream_interval_from_args
 from llmserve.gateway.worker_ports import check_worker_ports
 from llmserve.inference.engine.config import MODEL_GROUP
 from llmserve.inference.engine_flags import (
@@ -63,7 +63,7 @@ class ServeConfig:
     log_format: str = "text"  # of every service (docs/observability.md)
     log_prompts: bool = False
     slow_readers: SlowReaderBounds = SlowReaderBounds()  # the gateway's (gateway.slow_reader)
-    stream_interval_s: float = 0.0  # the gateway's (gateway.stream_interval)
+    stream_interval: StreamInterval = StreamInterval()  # the gateway's (gateway.stream_interval)
     # The inference engine's options by EngineConfig field name, every flagged field present.
     engine: EngineOptions = field(default_factory=default_engine_options)
 
@@ -73,7 +73,7 @@ class ServeConfig:
             raise ValueError(f"--http-port must be a port number (1 to 65535; --no-http for none), got {self.http_port}")
         if self.metrics_port is not None and not 1 <= self.metrics_port <= 65535 - 1 - self.num_replicas:
             raise ValueError(f"--metrics-port must leave room for every service's port, got {self.metrics_port}")
-        check_stream_interval(self.stream_interval_s, self.slow_readers.max_unread_s)
+        check_stream_interval(self.stream_interval, self.slow_readers.max_unread_s)
         check_worker_ports(self.gateway_worker_ports, self.gateway_workers, self.port, None)
 
     @property
@@ -136,7 +136,7 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
         help=f"largest max_tokens accepted (default: preprocess's, {DEFAULT_MAX_OUTPUT_TOKENS})",
     )
     add_slow_reader_arguments(server)
-    add_stream_interval_argument(server)
+    add_stream_interval_arguments(server)
     server.add_argument(
         "--log-level", default="INFO", choices=LOG_LEVELS,
         help="log level of the launcher and all services (default: %(default)s)",
@@ -179,6 +179,6 @@ def serve_config_from_args(args: argparse.Namespace) -> ServeConfig:
         log_format=args.log_format,
         log_prompts=args.log_prompts,
         slow_readers=slow_reader_bounds(args),
-        stream_interval_s=stream_interval_s(args),
+        stream_interval=stream_interval_from_args(args),
         engine=engine_options(args),
     )

@@ -18,7 +18,7 @@ from llmserve.gateway.connection_age import DEFAULT_MAX_CONNECTION_AGE_S
 from llmserve.gateway.discovery import Target
 from llmserve.gateway.local_preprocess import add_local_preprocess_arguments, local_preprocess_config
 from llmserve.gateway.slow_reader_flags import add_slow_reader_arguments, slow_reader_bounds
-from llmserve.gateway.stream_interval import add_stream_interval_argument, stream_interval_s
+from llmserve.gateway.stream_interval import add_stream_interval_arguments, stream_interval_from_args
 from llmserve.gateway.routing_flags import add_routing_arguments, routing_options
 from llmserve.gateway.worker import run_worker
 from llmserve.gateway.worker_group import run_worker_group
@@ -89,7 +89,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="at start, how long to wait for preprocess and inference to report SERVING (default: %(default)s)",
     )
     add_slow_reader_arguments(parser)
-    add_stream_interval_argument(parser)
+    add_stream_interval_arguments(parser)
     add_local_preprocess_arguments(parser)
     add_routing_arguments(parser)
     return parser
@@ -111,7 +111,7 @@ def config_from_args(args: argparse.Namespace) -> GatewayConfig:
         max_connection_age_s=args.max_connection_age_s,
         http_port=args.http_port,
         slow_readers=slow_reader_bounds(args),
-        stream_interval_s=stream_interval_s(args),
+        stream_interval=stream_interval_from_args(args),
         local_preprocess=local_preprocess_config(args),
         **routing_options(args),
     )

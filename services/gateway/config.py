@@ -11,7 +11,7 @@ from llmserve.gateway.discovery import DEFAULT_RESOLVE_INTERVAL_S, Target
 from llmserve.gateway.local_preprocess import LocalPreprocessConfig
 from llmserve.gateway.router import RoutingConfig
 from llmserve.gateway.slow_reader import SlowReaderBounds
-from llmserve.gateway.stream_interval import check_stream_interval
+from llmserve.gateway.stream_interval import StreamInterval, check_stream_interval
 from llmserve.gateway.worker_ports import check_worker_ports
 from llmserve.prefix_index.redis_config import RedisIndexConfig
 from llmserve.observability import ObservabilityConfig
@@ -57,8 +57,8 @@ class GatewayConfig:
     num_accept_loops: int = DEFAULT_ACCEPT_LOOPS
     # When a stream's client counts as not reading and its request is aborted.
     slow_readers: SlowReaderBounds = SlowReaderBounds()
-    # Least seconds between two messages of one client stream (stream_interval.py); 0: none.
-    stream_interval_s: float = 0.0
+    # Least time between two messages of one client stream while the worker is busy (stream_interval.py).
+    stream_interval: StreamInterval = StreamInterval()
     routing: RoutingConfig = RoutingConfig()
     # Small prompts at light load preprocessed in the gateway itself (local_preprocess.py).
     local_preprocess: LocalPreprocessConfig = LocalPreprocessConfig()
@@ -80,7 +80,7 @@ class GatewayConfig:
         check_at_least("grace_period_s", self.grace_period_s, 0)
         check_at_least("num_workers", self.num_workers, 1)
         check_worker_ports(self.worker_base_port, self.num_workers, self.port, self.worker_ports_file)
-        check_stream_interval(self.stream_interval_s, self.slow_readers.max_unread_s)
+        check_stream_interval(self.stream_interval, self.slow_readers.max_unread_s)
         check_at_least("max_connection_age_s", self.max_connection_age_s, 0)
         check_at_least("num_accept_loops", self.num_accept_loops, 1)
         if self.http_port == 0 and self.num_workers > 1:

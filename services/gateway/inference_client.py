@@ -21,6 +21,7 @@ from llmserve.gateway.hop_errors import call_hop, error_from_rpc
 from llmserve.gateway.preprocess_client import PreparedPrompt
 from llmserve.gateway.replica_stream import MultiplexedTokens, ReplicaStream
 from llmserve.gateway.slow_reader import SlowReaderBounds
+from llmserve.gateway.stream_interval import NO_INTERVAL, StreamInterval
 from llmserve.kv_events import KvEventBatch, batch_from_pb
 from llmserve.pb import sampling_to_pb
 from llmserve.sampling import SamplingParams
@@ -49,15 +50,15 @@ class KvEventsUnsupported(Exception):
 
 class InferenceClient:
     """`slow_readers`: when a request's client counts as not reading (gateway.slow_reader);
-    `stream_interval_s`: the least time between two of a request's outputs taken
-    (gateway.stream_interval)."""
+    `stream_interval`: the least time between two of a request's outputs taken while the
+    worker is busy (gateway.stream_interval)."""
 
     def __init__(self, address: str, *, slow_readers: SlowReaderBounds = SlowReaderBounds(),
-                 stream_interval_s: float = 0.0):
+                 stream_interval: StreamInterval = NO_INTERVAL):
         self.address = address
         self._channel = grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
         self._stub = inference_pb2_grpc.InferenceServiceStub(self._channel)
-        self._replica_stream = ReplicaStream(self._stub, slow_readers, stream_interval_s)
+        self._replica_stream = ReplicaStream(self._stub, slow_readers, stream_interval)
 
     async def wait_until_serving(self, timeout_s: float) -> None:
         await wait_until_serving(self._channel, f"inference at {self.address}", timeout_s)

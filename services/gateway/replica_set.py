@@ -78,7 +78,7 @@ class ReplicaSet:
 
     def _client(self, address: str) -> InferenceClient:
         return InferenceClient(address, slow_readers=self._config.slow_readers,
-                               stream_interval_s=self._config.stream_interval_s)
+                               stream_interval=self._config.stream_interval)
 
     def _add(self, address: str, client: InferenceClient) -> Replica:
         replica = Replica(address, client)

@@ -48,6 +48,7 @@ from llmserve.errors import ServiceError, Unavailable
 from llmserve.gateway.hop_errors import error_from_broken_stream, error_from_status
 from llmserve.gateway.metrics import record_client_not_reading
 from llmserve.gateway.slow_reader import ClientNotReading, SlowReaderBounds
+from llmserve.gateway.stream_interval import NO_INTERVAL, StreamInterval
 from llmserve.pb import MULTIPLEX_COLUMNS_METADATA, output_from_pb
 from llmserve.request_context import context_without_request
 from llmserve.v1 import inference_pb2, inference_pb2_grpc
@@ -62,11 +63,12 @@ Forget = Callable[[str, bool], None]
 class MultiplexedTokens:
     """One request's outputs from a ReplicaStream: iterate for EngineOutputs (everything that
     arrived since the previous one, merged), `cancel` to stop it; `bounds` say when its client
-    counts as not reading; `interval_s`: the least time between two takes after the first
-    (gateway.stream_interval: what arrives meanwhile is taken, and written, together)."""
+    counts as not reading; `interval_s()`: the least time between this take and the next, asked
+    after each take (gateway.stream_interval: what arrives meanwhile is taken, and written,
+    together; 0: none)."""
 
     def __init__(self, request_id: str, forget: Forget, bounds: SlowReaderBounds = SlowReaderBounds(),
-                 *, num_sequences: int = 1, interval_s: float = 0.0):
+                 *, num_sequences: int = 1, interval_s: Callable[[], float] = NO_INTERVAL.always):
         self.request_id = request_id
         self._forget = forget
         self._bounds = bounds
@@ -174,9 +176,10 @@ class MultiplexedTokens:
                     raise error
                 if self._failure is not None and not self._is_done:
                     raise self._failure
-                if self._interval_s and not self._is_done:
+                interval_s = self._interval_s()
+                if interval_s and not self._is_done:
                     # What arrives meanwhile goes in the next take, `interval_s` after this one.
-                    await asyncio.sleep(max(0.0, taken_s + self._interval_s - time.monotonic()))
+                    await asyncio.sleep(max(0.0, taken_s + interval_s - time.monotonic()))
         finally:
             self._stop_unread_timer()  # an armed timer would keep the ended request alive
 
@@ -238,10 +241,10 @@ class _Connection:
 
 class ReplicaStream:
     def __init__(self, stub: inference_pb2_grpc.InferenceServiceStub, bounds: SlowReaderBounds = SlowReaderBounds(),
-                 stream_interval_s: float = 0.0):
+                 stream_interval: StreamInterval = NO_INTERVAL):
         self._stub = stub
         self._bounds = bounds
-        self._stream_interval_s = stream_interval_s
+        self._stream_interval = stream_interval
         self._connection: _Connection | None = None
         self._tasks: set[asyncio.Task] = set()
         self.last_response_s = 0.0  # time.monotonic() of the last message from the replica
@@ -250,7 +253,7 @@ class ReplicaStream:
         connection = self._open_connection()
         num_sequences = request.sampling.n if request.sampling.HasField("n") else 1
         tokens = MultiplexedTokens(request.request_id, connection.forget, self._bounds, num_sequences=num_sequences,
-                                   interval_s=self._stream_interval_s)
+                                   interval_s=lambda: self._stream_interval.at(len(connection.requests)))
         connection.requests[request.request_id] = tokens
         connection.commands.put_nowait(inference_pb2.MultiplexRequest(generate=request))
         return tokens
