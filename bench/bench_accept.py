@@ -71,8 +71,13 @@ async def _serve(num_accept_loops: int, busy_ms: float, ports: mp.Queue) -> None
                 pass
             await asyncio.sleep(0)
 
-    busy = asyncio.ensure_future(keep_busy()) if busy_ms else None
+    # The port goes out before the loop is busy: a Queue's put only hands the item to a feeder
+    # thread, which a loop spinning beside grpc's threads can starve of the GIL for good (seen on
+    # a 2-core machine: the port never arrived).
     ports.put(running.port)
+    ports.close()
+    ports.join_thread()
+    busy = asyncio.ensure_future(keep_busy()) if busy_ms else None
     try:
         await asyncio.Event().wait()
     finally:
