@@ -76,6 +76,8 @@ def test_the_interval_follows_the_load_it_is_asked_at():
     takes, _ = asyncio.run(takes_of(lambda: interval.at(load["streams"]), num_tokens=20, push_every_s=0.02))
     assert len(takes) > 10 and [t for take in takes for t in take] == list(range(20))
     assert interval.at(1) == 0.0 and interval.at(2) == interval.at(64) == 0.1
+    assert interval.describe() == "100 ms between a stream's messages from 2 streams in flight"
+    assert StreamInterval(0.0).describe() == "every output written as it arrives"
 
 
 def test_the_flags_default_to_10_ms_from_16_streams_and_llmserve_serve_passes_them_on():
@@ -135,6 +137,11 @@ def test_busy_streams_get_every_token_in_no_more_messages_than_the_interval_allo
         # while both were in flight a message came INTERVAL_S after the one before it at least
         assert len(with_tokens) < NUM_TOKENS // 2
         _check_whole(gateway, messages)
+
+
+def test_the_gateway_says_at_start_up_when_tokens_wait(stack):
+    log_text = stack["gateway"].log_path.read_text()
+    assert "; 300 ms between a stream's messages from 2 streams in flight" in log_text, log_text[-2000:]
 
 
 def test_a_stream_alone_gets_each_output_as_it_arrives(stack):

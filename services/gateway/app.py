@@ -116,11 +116,11 @@ async def start_gateway(config: GatewayConfig, worker_id: int = 0) -> RunningGat
         )
     await server.set_serving(True)
     log.info(
-        "gateway serving %s (%s, backend %s) on %s:%d; preprocess %s, inference %s (%d live, routing %s, index %s)",
+        "gateway serving %s (%s, backend %s) on %s:%d; preprocess %s, inference %s (%d live, routing %s, index %s); %s",
         model_name, model.architecture, model.backend, config.host, server.port,
         ", ".join(map(str, config.preprocess_targets)),
         ", ".join(map(str, config.inference_targets)), len(replicas.live()), config.routing.policy.value,
-        "in Redis" if config.redis else "in memory",
+        "in Redis" if config.redis else "in memory", config.stream_interval.describe(),
     )
     if server.second_port is not None:
         log.info("gateway worker %d's own port: %d", worker_id, server.second_port)

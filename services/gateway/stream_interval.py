@@ -48,6 +48,12 @@ class StreamInterval:
         """The interval whatever the load (for a buffer whose streams nothing counts)."""
         return self.interval_s
 
+    def describe(self) -> str:
+        """For the gateway's start-up line: whether, and from what load, tokens wait."""
+        if not self.interval_s:
+            return "every output written as it arrives"
+        return f"{self.interval_s * 1000:g} ms between a stream's messages from {self.min_streams} streams in flight"
+
 
 NO_INTERVAL = StreamInterval(0.0)
 
