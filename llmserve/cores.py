@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
 
 def available_cores() -> int:
@@ -10,7 +11,7 @@ def available_cores() -> int:
     else the CPUs it may be scheduled on."""
     num_cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
     try:
-        quota, period = open("/sys/fs/cgroup/cpu.max").read().split()
+        quota, period = Path("/sys/fs/cgroup/cpu.max").read_text().split()
     except (OSError, ValueError):
         return num_cpus
     if quota == "max":
