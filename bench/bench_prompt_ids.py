@@ -1,24 +1,24 @@
-"""Prompt token ids at the preprocess → inference hop (issue 22): inline in the protobuf message
-that carries the request anyway, against a shared-memory region beside it. Where is the crossover?
+"""Prompt token ids on their way preprocess → gateway → inference (issue 22): what each encoding
+costs each process, the gateway's event loop above all.
 
     python bench/bench_prompt_ids.py                      # 512 to 1M tokens
     python bench/bench_prompt_ids.py --tokens 2048,32768 --repeats 100
 
-Both paths start where preprocess has them (the tokenizer's Python list of ids) and end where the
-inference server wants them (a Python list for the engine's request), in one process, so only the
-work each path adds is timed, not the hop's own message:
-  inline   the ids set on a GenerateTokensRequest, serialized, parsed back, listed (what the
-           request's own gRPC message costs for them; the transport's copies of the bytes are
-           not counted, which favours inline);
-  bytes    the ids as little-endian uint32 bytes (what a `bytes` field would carry instead of
-           the repeated uint32 varints): converted to bytes, back to an array, listed; the
-           message's own encoding of a bytes field is a copy, not counted;
-  shm      the ids written into a shared-memory region the two sides have mapped (the list
-           converted into it), copied out of it by the reader and listed; the ref that names
-           them and the region's reuse (a ring, an acknowledgement) are not counted, which
-           favours shm.
-Per size: median µs of each (after a warm-up), bytes / inline, shm / inline, and the wire bytes of the ids
-inline. Prints a table and writes JSON to --results-dir.
+Three encodings, each timed as the three processes handle it with the real messages and code,
+from the tokenizer's list of ids to the engine's (in one process, so only the work each
+encoding adds is timed, not the transport's copies of the bytes):
+  token_ids       repeated uint32, as the hops carried them before token_id_bytes: preprocess
+                  sets and serializes them; the gateway parses them, lists them and sets them
+                  on the GenerateTokensRequest it serializes; inference parses that and converts
+                  it (services/inference/wire.py, its checks included);
+  token_id_bytes  what the hops carry now (llmserve.token_id_bytes): preprocess packs them; the
+                  gateway relays the bytes field; inference parses and converts as above;
+  shm             the ids in a shared-memory region the three have mapped: preprocess packs
+                  them and copies them into it, the messages carry neither (the ref naming them, the region's
+                  reuse and its acknowledgements are not counted, which favours shm); inference
+                  copies them out, checks and lists them as wire.py does.
+Per size: median µs per process and in all for each encoding, the ratios, and the wire bytes of
+the inference request's ids. Prints a table and writes JSON to --results-dir.
 """
 
 from __future__ import annotations
@@ -35,13 +35,20 @@ import numpy as np
 REPO_ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO_ROOT))
 
+from llmserve import token_id_bytes  # noqa: E402
+from llmserve.block_hash import HashNamespace  # noqa: E402
+from llmserve.inference.engine.types import ModelInfo  # noqa: E402
+from llmserve.inference.wire import request_from_pb  # noqa: E402
 from llmserve.tensor_transport.shm_reaper import process_reaper  # noqa: E402
 from llmserve.tensor_transport.shm_segment import ShmSegment  # noqa: E402
-from llmserve.v1 import inference_pb2  # noqa: E402
+from llmserve.v1 import common_pb2, inference_pb2, preprocess_pb2  # noqa: E402
 
 VOCAB_SIZE = 151_936  # Qwen's: ids of up to 3 varint bytes, as in the real prompts
 DEFAULT_TOKENS = "512,2048,8192,32768,131072,1048576"
+ENCODINGS = ("token_ids", "token_id_bytes", "shm")
+PROCESSES = ("preprocess", "gateway", "inference")
 WARMUP = 3
+SAMPLING = common_pb2.SamplingParams(max_tokens=16)
 
 
 def parse_args() -> argparse.Namespace:
@@ -52,6 +59,67 @@ def parse_args() -> argparse.Namespace:
     args = parser.parse_args()
     args.tokens = [int(n) for n in args.tokens.split(",")]
     return args
+
+
+def model_info(max_context_tokens: int) -> ModelInfo:
+    return ModelInfo(
+        "bench", "LlamaForCausalLM", max_context_tokens, VOCAB_SIZE, (2,), 16, "bfloat16", "torch", "cpu",
+        HashNamespace(1, 2, 16),
+    )
+
+
+class Hops:
+    """Each process's part of one prompt's way, per encoding; each returns what the next takes."""
+
+    def __init__(self, region: np.ndarray, info: ModelInfo):
+        self.region = region
+        self.info = info
+
+    # --- preprocess: the tokenizer's list in, its answer's bytes out
+    def preprocess_token_ids(self, ids: list[int]) -> bytes:
+        return preprocess_pb2.PreprocessResponse(token_ids=ids, max_tokens=16).SerializeToString()
+
+    def preprocess_token_id_bytes(self, ids: list[int]) -> bytes:
+        return preprocess_pb2.PreprocessResponse(token_id_bytes=token_id_bytes.pack(ids), max_tokens=16).SerializeToString()
+
+    def preprocess_shm(self, ids: list[int]) -> bytes:
+        packed = token_id_bytes.pack(ids)  # faster than numpy's list conversion into the region
+        self.region.view(np.uint8)[: len(packed)] = np.frombuffer(packed, dtype=np.uint8)
+        return preprocess_pb2.PreprocessResponse(max_tokens=16).SerializeToString()
+
+    # --- gateway: preprocess's answer in, the inference request's bytes out
+    def gateway_token_ids(self, answer: bytes) -> bytes:
+        response = preprocess_pb2.PreprocessResponse.FromString(answer)
+        ids = list(response.token_ids)
+        return inference_pb2.GenerateTokensRequest(request_id="r", prompt_token_ids=ids, sampling=SAMPLING).SerializeToString()
+
+    def gateway_token_id_bytes(self, answer: bytes) -> bytes:
+        response = preprocess_pb2.PreprocessResponse.FromString(answer)
+        return inference_pb2.GenerateTokensRequest(
+            request_id="r", prompt_token_id_bytes=response.token_id_bytes, sampling=SAMPLING
+        ).SerializeToString()
+
+    def gateway_shm(self, answer: bytes) -> bytes:
+        preprocess_pb2.PreprocessResponse.FromString(answer)
+        return inference_pb2.GenerateTokensRequest(request_id="r", sampling=SAMPLING).SerializeToString()
+
+    # --- inference: the request's bytes in, the engine's list of ids out
+    def inference_token_ids(self, request: bytes, num_ids: int) -> list[int]:
+        return self._convert(inference_pb2.GenerateTokensRequest.FromString(request))
+
+    inference_token_id_bytes = inference_token_ids
+
+    def inference_shm(self, request: bytes, num_ids: int) -> list[int]:
+        message = inference_pb2.GenerateTokensRequest.FromString(request)
+        ids = np.array(self.region[:num_ids])  # copied out: the region is reused
+        if int(ids.max()) >= self.info.vocab_size:
+            raise ValueError("id past the vocabulary")
+        message.prompt_token_id_bytes = token_id_bytes.pack([1])  # the rest of wire.py's checks
+        self._convert(message)
+        return ids.tolist()
+
+    def _convert(self, message: inference_pb2.GenerateTokensRequest) -> list[int]:
+        return request_from_pb(message, self.info, time.monotonic_ns()).prompt_token_ids
 
 
 def median_us(work, repeats: int) -> float:
@@ -65,22 +133,19 @@ def median_us(work, repeats: int) -> float:
     return statistics.median(times) * 1e6
 
 
-def inline(ids: list[int]) -> list[int]:
-    encoded = inference_pb2.GenerateTokensRequest(request_id="r", prompt_token_ids=ids).SerializeToString()
-    decoded = inference_pb2.GenerateTokensRequest()
-    decoded.ParseFromString(encoded)
-    return list(decoded.prompt_token_ids)
-
-
-def as_bytes(ids: list[int]) -> list[int]:
-    encoded = np.asarray(ids, dtype="<u4").tobytes()
-    return np.frombuffer(encoded, dtype="<u4").tolist()
-
-
-def through_region(ids: list[int], region: np.ndarray) -> list[int]:
-    written = region[: len(ids)]
-    written[:] = ids
-    return np.array(written).tolist()
+def measure(hops: Hops, encoding: str, ids: list[int], repeats: int) -> dict[str, float]:
+    preprocess = getattr(hops, f"preprocess_{encoding}")
+    gateway = getattr(hops, f"gateway_{encoding}")
+    inference = getattr(hops, f"inference_{encoding}")
+    answer = preprocess(ids)
+    request = gateway(answer)
+    assert inference(request, len(ids)) == ids, encoding
+    times = {
+        "preprocess": median_us(lambda: preprocess(ids), repeats),
+        "gateway": median_us(lambda: gateway(answer), repeats),
+        "inference": median_us(lambda: inference(request, len(ids)), repeats),
+    }
+    return {**times, "total": sum(times.values()), "request_bytes": len(request)}
 
 
 def main() -> None:
@@ -88,31 +153,39 @@ def main() -> None:
     rng = np.random.default_rng(0)
     segment = ShmSegment.create(4 * max(args.tokens), process_reaper())
     region = np.frombuffer(segment.data.numpy(), dtype=np.uint32)
+    hops = Hops(region, model_info(max(args.tokens) + SAMPLING.max_tokens))
     rows = []
     try:
         for num_tokens in args.tokens:
             ids = rng.integers(0, VOCAB_SIZE, num_tokens, dtype=np.uint32).tolist()
-            assert inline(ids) == ids == as_bytes(ids) == through_region(ids, region)
-            inline_us = median_us(lambda: inline(ids), args.repeats)
-            bytes_us = median_us(lambda: as_bytes(ids), args.repeats)
-            shm_us = median_us(lambda: through_region(ids, region), args.repeats)
-            wire_bytes = inference_pb2.GenerateTokensRequest(prompt_token_ids=ids).ByteSize()
+            cells = {encoding: measure(hops, encoding, ids, args.repeats) for encoding in ENCODINGS}
+            before, now, shm = (cells[encoding] for encoding in ENCODINGS)
             rows.append({
-                "tokens": num_tokens, "inline_us": inline_us, "bytes_us": bytes_us, "shm_us": shm_us,
-                "bytes_over_inline": bytes_us / inline_us, "shm_over_inline": shm_us / inline_us,
-                "inline_wire_bytes": wire_bytes,
+                "tokens": num_tokens, "us": cells,
+                "total_bytes_over_ids": now["total"] / before["total"],
+                "gateway_bytes_over_ids": now["gateway"] / before["gateway"],
+                "total_shm_over_bytes": shm["total"] / now["total"],
             })
     finally:
-        del region
+        del hops, region
         segment.unlink()
-    print(f"{'tokens':>9} {'inline µs':>11} {'bytes µs':>10} {'shm µs':>10} {'bytes/inline':>13} {'shm/inline':>11} {'wire bytes':>11}")
-    for row in rows:
-        print(f"{row['tokens']:>9} {row['inline_us']:>11.1f} {row['bytes_us']:>10.1f} {row['shm_us']:>10.1f} "
-              f"{row['bytes_over_inline']:>13.2f} {row['shm_over_inline']:>11.2f} {row['inline_wire_bytes']:>11}")
+    print_table(rows)
     args.results_dir.mkdir(parents=True, exist_ok=True)
     out = args.results_dir / f"prompt-ids-{time.strftime('%Y%m%d-%H%M%S')}.json"
     out.write_text(json.dumps({"command": " ".join(sys.argv), "rows": rows}, indent=2))
     print(f"wrote {out}")
+
+
+def print_table(rows: list[dict]) -> None:
+    print("median µs per process (preprocess / gateway / inference = total); request bytes: the inference request's")
+    print(f"{'tokens':>9} | {'token_ids':>34} | {'token_id_bytes':>34} | {'shm':>30} | "
+          f"{'bytes/ids':>9} {'gateway':>8} {'shm/bytes':>9} | {'request bytes ids/bytes':>23}")
+    for row in rows:
+        cells = [row["us"][encoding] for encoding in ENCODINGS]
+        parts = [" / ".join(f"{cell[p]:.0f}" for p in PROCESSES) + f" = {cell['total']:.0f}" for cell in cells]
+        print(f"{row['tokens']:>9} | {parts[0]:>34} | {parts[1]:>34} | {parts[2]:>30} | "
+              f"{row['total_bytes_over_ids']:>9.2f} {row['gateway_bytes_over_ids']:>8.3f} {row['total_shm_over_bytes']:>9.2f} | "
+              f"{cells[0]['request_bytes']:>11} / {cells[1]['request_bytes']:>9}")
 
 
 if __name__ == "__main__":

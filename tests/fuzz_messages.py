@@ -26,6 +26,7 @@ from google.protobuf.message import DecodeError, Message
 from google.protobuf.message_factory import GetMessageClass
 from hypothesis import strategies as st
 
+from llmserve import token_id_bytes
 from llmserve.message_limits import MAX_TOKEN_ID_BYTES
 from llmserve.pb import MAX_LOGPROBS, MAX_N, MAX_STOP_STRING_CHARS, MAX_STOP_STRINGS, MAX_STOP_TOKEN_IDS
 from llmserve.preprocessing.validation import ALLOWED_ROLES
@@ -310,6 +311,7 @@ _HINTS: dict[str, Callable[[Caps], st.SearchStrategy]] = {
     "llmserve.v1.SamplingParams.min_tokens": lambda caps: st.integers(0, 8),  # either side of max_tokens
     "llmserve.v1.TokenIdsInput.token_ids": _token_ids,
     "llmserve.v1.GenerateTokensRequest.prompt_token_ids": _token_ids,
+    "llmserve.v1.GenerateTokensRequest.prompt_token_id_bytes": lambda caps: _prompt_ids(caps).map(token_id_bytes.pack),
     "llmserve.v1.DetokenizeRequest.token_ids": _token_ids,
     "llmserve.v1.SamplingParams.stop_token_ids": _token_ids,
 }
@@ -386,16 +388,24 @@ def _generate_params(draw, caps: Caps):
 
 @st.composite
 def _generate_tokens(draw, caps: Caps):
-    return inference_pb2.GenerateTokensRequest(
-        request_id=draw(st.sampled_from(REQUEST_IDS)), prompt_token_ids=draw(_prompt_ids(caps)),
+    request = inference_pb2.GenerateTokensRequest(
+        request_id=draw(st.sampled_from(REQUEST_IDS)),
         sampling=draw(_sampling(caps, max_n=2)), priority=draw(st.integers(-2, 2)),
         cache_salt=draw(st.sampled_from(["", "tenant-a"])),
     )
+    ids = draw(_prompt_ids(caps))
+    if draw(st.booleans()):  # as the gateway sends them, or as a direct caller may
+        request.prompt_token_id_bytes = token_id_bytes.pack(ids)
+    else:
+        request.prompt_token_ids.extend(ids)
+    return request
 
 
 @st.composite
 def _preprocess(draw, caps: Caps):
-    request = preprocess_pb2.PreprocessRequest(request_id=draw(st.sampled_from(REQUEST_IDS)))
+    request = preprocess_pb2.PreprocessRequest(
+        request_id=draw(st.sampled_from(REQUEST_IDS)), token_ids_as_bytes=draw(st.booleans())
+    )
     draw(_set_input(request, caps, "prompt"))
     if draw(st.booleans()):
         request.max_tokens = draw(st.integers(1, 4))

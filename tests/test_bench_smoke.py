@@ -340,3 +340,12 @@ def test_bench_admission_times_a_burst_with_and_without_deadlines(tmp_path):
         low, median, high = row["total_ms"]
         assert 0 < low <= median <= high and row["mean_us"][1] > 0
     assert report["rows"][0]["total_vs_no_deadline"] == 1.0
+
+
+def test_bench_prompt_ids_carries_the_same_ids_every_way(tmp_path):
+    report = run_bench("bench_prompt_ids.py", ["--tokens", "64,512", "--repeats", "2", "--results-dir", str(tmp_path)],
+                       tmp_path)
+    assert [row["tokens"] for row in report["rows"]] == [64, 512]  # each encoding's ids checked equal
+    for row in report["rows"]:
+        assert set(row["us"]) == {"token_ids", "token_id_bytes", "shm"}
+        assert row["us"]["token_id_bytes"]["request_bytes"] > 4 * row["tokens"]

@@ -71,7 +71,8 @@ def stack(tiny_model_dir, tmp_path_factory):
     try:
         for replica_id in ("r0", "r1"):
             started.append(launch_service(
-                f"inference-{replica_id}", [*model, "--replica-id", replica_id, "--num-kv-blocks", "256"],
+                f"inference-{replica_id}",
+                [*model, "--replica-id", replica_id, "--num-kv-blocks", "256", "--metrics-port", "0"],
                 log_dir, module="llmserve.inference",
             ))
         for service in started:
@@ -174,6 +175,19 @@ def test_finished_and_refused_requests_move_every_counter_by_their_usage_and_tim
         r.usage.cached_tokens for r in finished
     )
     assert after.value(routing_name("replicas_live")) == 1
+
+
+def test_the_gateway_relays_prompts_to_inference_as_token_id_bytes(stack, gateway):
+    stub, _ = gateway
+    replica_url = metrics_url(stack["replicas"][0])
+    before = scrape(replica_url)
+    by_text = generate(stub, text_params("Hello there", max_tokens=2, return_token_ids=True))
+    by_ids = generate(stub, token_params([5, 6, 7, 8], max_tokens=2))
+    after = scrape(replica_url)
+    prompts_received = "llmserve_inference_prompts_received_total"
+    assert moved(before, after, prompts_received, encoding="token_id_bytes") == 2
+    assert moved(before, after, prompts_received, encoding="token_ids") == 0
+    assert (by_text.usage.prompt_tokens > 0, by_ids.usage.prompt_tokens) == (True, 4)
 
 
 def test_a_client_cancel_is_a_disconnect_and_an_abort(gateway):

@@ -112,6 +112,8 @@ async def test_inference_metrics_follow_the_requests(tiny_model_dir, tmp_path):
     num_steps, num_seqs = steps_of(after_prefix, start)
     assert num_steps >= 2 * SHORT_SAMPLING.max_tokens and num_seqs == num_steps  # one sequence at a time
     assert after_prefix.delta(start, f"{STEP}_sum") > 0
+    assert after_prefix.delta(start, "llmserve_inference_prompts_received_total", encoding="token_ids") == 2
+    assert after_prefix.delta(start, "llmserve_inference_prompts_received_total", encoding="token_id_bytes") == 0
 
     # One long request running: the gauges read the engine's load at scrape time.
     assert during.value("llmserve_inference_requests_running") == 1

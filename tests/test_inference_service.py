@@ -15,8 +15,12 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+from prometheus_client import REGISTRY
 
+from llmserve import token_id_bytes
 from llmserve.block_hash import HASH_VERSION, fingerprint
+from llmserve.gateway.inference_client import InferenceClient
+from llmserve.gateway.preprocess_client import PreparedPrompt
 from llmserve.inference.backends import create_engine
 from llmserve.inference.engine.cores import BackendUnavailable, create_engine_core
 from llmserve.inference.async_engine import AsyncEngine
@@ -226,6 +230,60 @@ def _invalid_cases(vocab_size: int):
     ]
 
 
+def bytes_request(prompt_token_id_bytes: bytes, **fields) -> inference_pb2.GenerateTokensRequest:
+    """The prompt as the gateway sends it: token_id_bytes."""
+    return inference_pb2.GenerateTokensRequest(
+        request_id="x", prompt_token_id_bytes=prompt_token_id_bytes, sampling=common_pb2.SamplingParams(max_tokens=4),
+        **fields,
+    )
+
+
+def _invalid_bytes_cases(vocab_size: int):
+    return [
+        (
+            bytes_request(token_id_bytes.pack(PROMPT), prompt_token_ids=PROMPT),
+            "prompt_token_id_bytes: set either it or prompt_token_ids, not both",
+        ),
+        (
+            bytes_request(token_id_bytes.pack(PROMPT)[:-1]),
+            "prompt_token_id_bytes: 31 bytes is not a whole number of token ids (4 bytes each, little-endian)",
+        ),
+        (
+            bytes_request(token_id_bytes.pack([1, 2, vocab_size, 3])),
+            f"prompt_token_id_bytes[2]: token id {vocab_size} is not below the vocab size {vocab_size}",
+        ),
+        (
+            bytes_request(token_id_bytes.pack([1] * CONTEXT_TOKENS)),
+            "prompt_token_id_bytes: 256 tokens leave no room to generate: the context is 256 tokens, so at most 255",
+        ),
+        (
+            bytes_request(b""),  # an empty bytes field is unset: the ids are looked for in prompt_token_ids
+            "prompt_token_ids: must not be empty",
+        ),
+    ]
+
+
+async def test_prompt_token_id_bytes_generate_what_the_ids_do(service):
+    sampling = common_pb2.SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True, logprobs=1)
+    as_ids = await read_all(service.stub.GenerateTokens(
+        inference_pb2.GenerateTokensRequest(request_id="ids", prompt_token_ids=PROMPT, sampling=sampling)
+    ))
+    as_bytes = await read_all(service.stub.GenerateTokens(
+        inference_pb2.GenerateTokensRequest(
+            request_id="bytes", prompt_token_id_bytes=token_id_bytes.pack(PROMPT), sampling=sampling
+        )
+    ))
+    assert [t for r in as_bytes for t in r.token_ids] == [t for r in as_ids for t in r.token_ids]
+    assert [lp.logprob for r in as_bytes for lp in r.logprobs] == [lp.logprob for r in as_ids for lp in r.logprobs]
+    assert as_bytes[-1].usage.prompt_tokens == len(PROMPT)
+    for request, message in _invalid_bytes_cases(service.engine.model_info.vocab_size):
+        with pytest.raises(grpc.aio.AioRpcError) as error:
+            await read_all(service.stub.GenerateTokens(request))
+        assert (error.value.code(), error.value.details()) == (grpc.StatusCode.INVALID_ARGUMENT, message)
+        field, problem = field_violation(error.value)
+        assert message == f"{field}: {problem}"
+
+
 def hashed_request(**fields) -> inference_pb2.GenerateTokensRequest:
     """A 20-token prompt (one full block of 16) with one block hash, as preprocess sends it."""
     request = inference_pb2.GenerateTokensRequest(
@@ -335,6 +393,7 @@ async def test_get_model_info(service, vocab_size, tiny_model_dir):
             tokenizer_fingerprint=fingerprint((tiny_model_dir / "tokenizer.json").read_bytes()),
         ),
         replica_id="replica-under-test",
+        takes_prompt_token_id_bytes=True,
     )
 
 
@@ -461,3 +520,34 @@ async def _reflected_services(channel) -> list[str]:
     async for response in responses:
         return [s.name for s in response.list_services_response.service]
     return []
+
+
+async def test_the_gateway_client_sends_bytes_once_the_replica_says_it_takes_them(service):
+    client = InferenceClient(f"127.0.0.1:{service.running.port}")
+    prompt = PreparedPrompt(token_id_bytes.pack(PROMPT), [], 16, HASH_VERSION, "", 6, 0)
+    greedy = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+
+    async def tokens_and_encodings(request_id: str) -> tuple[list[int], dict[str, float]]:
+        before = _prompts_received()
+        outputs = [output async for output in client.generate(request_id, prompt, greedy, timeout_s=HANG_GUARD_S)]
+        after = _prompts_received()
+        return [t for o in outputs for t in o.new_token_ids], {k: after[k] - before[k] for k in after}
+
+    try:
+        # Before the model card is read, the client cannot know the replica reads the bytes.
+        unknown = await tokens_and_encodings("before-card")
+        await client.get_model_card()
+        known = await tokens_and_encodings("after-card")
+    finally:
+        await client.close()
+    assert unknown[1] == {"token_ids": 1, "token_id_bytes": 0}
+    assert known[1] == {"token_ids": 0, "token_id_bytes": 1}
+    assert known[0] == unknown[0] and len(known[0]) == 6
+
+
+def _prompts_received() -> dict[str, float]:
+    """This process's replica counters (the in-process server's metrics are on its registry)."""
+    return {
+        encoding: REGISTRY.get_sample_value("llmserve_inference_prompts_received_total", {"encoding": encoding}) or 0.0
+        for encoding in ("token_ids", "token_id_bytes")
+    }

@@ -32,22 +32,22 @@ async def test_a_pool_spreads_calls_and_answers_everything_when_a_replica_is_kil
     addresses = [server.address for server in servers]
     pool = PreprocessPool(lambda: addresses, retry_after_s=0.3)
     try:
-        expected = (await _send(pool, 1))[0].token_ids
+        expected = (await _send(pool, 1))[0].token_id_bytes
         prepared = await _send(pool, 20)
-        assert all(p.token_ids == expected and p.max_tokens == 4 for p in prepared)
+        assert all(p.token_id_bytes == expected and p.max_tokens == 4 for p in prepared)
         assert all(n >= 5 for n in _calls(pool).values()), _calls(pool)  # both took a share
 
         killed, alive = servers
         killed.kill()
         before = _calls(pool)
         prepared = await _send(pool, 20)  # each one that meets the dead server is sent on
-        assert all(p.token_ids == expected for p in prepared)
+        assert all(p.token_id_bytes == expected for p in prepared)
         status = {s.address: s for s in pool.status()}
         assert not status[killed.address].is_up and status[alive.address].is_up
         assert _calls(pool)[alive.address] - before[alive.address] == 20
 
         await asyncio.sleep(0.4)  # past retry_after_s: the dead one is tried again, and skipped again
-        assert all(p.token_ids == expected for p in await _send(pool, 5))
+        assert all(p.token_id_bytes == expected for p in await _send(pool, 5))
         await pool.check_health()
         assert [s.is_up for s in pool.status()] == [False, True]
 

@@ -19,6 +19,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 from transformers import AutoTokenizer
 
+from llmserve import token_id_bytes
 from llmserve.block_hash import HASH_VERSION, HashNamespace, fingerprint
 from llmserve.buckets import BucketConfig
 from llmserve.preprocess.__main__ import build_parser
@@ -198,6 +199,14 @@ async def test_preprocess_prompt(stub, reference, namespace):
     assert response.block_hash_version == HASH_VERSION
     assert response.max_tokens == MAX_OUTPUT
     assert response.preprocess_time_ns > 0
+    assert response.token_id_bytes == b""
+
+    # As the gateway asks: the same ids as bytes, and nothing else changed.
+    as_bytes = await stub.Preprocess(
+        preprocess_pb2.PreprocessRequest(request_id="r-2", prompt=prompt, token_ids_as_bytes=True)
+    )
+    assert (list(as_bytes.token_ids), token_id_bytes.unpack(as_bytes.token_id_bytes)) == ([], expected_ids)
+    assert (list(as_bytes.block_hashes), as_bytes.max_tokens) == (list(response.block_hashes), MAX_OUTPUT)
 
 
 async def test_the_cache_salt_namespaces_the_block_hashes(stub, namespace):

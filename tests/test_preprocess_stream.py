@@ -12,6 +12,7 @@ import pytest
 import pytest_asyncio
 from google.rpc import status_pb2
 
+from llmserve import token_id_bytes
 from llmserve.buckets import BucketConfig
 from llmserve.errors import ServiceError
 from llmserve.gateway.preprocess_client import PreprocessClient
@@ -125,6 +126,6 @@ async def test_the_gateway_client_goes_back_to_unary_calls_without_the_rpc(addre
         await empty.stop(0)
     client = PreprocessClient(address)
     prepared = await client.preprocess("y", PromptTokenIds((5, 6, 7)), max_tokens=4, cache_salt="", timeout_s=10)
-    assert prepared.token_ids == [5, 6, 7] and prepared.max_tokens == 4
+    assert token_id_bytes.unpack(prepared.token_id_bytes) == [5, 6, 7] and prepared.max_tokens == 4
     assert not client._stream.is_unsupported
     await client.close()

@@ -8,6 +8,7 @@ import time
 import pytest
 from prometheus_client import REGISTRY
 
+from llmserve import token_id_bytes
 from llmserve.block_hash import HASH_VERSION, HashNamespace, chain_block_hashes
 from llmserve.errors import Unavailable
 from llmserve.gateway.discovery import AddressWatcher, Target, resolve
@@ -23,7 +24,7 @@ BLOCK = 4
 HASH_SEED = HashNamespace(model_fingerprint=1, tokenizer_fingerprint=2, block_size_tokens=BLOCK).seed()
 TOKENS = list(range(1, 18))  # 4 full blocks and one token
 HASHES = chain_block_hashes(TOKENS, BLOCK, HASH_SEED)
-PROMPT = PreparedPrompt(TOKENS, HASHES, BLOCK, HASH_VERSION, cache_salt="", max_tokens=4, preprocess_time_ns=0)
+PROMPT = PreparedPrompt(token_id_bytes.pack(TOKENS), HASHES, BLOCK, HASH_VERSION, cache_salt="", max_tokens=4, preprocess_time_ns=0)
 
 
 async def fleet(index: MemoryPrefixIndex, held_blocks: dict[str, int], running: dict[str, int]) -> list[Replica]:
@@ -51,7 +52,7 @@ async def test_kv_picks_the_longest_prefix_and_predicts_what_the_engine_reuses()
     decision = await router(replicas, index).choose(PROMPT)
     assert decision.replica.replica_id == "r1"
     assert decision.predicted_cached_tokens == 4 * BLOCK
-    fully_cached = PreparedPrompt(TOKENS[:16], HASHES, BLOCK, HASH_VERSION, "", 4, 0)
+    fully_cached = PreparedPrompt(token_id_bytes.pack(TOKENS[:16]), HASHES, BLOCK, HASH_VERSION, "", 4, 0)
     assert (await router(replicas, index).choose(fully_cached)).predicted_cached_tokens == 3 * BLOCK
 
 

@@ -31,7 +31,7 @@ import grpc
 
 from llmserve.engine_output import EngineOutput
 from llmserve.errors import ServiceError
-from llmserve.gateway.detokenizer import Detokenizer, DetokenizerStream
+from llmserve.gateway.detokenizer import NUM_PROMPT_CONTEXT_TOKENS, Detokenizer, DetokenizerStream
 from llmserve.gateway.hop_errors import DownstreamError
 from llmserve.gateway.local_preprocess import LocalPreprocess
 from llmserve.gateway.metrics import (
@@ -200,7 +200,7 @@ class GenerationPipeline:
                 kv_pull=(route.pull_from.address, route.pull_blocks) if route.pull_from is not None else None,
             )
             state = _RequestState(prompt=prompt, route=route, sequences=[
-                _SequenceState(self._detokenizer.new_stream(prompt.token_ids), StopStringMatcher(request.sampling.stop))
+                _SequenceState(self._detokenizer.new_stream(prompt.last_token_ids(NUM_PROMPT_CONTEXT_TOKENS)), StopStringMatcher(request.sampling.stop))
                 for _ in range(request.sampling.n)
             ])
             try:
@@ -280,7 +280,7 @@ class GenerationPipeline:
         return GenerationResult(
             finish_reason=finish_reason,
             matched_stop=matched_stop,
-            num_prompt_tokens=len(state.prompt.token_ids),
+            num_prompt_tokens=state.prompt.num_tokens,
             num_completion_tokens=sequence.num_completion_tokens,
             num_cached_tokens=output.num_cached_tokens,
             queue_time_ns=output.queue_time_ns,

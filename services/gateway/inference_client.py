@@ -14,6 +14,7 @@ from typing import AsyncIterator
 
 import grpc
 
+from llmserve import token_id_bytes
 from llmserve.errors import ServiceError
 from llmserve.gateway.block_layout import BlockLayout
 from llmserve.gateway.health import wait_until_serving
@@ -59,6 +60,9 @@ class InferenceClient:
         self._channel = grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
         self._stub = inference_pb2_grpc.InferenceServiceStub(self._channel)
         self._replica_stream = ReplicaStream(self._stub, slow_readers, stream_interval)
+        # Whether the replica reads prompt_token_id_bytes, from its model card (a release before
+        # would ignore them, so until the card is read the ids go as prompt_token_ids).
+        self._takes_token_id_bytes = False
 
     async def wait_until_serving(self, timeout_s: float) -> None:
         await wait_until_serving(self._channel, f"inference at {self.address}", timeout_s)
@@ -68,6 +72,7 @@ class InferenceClient:
             "inference", self._stub.GetModelInfo, inference_pb2.GetModelInfoRequest(), timeout=timeout_s
         )
         info = response.model
+        self._takes_token_id_bytes = response.takes_prompt_token_id_bytes
         return ModelCard(
             model_name=info.model_name,
             architecture=info.architecture,
@@ -91,7 +96,6 @@ class InferenceClient:
         `kv_pull`: (source replica's address, blocks it holds) to pull the prefix from."""
         request = inference_pb2.GenerateTokensRequest(
             request_id=request_id,
-            prompt_token_ids=prompt.token_ids,
             sampling=sampling_to_pb(sampling),
             block_hashes=prompt.block_hashes,
             block_size_tokens=prompt.block_size_tokens,
@@ -100,6 +104,10 @@ class InferenceClient:
             priority=priority,
             timeout_ms=max(1, int(timeout_s * 1000)) if timeout_s is not None else 0,
         )
+        if self._takes_token_id_bytes:
+            request.prompt_token_id_bytes = prompt.token_id_bytes
+        else:
+            request.prompt_token_ids.extend(token_id_bytes.unpack(prompt.token_id_bytes))
         if kv_pull is not None:
             request.kv_pull.CopyFrom(inference_pb2.KvPullHint(source_address=kv_pull[0], num_blocks=kv_pull[1]))
         return self._replica_stream.generate(request)

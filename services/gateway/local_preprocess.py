@@ -30,6 +30,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from llmserve import token_id_bytes
 from llmserve.client_text import num_bytes
 from llmserve.config_checks import check_at_least
 from llmserve.errors import InvalidArgument
@@ -141,7 +142,7 @@ class LocalPreprocess:
             field = PREPROCESS_FIELDS_AS_CLIENT_FIELDS.get(error.field, error.field)
             raise InvalidArgument(field, error.problem) from None
         return PreparedPrompt(
-            token_ids=result.token_ids,
+            token_id_bytes=token_id_bytes.pack(result.token_ids),
             block_hashes=result.block_hashes,
             block_size_tokens=self._preprocessor.info.block_size_tokens,
             block_hash_version=self._preprocessor.info.block_hash_version,

@@ -15,6 +15,7 @@ import grpc
 
 from llmserve.gateway.block_layout import BlockLayout
 from llmserve.gateway.health import wait_until_serving
+from llmserve import token_id_bytes
 from llmserve.errors import ServiceError
 from llmserve.gateway.hop_errors import call_hop
 from llmserve.gateway.preprocess_stream import PreprocessStreamClient
@@ -49,7 +50,9 @@ class PreprocessCard:
 class PreparedPrompt:
     """A validated, tokenized prompt and the max_tokens preprocess resolved for it."""
 
-    token_ids: list[int]
+    # The ids as preprocess answers them and inference takes them (llmserve.token_id_bytes):
+    # the gateway relays them, and reads only their count and the last few.
+    token_id_bytes: bytes = field(repr=False)
     block_hashes: list[int]  # chained from the namespace seed of cache_salt
     block_size_tokens: int
     block_hash_version: int
@@ -57,11 +60,18 @@ class PreparedPrompt:
     max_tokens: int
     preprocess_time_ns: int
 
+    @property
+    def num_tokens(self) -> int:
+        return token_id_bytes.count(self.token_id_bytes)
+
+    def last_token_ids(self, num_ids: int) -> list[int]:
+        return token_id_bytes.last(self.token_id_bytes, num_ids)
+
 
 def _request_to_pb(
     request_id: str, prompt_input: PromptInput, max_tokens: int | None, cache_salt: str
 ) -> preprocess_pb2.PreprocessRequest:
-    request = preprocess_pb2.PreprocessRequest(request_id=request_id, cache_salt=cache_salt)
+    request = preprocess_pb2.PreprocessRequest(request_id=request_id, cache_salt=cache_salt, token_ids_as_bytes=True)
     set_prompt_input_pb(request, prompt_input)
     if max_tokens is not None:
         request.max_tokens = max_tokens
@@ -116,7 +126,8 @@ class PreprocessClient:
                 timeout=timeout_s, metadata=request_metadata(request_id),
             )
         return PreparedPrompt(
-            token_ids=list(response.token_ids),
+            # token_ids: a preprocess release before token_ids_as_bytes
+            token_id_bytes=response.token_id_bytes or token_id_bytes.pack(response.token_ids),
             block_hashes=list(response.block_hashes),
             block_size_tokens=response.block_size_tokens,
             block_hash_version=response.block_hash_version,

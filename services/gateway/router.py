@@ -200,10 +200,10 @@ def _uncached(
 
 
 def _num_blocks(prompt: PreparedPrompt) -> int:
-    return -(-len(prompt.token_ids) // prompt.block_size_tokens)
+    return -(-prompt.num_tokens // prompt.block_size_tokens)
 
 
 def _reusable_blocks(prompt: PreparedPrompt, num_cached_blocks: int) -> int:
     """Prompt blocks a replica holding `num_cached_blocks` leading blocks can skip: the engine
     computes at least the prompt's last token, so a fully cached prompt reuses a block less."""
-    return min(num_cached_blocks, (len(prompt.token_ids) - 1) // prompt.block_size_tokens)
+    return min(num_cached_blocks, (prompt.num_tokens - 1) // prompt.block_size_tokens)

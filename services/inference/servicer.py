@@ -103,7 +103,9 @@ class InferenceServicer(inference_pb2_grpc.InferenceServiceServicer):
             info, HASH_VERSION, architecture=info.architecture, vocab_size=info.vocab_size, dtype=info.dtype,
             backend=info.backend, device=info.device,
         )
-        return inference_pb2.GetModelInfoResponse(model=model, replica_id=self._kv_events.replica_id)
+        return inference_pb2.GetModelInfoResponse(
+            model=model, replica_id=self._kv_events.replica_id, takes_prompt_token_id_bytes=True
+        )
 
     async def GetLoad(
         self, request: inference_pb2.GetLoadRequest, context: grpc.aio.ServicerContext

@@ -9,8 +9,11 @@ reason on the wire means "deadline".
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 
-from llmserve import pb
+import numpy as np
+
+from llmserve import pb, token_id_bytes
 from llmserve.block_hash import HASH_VERSION
 from llmserve.errors import DeadlineExceeded, InvalidArgument
 from llmserve.block_hash import check_cache_salt
@@ -19,6 +22,7 @@ from llmserve.response_format import FIELD as RESPONSE_FORMAT_FIELD
 from llmserve.response_format import require_grammar_library
 from llmserve.engine_output import EngineOutput
 from llmserve.sampling import FinishReason, SamplingParams
+from llmserve.inference import metrics
 from llmserve.inference.engine.types import EngineRequest, ModelInfo
 from llmserve.inference.kv_puller import KvPullHint
 from llmserve.v1 import inference_pb2
@@ -46,8 +50,7 @@ def request_from_pb(
         raise InvalidArgument("request_id", "must not be empty")
     check_request_id(pb_request.request_id)
     check_cache_salt(pb_request.cache_salt)
-    prompt_token_ids = list(pb_request.prompt_token_ids)
-    _check_prompt(prompt_token_ids, info)
+    prompt_token_ids = _prompt_token_ids(pb_request, info)
     sampling = pb.sampling_from_pb(pb_request.sampling)  # min_tokens ≤ max_tokens among its checks
     _check_max_tokens(sampling.max_tokens, len(prompt_token_ids), info)
     _check_logprobs(sampling.logprobs, info)
@@ -73,19 +76,37 @@ def request_from_pb(
     )
 
 
-def _check_prompt(prompt_token_ids: list[int], info: ModelInfo) -> None:
-    if not prompt_token_ids:
-        raise InvalidArgument("prompt_token_ids", "must not be empty")
-    if len(prompt_token_ids) >= info.max_context_tokens:
+def _prompt_token_ids(pb_request: inference_pb2.GenerateTokensRequest, info: ModelInfo) -> list[int]:
+    """The prompt's ids, from whichever field carries them, checked against the model."""
+    if not pb_request.prompt_token_id_bytes:
+        metrics.PROMPTS_AS_TOKEN_IDS.inc()
+        prompt_token_ids = list(pb_request.prompt_token_ids)
+        _check_prompt("prompt_token_ids", prompt_token_ids, info)
+        return prompt_token_ids
+    metrics.PROMPTS_AS_TOKEN_ID_BYTES.inc()
+    field = "prompt_token_id_bytes"
+    if pb_request.prompt_token_ids:
+        raise InvalidArgument(field, "set either it or prompt_token_ids, not both")
+    token_id_bytes.check_length(pb_request.prompt_token_id_bytes, field)
+    ids = token_id_bytes.as_array(pb_request.prompt_token_id_bytes)
+    _check_prompt(field, ids, info)
+    return ids.tolist()
+
+
+def _check_prompt(field: str, ids: Sequence[int] | np.ndarray, info: ModelInfo) -> None:
+    if not len(ids):
+        raise InvalidArgument(field, "must not be empty")
+    if len(ids) >= info.max_context_tokens:
         raise InvalidArgument(
-            "prompt_token_ids",
-            f"{len(prompt_token_ids)} tokens leave no room to generate: the context is "
+            field,
+            f"{len(ids)} tokens leave no room to generate: the context is "
             f"{info.max_context_tokens} tokens, so at most {info.max_context_tokens - 1}",
         )
-    if max(prompt_token_ids) >= info.vocab_size:  # one C-speed pass; find the index only on error
-        i, token_id = next((i, t) for i, t in enumerate(prompt_token_ids) if t >= info.vocab_size)
+    largest = int(ids.max()) if isinstance(ids, np.ndarray) else max(ids)  # one C-speed pass
+    if largest >= info.vocab_size:  # find the index only on error
+        i = next(i for i, token_id in enumerate(ids) if token_id >= info.vocab_size)
         raise InvalidArgument(
-            f"prompt_token_ids[{i}]", f"token id {token_id} is not below the vocab size {info.vocab_size}"
+            f"{field}[{i}]", f"token id {int(ids[i])} is not below the vocab size {info.vocab_size}"
         )
 
 

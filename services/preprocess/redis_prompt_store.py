@@ -13,13 +13,12 @@ then the token ids as uint32.
 
 from __future__ import annotations
 
-import array
 import asyncio
 import logging
 import struct
-import sys
 import time
 
+from llmserve import token_id_bytes
 
 log = logging.getLogger(__name__)
 
@@ -30,10 +29,7 @@ _PAUSE_AFTER_FAILURE_S = 1.0
 
 def encode_entry(text: str, token_ids: list[int]) -> bytes:
     text_bytes = text.encode("utf-8")
-    ids = array.array("I", token_ids)
-    if sys.byteorder != "little":
-        ids.byteswap()
-    return _HEADER.pack(_MAGIC, len(text_bytes)) + text_bytes + ids.tobytes()
+    return _HEADER.pack(_MAGIC, len(text_bytes)) + text_bytes + token_id_bytes.pack(token_ids)
 
 
 def decode_entry(value: bytes) -> tuple[str, list[int]] | None:
@@ -42,16 +38,13 @@ def decode_entry(value: bytes) -> tuple[str, list[int]] | None:
         return None
     magic, num_text_bytes = _HEADER.unpack_from(value)
     ids_start = _HEADER.size + num_text_bytes
-    if magic != _MAGIC or ids_start > len(value) or (len(value) - ids_start) % 4:
+    if magic != _MAGIC or ids_start > len(value) or (len(value) - ids_start) % token_id_bytes.BYTES_PER_ID:
         return None
     try:
         text = value[_HEADER.size : ids_start].decode("utf-8")
     except UnicodeDecodeError:
         return None
-    ids = array.array("I", value[ids_start:])
-    if sys.byteorder != "little":
-        ids.byteswap()
-    return text, ids.tolist()
+    return text, token_id_bytes.unpack(value[ids_start:])
 
 
 class RedisPromptStore:

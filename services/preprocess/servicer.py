@@ -22,6 +22,7 @@ from llmserve.pb import model_info_to_pb, prompt_input_from_pb
 from llmserve.preprocess import metrics
 from llmserve.preprocess.pipeline import PreprocessPipeline
 from llmserve.preprocess.preprocess_stream import PreprocessStream
+from llmserve import token_id_bytes
 from llmserve.block_hash import check_cache_salt
 from llmserve.request_context import bind_request_id, check_request_id
 from llmserve.v1 import common_pb2, preprocess_pb2, preprocess_pb2_grpc
@@ -82,14 +83,18 @@ class PreprocessServicer(preprocess_pb2_grpc.PreprocessServiceServicer):
             elapsed_ns // 1000,
             extra={"prompt": prompt_input, "prompt_token_ids": result.token_ids},
         )
-        return preprocess_pb2.PreprocessResponse(
-            token_ids=result.token_ids,
+        response = preprocess_pb2.PreprocessResponse(
             block_hashes=result.block_hashes,
             block_size_tokens=self._preprocessor.info.block_size_tokens,
             block_hash_version=self._preprocessor.info.block_hash_version,
             max_tokens=result.max_tokens,
             preprocess_time_ns=elapsed_ns,
         )
+        if request.token_ids_as_bytes:
+            response.token_id_bytes = token_id_bytes.pack(result.token_ids)
+        else:
+            response.token_ids.extend(result.token_ids)
+        return response
 
     async def Tokenize(
         self, request: preprocess_pb2.TokenizeRequest, context: grpc.aio.ServicerContext
