@@ -80,7 +80,8 @@ class Hops:
         return preprocess_pb2.PreprocessResponse(token_ids=ids, max_tokens=16).SerializeToString()
 
     def preprocess_token_id_bytes(self, ids: list[int]) -> bytes:
-        return preprocess_pb2.PreprocessResponse(token_id_bytes=token_id_bytes.pack(ids), max_tokens=16).SerializeToString()
+        packed = token_id_bytes.pack(ids)
+        return preprocess_pb2.PreprocessResponse(token_id_bytes=packed, max_tokens=16).SerializeToString()
 
     def preprocess_shm(self, ids: list[int]) -> bytes:
         packed = token_id_bytes.pack(ids)  # faster than numpy's list conversion into the region
@@ -91,7 +92,8 @@ class Hops:
     def gateway_token_ids(self, answer: bytes) -> bytes:
         response = preprocess_pb2.PreprocessResponse.FromString(answer)
         ids = list(response.token_ids)
-        return inference_pb2.GenerateTokensRequest(request_id="r", prompt_token_ids=ids, sampling=SAMPLING).SerializeToString()
+        request = inference_pb2.GenerateTokensRequest(request_id="r", prompt_token_ids=ids, sampling=SAMPLING)
+        return request.SerializeToString()
 
     def gateway_token_id_bytes(self, answer: bytes) -> bytes:
         response = preprocess_pb2.PreprocessResponse.FromString(answer)
@@ -183,8 +185,9 @@ def print_table(rows: list[dict]) -> None:
     for row in rows:
         cells = [row["us"][encoding] for encoding in ENCODINGS]
         parts = [" / ".join(f"{cell[p]:.0f}" for p in PROCESSES) + f" = {cell['total']:.0f}" for cell in cells]
-        print(f"{row['tokens']:>9} | {parts[0]:>34} | {parts[1]:>34} | {parts[2]:>30} | "
-              f"{row['total_bytes_over_ids']:>9.2f} {row['gateway_bytes_over_ids']:>8.3f} {row['total_shm_over_bytes']:>9.2f} | "
+        ratios = (f"{row['total_bytes_over_ids']:>9.2f} {row['gateway_bytes_over_ids']:>8.3f} "
+                  f"{row['total_shm_over_bytes']:>9.2f}")
+        print(f"{row['tokens']:>9} | {parts[0]:>34} | {parts[1]:>34} | {parts[2]:>30} | {ratios} | "
               f"{cells[0]['request_bytes']:>11} / {cells[1]['request_bytes']:>9}")
 
 

@@ -199,8 +199,9 @@ class GenerationPipeline:
                 timeout_s=time_remaining(),
                 kv_pull=(route.pull_from.address, route.pull_blocks) if route.pull_from is not None else None,
             )
+            prompt_context = prompt.last_token_ids(NUM_PROMPT_CONTEXT_TOKENS)
             state = _RequestState(prompt=prompt, route=route, sequences=[
-                _SequenceState(self._detokenizer.new_stream(prompt.last_token_ids(NUM_PROMPT_CONTEXT_TOKENS)), StopStringMatcher(request.sampling.stop))
+                _SequenceState(self._detokenizer.new_stream(prompt_context), StopStringMatcher(request.sampling.stop))
                 for _ in range(request.sampling.n)
             ])
             try:

@@ -13,9 +13,9 @@ from dataclasses import dataclass, field
 
 import grpc
 
+from llmserve import token_id_bytes
 from llmserve.gateway.block_layout import BlockLayout
 from llmserve.gateway.health import wait_until_serving
-from llmserve import token_id_bytes
 from llmserve.errors import ServiceError
 from llmserve.gateway.hop_errors import call_hop
 from llmserve.gateway.preprocess_stream import PreprocessStreamClient
