@@ -1,19 +1,24 @@
 """Preprocess and inference started with different --block-size or on different checkpoint
-files: the gateway refuses to start, and inference refuses hashes of another block size from a
-direct caller (real servers, hf backend)."""
+files: the gateway refuses to start, inference refuses hashes of another block size from a
+direct caller (real servers, hf backend), and a replica restarted in place with another block
+size is left out of routing until one with the gateway's serves there again (torch backend)."""
 
 from __future__ import annotations
 
 import json
 import shutil
+import time
 
 import grpc
 import pytest
 
 from llmserve.block_hash import HashNamespace
 from llmserve.gateway.block_layout import BlockLayout, BlockLayoutMismatch, check_block_layouts
-from llmserve.v1 import common_pb2, inference_pb2, inference_pb2_grpc, preprocess_pb2, preprocess_pb2_grpc
+from llmserve.v1 import (
+    common_pb2, gateway_pb2, gateway_pb2_grpc, inference_pb2, inference_pb2_grpc, preprocess_pb2, preprocess_pb2_grpc,
+)
 from llmserve.tools.service_process import ServiceProcess, start_service, stop_service
+from tests.procs import free_port
 from tests.rich_status import field_violation
 
 EXIT_TIMEOUT_S = 60.0
@@ -128,3 +133,52 @@ def test_inference_refuses_hashes_of_another_block_size(mismatched):
     # Without the hashes the same request runs.
     del request.block_hashes[:]
     assert sum(len(r.token_ids) for r in stub.GenerateTokens(request)) == prompt.max_tokens
+
+
+def _generate(gateway) -> gateway_pb2.GenerationResult:
+    stub = gateway_pb2_grpc.GatewayServiceStub(grpc.insecure_channel(gateway.address))
+    params = gateway_pb2.GenerateParams(prompt="x" * 40, sampling=common_pb2.SamplingParams(max_tokens=2))
+    return stub.Generate(gateway_pb2.GenerateRequest(params=params), timeout=60).result
+
+
+def _wait_for_log(service, text: str, timeout_s: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while text not in service.log_path.read_text():
+        assert time.monotonic() < deadline, f"{text!r} never logged:\n{service.log_tail()}"
+        time.sleep(0.1)
+
+
+def test_a_replica_restarted_in_place_with_another_block_size_is_left_out_until_it_matches(tiny_model_dir, tmp_path):
+    model = ["--model", str(tiny_model_dir)]
+    port = free_port()
+    replica_args = [*model, "--port", str(port)]
+    preprocess = start_service("preprocess", [*model, "--block-size", "16"], tmp_path / "preprocess")
+    replica = start_service("inference", [*replica_args, "--block-size", "16"], tmp_path / "first")
+    gateway = None
+    try:
+        gateway = start_service("gateway", [*model, "--preprocess", preprocess.address, "--inference",
+                                            replica.address], tmp_path / "gateway", module="llmserve.gateway")
+        assert _generate(gateway).usage.completion_tokens == 2
+        stop_service(replica)
+        replica = start_service("inference", [*replica_args, "--block-size", "32"], tmp_path / "second")
+        _wait_for_log(gateway, f"inference at {replica.address} left out of routing: block size mismatch: "
+                               f"preprocess uses 16 tokens per block, inference at {replica.address} uses 32")
+        with pytest.raises(grpc.RpcError) as refused:  # not the replica's INVALID_ARGUMENT for every request
+            _generate(gateway)
+        assert refused.value.code() == grpc.StatusCode.UNAVAILABLE, refused.value.details()
+        stop_service(replica)
+        replica = start_service("inference", [*replica_args, "--block-size", "16"], tmp_path / "third")
+        _wait_for_log(gateway, f"inference at {replica.address} matches the block layout again")
+        deadline = time.monotonic() + 60.0
+        while True:  # live again once its event stream's first batch has come
+            try:
+                assert _generate(gateway).usage.completion_tokens == 2
+                break
+            except grpc.RpcError as error:
+                assert error.code() == grpc.StatusCode.UNAVAILABLE and time.monotonic() < deadline, error
+                time.sleep(0.1)
+        assert gateway.log_path.read_text().count("left out of routing") == 1  # once per layout, not per retry
+    finally:
+        for service in (gateway, replica, preprocess):
+            if service is not None:
+                stop_service(service)

@@ -82,7 +82,8 @@ class ReplicaSet:
 
     def _add(self, address: str, client: InferenceClient) -> Replica:
         replica = Replica(address, client)
-        watcher = ReplicaWatcher(replica, self._events_index, heartbeat_interval_ms=self._config.heartbeat_interval_ms)
+        watcher = ReplicaWatcher(replica, self._events_index, block_layout=self._layout,
+                                 heartbeat_interval_ms=self._config.heartbeat_interval_ms)
         self._replicas[address] = replica
         task = self._tasks[address] = asyncio.get_running_loop().create_task(watcher.run())
         task.add_done_callback(_log_if_crashed)

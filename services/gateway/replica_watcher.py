@@ -13,6 +13,10 @@
 - Silent past the TTL (a hung process keeps its connections open), the replica's in-flight
   requests end with UNAVAILABLE instead of waiting for tokens that will never come.
 - A replica without WatchKvEvents (UNIMPLEMENTED) is routed on the gateway's own count alone.
+- After a loss the process at the address may be another one (restarted with other flags, or
+  another release): its model card is read again before it is routable, and a block layout
+  that no longer matches keeps it out (an ERROR, once per layout) until one that matches comes
+  back. The card also says again whether it reads prompt ids as bytes.
 """
 
 from __future__ import annotations
@@ -25,6 +29,7 @@ from typing import AsyncIterator
 import grpc
 
 from llmserve.errors import ServiceError, Unavailable
+from llmserve.gateway.block_layout import BlockLayout, BlockLayoutMismatch, check_block_layouts
 from llmserve.gateway.hop_errors import DownstreamError
 from llmserve.gateway.inference_client import KvEventsUnsupported
 from llmserve.gateway.replica import Replica
@@ -37,25 +42,33 @@ DEFAULT_RETRY_INTERVAL_S = 0.5
 
 
 class ReplicaWatcher:
-    """`events_index`: the in-memory index the events go to; None subscribes with load_only."""
+    """`events_index`: the in-memory index the events go to; None subscribes with load_only.
+    `block_layout`: what the replica's card must say after a loss (None: not checked); the card
+    was read when the replica joined."""
 
     def __init__(
         self,
         replica: Replica,
         events_index: PrefixIndex | None,
         *,
+        block_layout: BlockLayout | None = None,
         heartbeat_interval_ms: int = 0,
         retry_interval_s: float = DEFAULT_RETRY_INTERVAL_S,
     ):
         self._replica = replica
         self._index = events_index
+        self._block_layout = block_layout
         self._heartbeat_interval_ms = heartbeat_interval_ms
         self._retry_interval_s = retry_interval_s
+        self._card_is_stale = False
+        self._mismatch_logged = ""
 
     async def run(self) -> None:
         """Follow the replica until cancelled."""
         while True:
             try:
+                if self._card_is_stale:
+                    await self._read_card()
                 await self._follow()
                 continue  # resync: subscribe again for a snapshot
             except KvEventsUnsupported as error:
@@ -69,6 +82,11 @@ class ReplicaWatcher:
                 await self._lose(error.message)
             except TimeoutError:
                 await self._lose(f"no heartbeat for {self._replica.heartbeat_ttl_s:.1f}s")
+            except BlockLayoutMismatch as mismatch:
+                if str(mismatch) != self._mismatch_logged:
+                    log.error("inference at %s left out of routing: %s", self._replica.address, mismatch)
+                    self._mismatch_logged = str(mismatch)
+                await self._lose(str(mismatch))
             except (ServiceError, StopAsyncIteration) as error:
                 await self._lose(getattr(error, "message", "its event stream ended"))
             if self._replica.silent_for_s > self._replica.heartbeat_ttl_s:
@@ -108,10 +126,22 @@ class ReplicaWatcher:
                 next_batch.cancel()
                 await asyncio.gather(next_batch, return_exceptions=True)
 
+    async def _read_card(self) -> None:
+        """Read the card of whatever process now serves the address; BlockLayoutMismatch when
+        its blocks are not the gateway's."""
+        card = await self._replica.client.get_model_card()
+        if self._block_layout is not None:
+            check_block_layouts(self._block_layout, {self._replica.address: card.block_layout})
+        self._card_is_stale = False
+        if self._mismatch_logged:
+            log.info("inference at %s matches the block layout again", self._replica.address)
+            self._mismatch_logged = ""
+
     async def _lose(self, reason: str) -> None:
         if self._replica.is_live:
             log.warning("%r is not routable: %s", self._replica, reason)
         self._replica.is_live = False
+        self._card_is_stale = True
         await self._drop_entries()
 
     async def _drop_entries(self) -> None:
