@@ -43,15 +43,15 @@ DEFAULT_RETRY_INTERVAL_S = 0.5
 
 class ReplicaWatcher:
     """`events_index`: the in-memory index the events go to; None subscribes with load_only.
-    `block_layout`: what the replica's card must say after a loss (None: not checked); the card
-    was read when the replica joined."""
+    `block_layout`: what the replica's card must say after a loss (the card was read when the
+    replica joined)."""
 
     def __init__(
         self,
         replica: Replica,
         events_index: PrefixIndex | None,
         *,
-        block_layout: BlockLayout | None = None,
+        block_layout: BlockLayout,
         heartbeat_interval_ms: int = 0,
         retry_interval_s: float = DEFAULT_RETRY_INTERVAL_S,
     ):
@@ -129,9 +129,11 @@ class ReplicaWatcher:
     async def _read_card(self) -> None:
         """Read the card of whatever process now serves the address; BlockLayoutMismatch when
         its blocks are not the gateway's."""
-        card = await self._replica.client.get_model_card()
-        if self._block_layout is not None:
-            check_block_layouts(self._block_layout, {self._replica.address: card.block_layout})
+        try:
+            card = await self._replica.client.get_model_card()
+        except DownstreamError as error:  # not the event stream's error (its RESOURCE_EXHAUSTED: we fell behind)
+            raise Unavailable(f"its model card could not be read: {error.message}") from None
+        check_block_layouts(self._block_layout, {self._replica.address: card.block_layout})
         self._card_is_stale = False
         if self._mismatch_logged:
             log.info("inference at %s matches the block layout again", self._replica.address)

@@ -15,6 +15,7 @@ from collections.abc import AsyncIterator
 
 import grpc
 
+from llmserve import token_id_bytes
 from llmserve.bidi_stream import served
 from llmserve.buckets import LengthBucket
 from llmserve.errors import ServiceError
@@ -22,7 +23,6 @@ from llmserve.pb import model_info_to_pb, prompt_input_from_pb
 from llmserve.preprocess import metrics
 from llmserve.preprocess.pipeline import PreprocessPipeline
 from llmserve.preprocess.preprocess_stream import PreprocessStream
-from llmserve import token_id_bytes
 from llmserve.block_hash import check_cache_salt
 from llmserve.request_context import bind_request_id, check_request_id
 from llmserve.v1 import common_pb2, preprocess_pb2, preprocess_pb2_grpc
