@@ -284,6 +284,17 @@ def test_bench_transport_measures_every_cpu_path(tmp_path):
     assert report["ping_ms"]["repeats"] == 2 * 3  # pooled over the two paths that use the pipe
 
 
+def test_bench_block_copy_checks_and_times_the_kv_pull_kernel(tmp_path):
+    pytest.importorskip("triton")
+    report = run_bench("bench_block_copy.py", ["--smoke", "--sweep", "--out-dir", str(tmp_path)], tmp_path)
+    assert [(row["shape"], row["blocks"]) for row in report["rows"]] == [("tiny", 4), ("tiny", 8)]
+    for row in report["rows"]:  # the bench exits 1 if a copy differs from its source
+        for name in ("roofline", "kernel", "import"):
+            low, median, high = row[f"{name}_ms"]
+            assert 0 < low <= median <= high and row[f"{name}_gb_per_s"] > 0
+        assert len(row["sweep_gb_per_s"]) == 15
+
+
 def test_bench_tensor_parallel_compares_sizes_on_cpu(tmp_path):
     report = run_bench("bench_tensor_parallel.py", ["--smoke", "--out-dir", str(tmp_path)], tmp_path)
     assert not report["errors"]

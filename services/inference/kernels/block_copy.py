@@ -19,6 +19,7 @@ import triton
 import triton.language as tl
 
 TILE = 4096  # elements per program: 8 KiB of bfloat16, 16 elements per thread at 8 warps
+NUM_WARPS = 8
 
 
 @triton.jit
@@ -43,12 +44,14 @@ def _copy_blocks_kernel(
 
 
 def copy_blocks(source_pool: torch.Tensor, target_pool: torch.Tensor,
-                source_ids: torch.Tensor, target_ids: torch.Tensor) -> None:
+                source_ids: torch.Tensor, target_ids: torch.Tensor,
+                tile: int = TILE, num_warps: int = NUM_WARPS) -> None:
     """target_pool[:, :, target_ids[p]] = source_pool[:, :, source_ids[p]] for every pair p.
 
     Pools [2, num_layers, num_blocks, *block] of one dtype and device, each block contiguous;
     the ids are 1-D integer tensors of equal length on that device. Queued on the current
-    stream, not waited for."""
+    stream, not waited for. `tile` (a power of two) and `num_warps` are for
+    bench/bench_block_copy.py's sweep; the defaults are what it chose."""
     if source_pool.dtype != target_pool.dtype or source_pool.shape[:2] != target_pool.shape[:2] \
             or source_pool.shape[3:] != target_pool.shape[3:]:
         raise ValueError(f"pools differ: {tuple(source_pool.shape)} {source_pool.dtype} against "
@@ -63,10 +66,10 @@ def copy_blocks(source_pool: torch.Tensor, target_pool: torch.Tensor,
     if num_pairs == 0:
         return
     num_layers = source_pool.shape[1]
-    grid = (num_pairs, 2 * num_layers, triton.cdiv(block_elements, TILE))
+    grid = (num_pairs, 2 * num_layers, triton.cdiv(block_elements, tile))
     _copy_blocks_kernel[grid](
         source_pool, target_pool, source_ids, target_ids,
         source_pool.stride(0), source_pool.stride(1), source_pool.stride(2),
         target_pool.stride(0), target_pool.stride(1), target_pool.stride(2),
-        NUM_LAYERS=num_layers, BLOCK_ELEMENTS=block_elements, TILE=TILE, num_warps=8,
+        NUM_LAYERS=num_layers, BLOCK_ELEMENTS=block_elements, TILE=tile, num_warps=num_warps,
     )
