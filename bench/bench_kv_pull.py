@@ -15,7 +15,9 @@ each on a fresh prefix:
   cached     B gets the same prompt again, now in its own cache: the floor a pull approaches
              (what is left is the pull's pin, copy and round trips).
 With --busy-source-prompt-tokens A runs a long request all along, as the replica a router
-pulls from does (its pins are answered mid-step: bench_pin.py).
+pulls from does (its pins are answered mid-step: bench_pin.py). Every request carries its
+prompt's block hashes, as the gateway sends them from preprocess (B forwards them with the pin,
+so neither core hashes the prompt); --no-block-hashes leaves them out (each core hashes).
 Ratio: pull / recompute TTFT, median over the repeats [target <= 0.3x]. Each pull's greedy first
 token must equal the recomputed one's, and its usage must report the prefix's blocks as pulled.
 Bandwidth, from B's /metrics around each timed pull (medians over the repeats, as every phase
@@ -45,6 +47,7 @@ import grpc
 
 import bench_stack
 from metrics_scrape import metric_families
+from llmserve.block_hash import HASH_VERSION, HashNamespace
 from stack_services import free_port
 from llmserve.tools.service_process import launch_service, stop_service
 from llmserve.v1 import common_pb2, inference_pb2, inference_pb2_grpc
@@ -65,6 +68,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="keep A busy all along with a request of N prompt tokens (sent again when it ends): "
                         "the replica a router pulls from is the busy one (default: 0, A idle)")
     parser.add_argument("--busy-source-output-tokens", type=int, default=128, metavar="N", help="(default: %(default)s)")
+    parser.add_argument("--no-block-hashes", dest="block_hashes", action="store_false",
+                        help="send requests without their block hashes (the replicas' cores hash the prompts)")
     parser.add_argument("--inference-arg", action="append", default=[], help="extra inference flag (repeatable)")
     parser.add_argument("--startup-timeout-s", type=float, default=600.0)
     parser.add_argument("--out-dir", type=Path, default=REPO_ROOT / "bench" / "results")
@@ -144,11 +149,17 @@ class Busy:
         self._thread.join(RPC_TIMEOUT_S)
 
 
-def request(name: str, prompt: list[int], *, salt: str = "", source: Replica | None = None, num_blocks: int = 0):
+def request(name: str, prompt: list[int], *, salt: str = "", source: Replica | None = None, num_blocks: int = 0,
+            namespace: HashNamespace | None = None):
+    """A request of `prompt`, with its block hashes for `salt` when given a namespace (as the
+    gateway sends it)."""
     pb = inference_pb2.GenerateTokensRequest(
         request_id=name, prompt_token_ids=prompt, cache_salt=salt,
         sampling=common_pb2.SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True),
     )
+    if namespace is not None:
+        pb.block_hashes[:] = namespace.block_hashes(prompt, salt)
+        pb.block_size_tokens, pb.block_hash_version = namespace.block_size_tokens, HASH_VERSION
     if source is not None:
         pb.kv_pull.CopyFrom(inference_pb2.KvPullHint(source_address=source.service.address, num_blocks=num_blocks))
     return pb
@@ -160,16 +171,18 @@ def fresh_tokens(count: int, seed: int, num_ids: int) -> list[int]:
     return [10 + rng.randrange(num_ids) for _ in range(count)]
 
 
-def measure(a: Replica, b: Replica, prefix_tokens: int, args, seed: int) -> dict:
+def measure(a: Replica, b: Replica, prefix_tokens: int, args, seed: int, namespace: HashNamespace | None) -> dict:
     """One pull and one recompute of a fresh prefix of `prefix_tokens`."""
     num_ids = 400 if args.shape == "tiny" else 10_000  # below every vocabulary the shapes have
     prefix = fresh_tokens(prefix_tokens, seed, num_ids)
     prompt = prefix + fresh_tokens(args.suffix_tokens, seed + 1_000_003, num_ids)
-    a.first_token(request(f"hold-{seed}", prefix + [1]))
+    a.first_token(request(f"hold-{seed}", prefix + [1], namespace=namespace))
     num_blocks = prefix_tokens // BLOCK_SIZE
-    pull_ms, pulled_token, usage = b.first_token(request(f"pull-{seed}", prompt, source=a, num_blocks=num_blocks))
-    recompute_ms, recomputed_token, plain = b.first_token(request(f"recompute-{seed}", prompt, salt=f"fresh-{seed}"))
-    cached_ms, cached_token, own = b.first_token(request(f"cached-{seed}", prompt))
+    pull_ms, pulled_token, usage = b.first_token(
+        request(f"pull-{seed}", prompt, source=a, num_blocks=num_blocks, namespace=namespace))
+    recompute_ms, recomputed_token, plain = b.first_token(
+        request(f"recompute-{seed}", prompt, salt=f"fresh-{seed}", namespace=namespace))
+    cached_ms, cached_token, own = b.first_token(request(f"cached-{seed}", prompt, namespace=namespace))
     return {
         "pull_ms": pull_ms, "recompute_ms": recompute_ms, "cached_ms": cached_ms,
         "cached_tokens_own": own.cached_tokens, "same_cached_token": cached_token == recomputed_token,
@@ -179,12 +192,12 @@ def measure(a: Replica, b: Replica, prefix_tokens: int, args, seed: int) -> dict
     }
 
 
-def run_length(a: Replica, b: Replica, prefix_tokens: int, args) -> dict:
-    measure(a, b, prefix_tokens, args, seed=prefix_tokens * 1000)  # warm-up: shapes, the first mapping
+def run_length(a: Replica, b: Replica, prefix_tokens: int, args, namespace: HashNamespace | None) -> dict:
+    measure(a, b, prefix_tokens, args, prefix_tokens * 1000, namespace)  # warm-up: shapes, the first mapping
     runs = []
     for i in range(args.repeats):
         before = b.metric_sums()
-        run = measure(a, b, prefix_tokens, args, seed=prefix_tokens * 1000 + 1 + i)
+        run = measure(a, b, prefix_tokens, args, prefix_tokens * 1000 + 1 + i, namespace)
         run["at_b"] = _pull_at_b(before, b.metric_sums())
         runs.append(run)
     # Medians over the runs, the phases included: one slow first pull (62 ms of 21-23 ms on the
@@ -236,6 +249,7 @@ def main(argv: list[str] | None = None) -> int:
     rows = []
     with tempfile.TemporaryDirectory(prefix="bench-kv-pull-") as tmp:
         model_dir = bench_stack.build_model(args, Path(tmp) / "model")
+        namespace = HashNamespace.of_model_dir(model_dir, BLOCK_SIZE) if args.block_hashes else None
         replicas = [Replica(name, args, model_dir, log_dir) for name in ("a", "b")]
         busy = None
         try:
@@ -246,7 +260,7 @@ def main(argv: list[str] | None = None) -> int:
                 num_ids = 400 if args.shape == "tiny" else 10_000
                 busy = Busy(replicas[0], args.busy_source_prompt_tokens, args.busy_source_output_tokens, num_ids)
             for prefix_tokens in (int(length) for length in args.prefix_tokens.split(",")):
-                rows.append(run_length(*replicas, prefix_tokens, args))
+                rows.append(run_length(*replicas, prefix_tokens, args, namespace))
                 print(f"{prefix_tokens} tokens: pull {rows[-1]['pull_ttft_ms']:.2f} ms, "
                       f"recompute {rows[-1]['recompute_ttft_ms']:.2f} ms", flush=True)
         finally:

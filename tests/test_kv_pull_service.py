@@ -20,6 +20,7 @@ import grpc
 import pytest
 from google.rpc import status_pb2
 
+from llmserve.block_hash import HASH_VERSION, HashNamespace
 from llmserve.inference.kv_pull_wire import identity_to_pb
 from llmserve.tensor_transport import local_identity
 from llmserve.v1 import common_pb2, inference_pb2, inference_pb2_grpc
@@ -70,12 +71,16 @@ class Replica:
     def address(self) -> str:
         return self.service.address
 
-    def generate(self, name: str, prompt: list[int], source: Replica | None = None, num_blocks: int = 0):
+    def generate(self, name: str, prompt: list[int], source: Replica | None = None, num_blocks: int = 0,
+                 block_hashes: list[int] = ()):
         """(tokens, usage) of a greedy request, pulling from `source` when given."""
         request = inference_pb2.GenerateTokensRequest(
             request_id=name, prompt_token_ids=prompt,
             sampling=common_pb2.SamplingParams(max_tokens=NUM_NEW_TOKENS, temperature=0.0, ignore_eos=True),
         )
+        if block_hashes:  # as the gateway sends them (from preprocess)
+            request.block_hashes[:] = block_hashes
+            request.block_size_tokens, request.block_hash_version = 16, HASH_VERSION
         if source is not None:
             request.kv_pull.CopyFrom(inference_pb2.KvPullHint(source_address=source.address, num_blocks=num_blocks))
         tokens, usage = [], None
@@ -204,6 +209,53 @@ def test_pins_are_released_by_their_lease_and_bad_pins_are_refused(replicas):
         with pytest.raises(grpc.RpcError) as invalid:
             a.stub.PinKvBlocks(request)
         assert invalid.value.code() == grpc.StatusCode.INVALID_ARGUMENT and invalid.value.details().startswith(field)
+
+
+def test_a_pin_looks_blocks_up_by_the_hashes_it_is_sent(replicas, tiny_model_dir):
+    """The puller forwards its request's block hashes so the source need not hash the prompt:
+    the right ones find every cached block; another salt's find none (so they were used, not
+    recomputed); hashes unlike this replica's are refused naming the field."""
+    a = replicas["a"]
+    prompt = make_prompt(PROMPT_TOKENS, seed=29)
+    a.generate("to-pin-by-hash", prompt)
+    puller = identity_to_pb(local_identity("cpu"))
+    namespace = HashNamespace.of_model_dir(tiny_model_dir, 16)
+
+    def pin(hashes: list[int], **fields) -> inference_pb2.PinKvBlocksResponse:
+        fields = {"block_size_tokens": 16, "block_hash_version": HASH_VERSION, **fields}
+        return a.stub.PinKvBlocks(inference_pb2.PinKvBlocksRequest(
+            prompt_token_ids=prompt, puller=puller, block_hashes=hashes, **fields), timeout=RPC_TIMEOUT_S)
+
+    for hashes, num_pinned in ((namespace.block_hashes(prompt), 6), (namespace.block_hashes(prompt, "another"), 0)):
+        pinned = pin(hashes)
+        assert len(pinned.block_ids) == num_pinned
+        if pinned.pin_id:
+            a.stub.ReleaseKvBlocks(inference_pb2.ReleaseKvBlocksRequest(pin_id=pinned.pin_id), timeout=RPC_TIMEOUT_S)
+    hashes = namespace.block_hashes(prompt)
+    for fields, field in (
+        ({"block_size_tokens": 32}, "block_size_tokens"),
+        ({"block_hash_version": HASH_VERSION + 1}, "block_hash_version"),
+        ({"hashes": hashes + [1]}, "block_hashes"),  # 7 hashes for 6 full blocks
+    ):
+        with pytest.raises(grpc.RpcError) as invalid:
+            pin(**{"hashes": hashes, **fields})
+        assert invalid.value.code() == grpc.StatusCode.INVALID_ARGUMENT and invalid.value.details().startswith(field)
+    assert wait_until(lambda: a.blocks_used() == 0)
+
+
+def test_the_puller_sends_its_request_s_hashes_with_the_pin(replicas, tiny_model_dir):
+    """A request that came with block hashes pulls by them: right ones pull the whole prefix
+    (and the output is the recomputed one); another salt's pull nothing, since the source looked
+    the blocks up by the hashes B forwarded."""
+    a, b, c = replicas["a"], replicas["b"], replicas["c"]
+    namespace = HashNamespace.of_model_dir(tiny_model_dir, 16)
+    for seed, salt, num_pulled in ((30, "", 96), (31, "another", 0)):
+        prompt = make_prompt(PROMPT_TOKENS, seed=seed)
+        a.generate(f"held-{seed}", prompt)
+        tokens, usage = b.generate(f"pulled-{seed}", prompt, source=a, num_blocks=6,
+                                   block_hashes=namespace.block_hashes(prompt, salt))
+        assert usage.pulled_tokens == num_pulled
+        assert tokens == c.generate(f"reference-{seed}", prompt)[0]
 
 
 def test_multiplex_pulls_and_an_abort_while_pulling_ends_the_request_cancelled(replicas):

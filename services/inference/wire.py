@@ -145,7 +145,8 @@ def _check_structured_output(info: ModelInfo) -> None:
 
 
 def _check_block_hashes(
-    pb_request: inference_pb2.GenerateTokensRequest, num_prompt_tokens: int, info: ModelInfo
+    pb_request: inference_pb2.GenerateTokensRequest | inference_pb2.PinKvBlocksRequest, num_prompt_tokens: int,
+    info: ModelInfo,
 ) -> None:
     """Hashes are optional hints, but hashes cut or computed unlike this replica's would miss the
     prefix cache in silence, and more hashes than full blocks is a bug upstream."""
@@ -219,7 +220,10 @@ def pin_request_from_pb(pb_request: inference_pb2.PinKvBlocksRequest, info: Mode
         raise InvalidArgument("lease_ms", f"{pb_request.lease_ms} exceeds the limit of {MAX_PIN_LEASE_MS}")
     if not pb_request.HasField("puller"):
         raise InvalidArgument("puller", "must describe the puller (its PeerIdentity)")
+    _check_block_hashes(pb_request, len(prompt_token_ids), info)
     request = EngineRequest(
-        "kv-pin", prompt_token_ids, SamplingParams(max_tokens=1), time.monotonic_ns(), cache_salt=pb_request.cache_salt
+        "kv-pin", prompt_token_ids, SamplingParams(max_tokens=1), time.monotonic_ns(),
+        block_hashes=list(pb_request.block_hashes), block_size_tokens=pb_request.block_size_tokens,
+        block_hash_version=pb_request.block_hash_version, cache_salt=pb_request.cache_salt,
     )
     return request, pb_request.lease_ms or DEFAULT_PIN_LEASE_MS
