@@ -328,10 +328,13 @@ def test_bench_async_scheduling_times_both_settings_on_cpu(tmp_path):
 def test_bench_pin_times_pins_mid_step_and_between_steps_on_cpu(tmp_path):
     report = run_bench("bench_pin.py", ["--shape", "tiny", "--prefix-tokens", "96", "--busy-prompt-tokens", "64",
                                         "--busy-output-tokens", "16", "--pins", "3", "--num-kv-blocks", "128",
-                                        "--out-dir", str(tmp_path)], tmp_path)
-    assert [row["setting"] for row in report["rows"]] == ["mid-step", "between steps"]
+                                        "--block-hashes", "--out-dir", str(tmp_path)], tmp_path)
+    assert [(row["setting"], row["kind"]) for row in report["rows"]] == [
+        ("mid-step", "no hashes"), ("mid-step", "hashes"), ("between steps", "no hashes"), ("between steps", "hashes"),
+    ]  # every pin of either kind found the prefix's blocks (the bench exits otherwise)
     assert all(len(times) == 3 and min(times) > 0 for times in report["times"].values())
-    assert report["rows"][1]["p50_vs_between_steps"] == 1.0
+    assert [row["p50_vs_between_steps"] for row in report["rows"][2:]] == [1.0, 1.0]
+    assert [row["p50_vs_no_hashes"] for row in report["rows"][::2]] == [1.0, 1.0]
 
 
 def test_bench_accept_times_a_burst_at_one_and_at_two_loops(tmp_path):
