@@ -11,11 +11,12 @@ block ids drawn at random (a pull's ids: the source's and this replica's free bl
 scattered), then, CUDA events around each, median of --repeats:
   roofline  one contiguous `copy_` of the same number of bytes: the device's copy rate
   kernel    copy_blocks with its ids already on the device: the kernel alone
-  import    what KvBlockImporter does per pull, timed on the host: the ids to the device, the
-            kernel, and the synchronize the source's release waits for
+  import    what KvBlockImporter does per pull, timed on the host: the ids to the device (its
+            own function), the kernel, and the synchronize the source's release waits for
 GB/s = bytes copied / time (10^9 bytes; read + write would be twice that). Ratios: kernel /
-roofline rate, and import / kernel time (the fixed part a whole pull adds). Every copy is
-checked block by block once. Prints a table and writes --out-dir/block-copy-<time>.json.
+roofline rate, and import / kernel time (the fixed part a whole pull adds). The kernel's and
+the import's copies are each checked block by block once. Prints a table and writes
+--out-dir/block-copy-<time>.json.
 Without CUDA (--smoke only) the kernel runs under Triton's interpreter, timed on the host: the
 figures then say nothing.
 """
@@ -113,6 +114,7 @@ def check_copied(source: torch.Tensor, target: torch.Tensor, source_ids: list[in
 
 
 def measure(shape: str, num_blocks: int, args: argparse.Namespace) -> dict:
+    from llmserve.inference.engine.kv_block_import import ids_on_device
     from llmserve.inference.kernels.block_copy import copy_blocks
 
     source, target = pools(shape, args.pool_blocks)
@@ -128,12 +130,14 @@ def measure(shape: str, num_blocks: int, args: argparse.Namespace) -> dict:
         return lambda: copy_blocks(source, target, device_ids[0], device_ids[1], **settings)
 
     def import_as_the_engine_does():  # KvBlockImporter._copy_by_kernel, without the pool view
-        ids = torch.tensor([source_ids, target_ids], dtype=torch.int64).to(DEVICE, non_blocking=True)
+        ids = ids_on_device(tuple(source_ids), target_ids, torch.device(DEVICE))
         copy_blocks(source, target, ids[0], ids[1])
         synchronize()
 
-    kernel()()
-    check_copied(source, target, source_ids, target_ids)
+    for copy in (kernel(), import_as_the_engine_does):
+        target.zero_()
+        copy()
+        check_copied(source, target, source_ids, target_ids)
     seconds = {
         "roofline": timed_on_device(lambda: flat_target[:num_bytes].copy_(flat_source[:num_bytes]), args.repeats),
         "kernel": timed_on_device(kernel(), args.repeats),
