@@ -142,8 +142,8 @@ class KvPuller:
     def _pin_request(
         self, request: EngineRequest, hint: KvPullHint, identity: PeerIdentity
     ) -> inference_pb2.PinKvBlocksRequest:
-        # The request's block hashes go along (checked here as the source checks them), so the
-        # source's core, usually the busy replica, does not hash the prompt again to find them.
+        # The request's block hashes go along (checked on arrival here as the source checks
+        # them), so the source's core, usually the busy replica, does not hash the prompt again.
         return inference_pb2.PinKvBlocksRequest(
             prompt_token_ids=request.prompt_token_ids, cache_salt=request.cache_salt, max_blocks=hint.num_blocks,
             puller=identity_to_pb(identity), lease_ms=PIN_LEASE_MS, block_hashes=request.block_hashes,
