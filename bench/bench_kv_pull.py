@@ -158,11 +158,16 @@ def request(name: str, prompt: list[int], *, salt: str = "", source: Replica | N
         sampling=common_pb2.SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True),
     )
     if namespace is not None:
-        pb.block_hashes[:] = namespace.block_hashes(prompt, salt)
-        pb.block_size_tokens, pb.block_hash_version = namespace.block_size_tokens, HASH_VERSION
+        set_block_hashes(pb, prompt, salt, namespace)
     if source is not None:
         pb.kv_pull.CopyFrom(inference_pb2.KvPullHint(source_address=source.service.address, num_blocks=num_blocks))
     return pb
+
+
+def set_block_hashes(pb, prompt: list[int], salt: str, namespace: HashNamespace) -> None:
+    """Fill a GenerateTokensRequest's or PinKvBlocksRequest's block hash fields for `prompt`."""
+    pb.block_hashes[:] = namespace.block_hashes(prompt, salt)
+    pb.block_size_tokens, pb.block_hash_version = namespace.block_size_tokens, HASH_VERSION
 
 
 def fresh_tokens(count: int, seed: int, num_ids: int) -> list[int]:

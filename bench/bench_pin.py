@@ -27,8 +27,8 @@ from pathlib import Path
 
 import bench_stack
 from results_file import write_results
-from bench_kv_pull import BLOCK_SIZE, RPC_TIMEOUT_S, Busy, Replica, fresh_tokens, request
-from llmserve.block_hash import HASH_VERSION, HashNamespace
+from bench_kv_pull import BLOCK_SIZE, RPC_TIMEOUT_S, Busy, Replica, fresh_tokens, request, set_block_hashes
+from llmserve.block_hash import HashNamespace
 from llmserve.inference.kv_pull_wire import identity_to_pb
 from llmserve.tensor_transport import local_identity
 from llmserve.v1 import inference_pb2
@@ -62,8 +62,7 @@ def pin_ms(replica: Replica, prefix: list[int], expected_blocks: int, namespace:
         prompt_token_ids=prefix + [1], puller=identity_to_pb(local_identity("cpu")), lease_ms=10_000
     )  # fmt: skip
     if namespace is not None:
-        pin_request.block_hashes[:] = namespace.block_hashes(prefix + [1])
-        pin_request.block_size_tokens, pin_request.block_hash_version = BLOCK_SIZE, HASH_VERSION
+        set_block_hashes(pin_request, prefix + [1], "", namespace)
     started_s = time.perf_counter()
     pinned = replica.stub.PinKvBlocks(pin_request, timeout=RPC_TIMEOUT_S)
     elapsed_ms = (time.perf_counter() - started_s) * 1000
