@@ -102,9 +102,10 @@ def hash_block(parent_hash: int, token_ids: Sequence[int]) -> int:
 def chain_block_hashes(token_ids: Sequence[int], block_size: int, parent_hash: int) -> list[int]:
     """Hashes of every full block of `token_ids`, chained from `parent_hash`.
 
-    The prompt's full blocks are packed once and hashed slice by slice: ~30% less than packing
-    each block on its own (504 blocks of an 8k-token prompt: 1.46 → 1.03 ms on the 2-core
-    development machine), on preprocess's path for every request."""
+    The prompt's full blocks are packed once and hashed slice by slice: ~26% less than packing
+    each block on its own (504 blocks of an 8k-token prompt: 486-490 → 359-361 µs in 3 runs on
+    the 2-core development machine; docs/benchmarks.md, "Nineteenth session"), on preprocess's
+    path for every request."""
     if block_size <= 0:
         raise ValueError(f"block_size must be positive, got {block_size}")
     num_full_tokens = len(token_ids) // block_size * block_size

@@ -196,9 +196,9 @@ class KvBlockImporter:
 
 
 def ids_on_device(source_ids: tuple[int, ...], target_ids: list[int], device: torch.device) -> torch.Tensor:
-    """[2, pairs] int64 ids on `device`. Through numpy: torch.tensor on the nested lists took 77 µs
-    for 504 pairs (an 8k-token pull) on the development machine, numpy 21 µs; a pull's copy waits
-    for it (bench/bench_block_copy.py's import column)."""
+    """[2, pairs] int64 ids on `device`. Through numpy: torch.tensor on the nested lists took
+    54-56 µs for 504 pairs (an 8k-token pull) on the development machine, numpy 15-19 µs (3 runs;
+    docs/benchmarks.md, "Nineteenth session"); a pull's copy waits for it."""
     return torch.from_numpy(np.array([source_ids, target_ids], dtype=np.int64)).to(device, non_blocking=True)
 
 
