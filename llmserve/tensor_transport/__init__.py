@@ -20,13 +20,20 @@ is counted by path (`llmserve_transport_transfers_total{path}`).
     metrics.py      llmserve_transport_* counters
 """
 
-from llmserve.tensor_transport.consumer import TensorConsumer
-from llmserve.tensor_transport.identity import PeerIdentity, local_identity
-from llmserve.tensor_transport.messages import RegionOffer, TensorRef, TransportPath
-from llmserve.tensor_transport.negotiation import choose_path
-from llmserve.tensor_transport.producer import Region, TensorProducer
+import importlib
 
-__all__ = [
-    "PeerIdentity", "Region", "RegionOffer", "TensorConsumer", "TensorProducer", "TensorRef",
-    "TransportPath", "choose_path", "local_identity",
-]
+# Imported on first use (PEP 562): the CPU-only services import identity.py and shm_reaper.py
+# (the prompt ids ring, llmserve.prompt_ids_region), which need no torch; these do.
+_EXPORTS = {
+    "TensorConsumer": "consumer", "PeerIdentity": "identity", "local_identity": "identity",
+    "RegionOffer": "messages", "TensorRef": "messages", "TransportPath": "messages",
+    "choose_path": "negotiation", "Region": "producer", "TensorProducer": "producer",
+}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str):
+    if name not in _EXPORTS:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return getattr(importlib.import_module(f"{__name__}.{_EXPORTS[name]}"), name)

@@ -11,8 +11,10 @@ from __future__ import annotations
 import os
 import socket
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-import torch
+if TYPE_CHECKING:
+    import torch
 
 CPU = "cpu"
 SHM_DIR = "/dev/shm"
@@ -47,6 +49,8 @@ class PeerIdentity:
 def local_identity(device: torch.device | str = CPU) -> PeerIdentity:
     """This process's identity, its tensors on `device`. Reads /proc and, for a CUDA device,
     the driver (which initializes CUDA in this process)."""
+    import torch  # here: the CPU-only services (gateway, preprocess) read boot_id and shm_device without it
+
     device = torch.device(device)
     if device.type == "cuda":
         index = device.index if device.index is not None else torch.cuda.current_device()
@@ -56,21 +60,35 @@ def local_identity(device: torch.device | str = CPU) -> PeerIdentity:
     else:
         raise ValueError(f"the tensor transport supports cpu and cuda devices, not {device.type}")
     return PeerIdentity(
-        boot_id=_read_text(_BOOT_ID_PATH),
+        boot_id=boot_id(),
         hostname=socket.gethostname(),
-        shm_device=_stat_or_zero(SHM_DIR, "st_dev"),
+        shm_device=shm_device(),
         ipc_namespace=_stat_or_zero(_IPC_NAMESPACE_PATH, "st_ino"),
         device_uuid=device_uuid,
         readable_device_uuids=readable,
     )
 
 
+def boot_id() -> str:
+    """The kernel's boot id ("" when unreadable)."""
+    return _read_text(_BOOT_ID_PATH)
+
+
+def shm_device() -> int:
+    """st_dev of /dev/shm (0 when unreadable)."""
+    return _stat_or_zero(SHM_DIR, "st_dev")
+
+
 def cuda_device_uuid(index: int) -> str:
+    import torch
+
     return str(torch.cuda.get_device_properties(index).uuid)
 
 
 def cuda_device_index(device_uuid: str) -> int:
     """This process's index of the CUDA device `device_uuid` (raises when it does not see it)."""
+    import torch
+
     for index in range(torch.cuda.device_count()):
         if cuda_device_uuid(index) == device_uuid:
             return index
@@ -78,6 +96,8 @@ def cuda_device_index(device_uuid: str) -> int:
 
 
 def _readable_device_uuids(index: int) -> tuple[str, ...]:
+    import torch
+
     return tuple(
         cuda_device_uuid(other)
         for other in range(torch.cuda.device_count())

@@ -17,8 +17,6 @@ import mmap
 import os
 import secrets
 
-import torch
-
 from llmserve.tensor_transport.identity import SHM_DIR
 from llmserve.tensor_transport.shm_reaper import ShmReaper
 
@@ -30,8 +28,28 @@ def new_segment_name() -> str:
     return f"{NAME_PREFIX}{os.getpid()}-{secrets.token_hex(6)}"
 
 
+def create_mapping(name: str, num_bytes: int, reaper: ShmReaper) -> mmap.mmap:
+    """A new zero-filled segment `name`, mapped. Its pages are reserved now (posix_fallocate), so
+    a full /dev/shm fails here with ENOSPC, not later with SIGBUS at the first write that finds no
+    page. Registered with `reaper` before it exists: a death in between leaks nothing."""
+    reaper.register(name)
+    path = os.path.join(SHM_DIR, name)
+    fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
+    try:
+        os.posix_fallocate(fd, 0, num_bytes)
+        return mmap.mmap(fd, num_bytes)
+    except BaseException:
+        os.unlink(path)
+        reaper.unregister(name)
+        raise
+    finally:
+        os.close(fd)
+
+
 class ShmSegment:
     def __init__(self, name: str, mapping: mmap.mmap, reaper: ShmReaper | None):
+        import torch  # here: create_mapping serves the CPU-only services too (llmserve.prompt_ids_region)
+
         self.name = name
         self.num_bytes = len(mapping)
         self.data = torch.frombuffer(mapping, dtype=torch.uint8)  # [num_bytes], over the mapping
@@ -40,25 +58,11 @@ class ShmSegment:
 
     @classmethod
     def create(cls, num_bytes: int, reaper: ShmReaper) -> ShmSegment:
-        """A new zero-filled segment. Its pages are reserved now (posix_fallocate), so a full
-        /dev/shm fails here with ENOSPC, not later with SIGBUS at the first write that finds
-        no page."""
+        """A new zero-filled segment (create_mapping)."""
         if num_bytes <= 0:
             raise ValueError(f"a segment needs at least one byte, got {num_bytes}")
         name = new_segment_name()
-        reaper.register(name)  # before it exists: a death in between leaks nothing
-        path = os.path.join(SHM_DIR, name)
-        fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
-        try:
-            os.posix_fallocate(fd, 0, num_bytes)
-            mapping = mmap.mmap(fd, num_bytes)
-        except BaseException:
-            os.unlink(path)
-            reaper.unregister(name)
-            raise
-        finally:
-            os.close(fd)
-        return cls(name, mapping, reaper)
+        return cls(name, create_mapping(name, num_bytes, reaper), reaper)
 
     @classmethod
     def attach(cls, name: str, num_bytes: int) -> ShmSegment:
