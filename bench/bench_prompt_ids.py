@@ -13,10 +13,10 @@ encoding adds is timed, not the transport's copies of the bytes):
                   it (services/inference/wire.py, its checks included);
   token_id_bytes  what the hops carry now (llmserve.token_id_bytes): preprocess packs them; the
                   gateway relays the bytes field; inference parses and converts as above;
-  shm             the ids in a shared-memory region the three have mapped: preprocess packs
-                  them and copies them into it, the messages carry neither (the ref naming them, the region's
-                  reuse and its acknowledgements are not counted, which favours shm); inference
-                  copies them out, checks and lists them as wire.py does.
+  region          the ids in preprocess's shared-memory ring (llmserve.prompt_ids_region), as the
+                  services handle a long prompt: preprocess packs them, puts them in its ring and
+                  answers the reference; the gateway relays the reference; inference (wire.py)
+                  copies the ids out of the ring, checks the entry's key, the ids, and lists them.
 Per size: median µs per process and in all for each encoding, the ratios, and the wire bytes of
 the inference request's ids. Prints a table and writes JSON to --results-dir.
 """
@@ -39,13 +39,13 @@ from llmserve import token_id_bytes  # noqa: E402
 from llmserve.block_hash import HashNamespace  # noqa: E402
 from llmserve.inference.engine.types import ModelInfo  # noqa: E402
 from llmserve.inference.wire import request_from_pb  # noqa: E402
-from llmserve.tensor_transport.shm_reaper import process_reaper  # noqa: E402
-from llmserve.tensor_transport.shm_segment import ShmSegment  # noqa: E402
+from llmserve.pb import region_ids_to_pb  # noqa: E402
+from llmserve.prompt_ids_region import PromptIdsRing  # noqa: E402
 from llmserve.v1 import common_pb2, inference_pb2, preprocess_pb2  # noqa: E402
 
 VOCAB_SIZE = 151_936  # Qwen's: ids of up to 3 varint bytes, as in the real prompts
 DEFAULT_TOKENS = "512,2048,8192,32768,131072,1048576"
-ENCODINGS = ("token_ids", "token_id_bytes", "shm")
+ENCODINGS = ("token_ids", "token_id_bytes", "region")
 PROCESSES = ("preprocess", "gateway", "inference")
 WARMUP = 3
 SAMPLING = common_pb2.SamplingParams(max_tokens=16)
@@ -71,8 +71,8 @@ def model_info(max_context_tokens: int) -> ModelInfo:
 class Hops:
     """Each process's part of one prompt's way, per encoding; each returns what the next takes."""
 
-    def __init__(self, region: np.ndarray, info: ModelInfo):
-        self.region = region
+    def __init__(self, ring: PromptIdsRing, info: ModelInfo):
+        self.ring = ring
         self.info = info
 
     # --- preprocess: the tokenizer's list in, its answer's bytes out
@@ -83,10 +83,11 @@ class Hops:
         packed = token_id_bytes.pack(ids)
         return preprocess_pb2.PreprocessResponse(token_id_bytes=packed, max_tokens=16).SerializeToString()
 
-    def preprocess_shm(self, ids: list[int]) -> bytes:
-        packed = token_id_bytes.pack(ids)  # faster than numpy's list conversion into the region
-        self.region.view(np.uint8)[: len(packed)] = np.frombuffer(packed, dtype=np.uint8)
-        return preprocess_pb2.PreprocessResponse(max_tokens=16).SerializeToString()
+    def preprocess_region(self, ids: list[int]) -> bytes:  # as preprocess's servicer answers a long prompt
+        packed = token_id_bytes.pack(ids)
+        ref = self.ring.put(packed)
+        response = preprocess_pb2.PreprocessResponse(token_ids_in_region=region_ids_to_pb(ref), max_tokens=16)
+        return response.SerializeToString()
 
     # --- gateway: preprocess's answer in, the inference request's bytes out
     def gateway_token_ids(self, answer: bytes) -> bytes:
@@ -101,9 +102,11 @@ class Hops:
             request_id="r", prompt_token_id_bytes=response.token_id_bytes, sampling=SAMPLING
         ).SerializeToString()
 
-    def gateway_shm(self, answer: bytes) -> bytes:
-        preprocess_pb2.PreprocessResponse.FromString(answer)
-        return inference_pb2.GenerateTokensRequest(request_id="r", sampling=SAMPLING).SerializeToString()
+    def gateway_region(self, answer: bytes) -> bytes:
+        response = preprocess_pb2.PreprocessResponse.FromString(answer)
+        request = inference_pb2.GenerateTokensRequest(request_id="r", sampling=SAMPLING)
+        request.prompt_token_ids_in_region.CopyFrom(response.token_ids_in_region)
+        return request.SerializeToString()
 
     # --- inference: the request's bytes in, the engine's list of ids out
     def inference_token_ids(self, request: bytes, num_ids: int) -> list[int]:
@@ -111,14 +114,7 @@ class Hops:
 
     inference_token_id_bytes = inference_token_ids
 
-    def inference_shm(self, request: bytes, num_ids: int) -> list[int]:
-        message = inference_pb2.GenerateTokensRequest.FromString(request)
-        ids = np.array(self.region[:num_ids])  # copied out: the region is reused
-        if int(ids.max()) >= self.info.vocab_size:
-            raise ValueError("id past the vocabulary")
-        message.prompt_token_id_bytes = token_id_bytes.pack([1])  # the rest of wire.py's checks
-        self._convert(message)
-        return ids.tolist()
+    inference_region = inference_token_ids  # wire.py copies the ids out of the ring
 
     def _convert(self, message: inference_pb2.GenerateTokensRequest) -> list[int]:
         return request_from_pb(message, self.info, time.monotonic_ns()).prompt_token_ids
@@ -139,11 +135,12 @@ def measure(hops: Hops, encoding: str, ids: list[int], repeats: int) -> dict[str
     preprocess = getattr(hops, f"preprocess_{encoding}")
     gateway = getattr(hops, f"gateway_{encoding}")
     inference = getattr(hops, f"inference_{encoding}")
-    answer = preprocess(ids)
+    preprocess_us = median_us(lambda: preprocess(ids), repeats)
+    answer = preprocess(ids)  # the ring's newest entry: intact until the next put
     request = gateway(answer)
     assert inference(request, len(ids)) == ids, encoding
     times = {
-        "preprocess": median_us(lambda: preprocess(ids), repeats),
+        "preprocess": preprocess_us,
         "gateway": median_us(lambda: gateway(answer), repeats),
         "inference": median_us(lambda: inference(request, len(ids)), repeats),
     }
@@ -153,24 +150,23 @@ def measure(hops: Hops, encoding: str, ids: list[int], repeats: int) -> dict[str
 def main() -> None:
     args = parse_args()
     rng = np.random.default_rng(0)
-    segment = ShmSegment.create(4 * max(args.tokens), process_reaper())
-    region = np.frombuffer(segment.data.numpy(), dtype=np.uint32)
-    hops = Hops(region, model_info(max(args.tokens) + SAMPLING.max_tokens))
+    # Lease 0: an entry may be reused at the next put, which the timing loops make many of.
+    ring = PromptIdsRing(2 * (16 + 4 * max(args.tokens)) + 64, lease_s=0.0)
+    hops = Hops(ring, model_info(max(args.tokens) + SAMPLING.max_tokens))
     rows = []
     try:
         for num_tokens in args.tokens:
             ids = rng.integers(0, VOCAB_SIZE, num_tokens, dtype=np.uint32).tolist()
             cells = {encoding: measure(hops, encoding, ids, args.repeats) for encoding in ENCODINGS}
-            before, now, shm = (cells[encoding] for encoding in ENCODINGS)
+            before, now, region = (cells[encoding] for encoding in ENCODINGS)
             rows.append({
                 "tokens": num_tokens, "us": cells,
                 "total_bytes_over_ids": now["total"] / before["total"],
                 "gateway_bytes_over_ids": now["gateway"] / before["gateway"],
-                "total_shm_over_bytes": shm["total"] / now["total"],
+                "total_region_over_bytes": region["total"] / now["total"],
             })
     finally:
-        del hops, region
-        segment.unlink()
+        ring.close()
     print_table(rows)
     args.results_dir.mkdir(parents=True, exist_ok=True)
     out = args.results_dir / f"prompt-ids-{time.strftime('%Y%m%d-%H%M%S')}.json"
@@ -180,15 +176,15 @@ def main() -> None:
 
 def print_table(rows: list[dict]) -> None:
     print("median µs per process (preprocess / gateway / inference = total); request bytes: the inference request's")
-    print(f"{'tokens':>9} | {'token_ids':>34} | {'token_id_bytes':>34} | {'shm':>30} | "
-          f"{'bytes/ids':>9} {'gateway':>8} {'shm/bytes':>9} | {'request bytes ids/bytes':>23}")
+    print(f"{'tokens':>9} | {'token_ids':>34} | {'token_id_bytes':>34} | {'region':>30} | "
+          f"{'bytes/ids':>9} {'gateway':>8} {'region/bytes':>12} | {'request bytes ids/bytes/region':>30}")
     for row in rows:
         cells = [row["us"][encoding] for encoding in ENCODINGS]
         parts = [" / ".join(f"{cell[p]:.0f}" for p in PROCESSES) + f" = {cell['total']:.0f}" for cell in cells]
         ratios = (f"{row['total_bytes_over_ids']:>9.2f} {row['gateway_bytes_over_ids']:>8.3f} "
-                  f"{row['total_shm_over_bytes']:>9.2f}")
+                  f"{row['total_region_over_bytes']:>12.2f}")
         print(f"{row['tokens']:>9} | {parts[0]:>34} | {parts[1]:>34} | {parts[2]:>30} | {ratios} | "
-              f"{cells[0]['request_bytes']:>11} / {cells[1]['request_bytes']:>9}")
+              f"{cells[0]['request_bytes']:>11} / {cells[1]['request_bytes']:>9} / {cells[2]['request_bytes']:>6}")
 
 
 if __name__ == "__main__":

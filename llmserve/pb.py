@@ -12,6 +12,7 @@ from typing import Protocol, Sequence
 from llmserve.block_hash import HashNamespace
 from llmserve.engine_output import EngineOutput
 from llmserve.errors import InvalidArgument
+from llmserve.prompt_ids_region import RegionIds, SharedMemoryScope
 from llmserve.prompt_input import Chat, PromptInput, PromptTokenIds
 from llmserve.response_format import FIELD as RESPONSE_FORMAT_FIELD
 from llmserve.response_format import check_response_format
@@ -319,3 +320,22 @@ def set_prompt_input_pb(message, prompt_input: PromptInput, text_field: str = "p
         message.prompt_token_ids.token_ids.extend(prompt_input.token_ids)
     else:
         setattr(message, text_field, prompt_input)
+
+
+def region_ids_to_pb(ref: RegionIds) -> common_pb2.PromptIdsInRegion:
+    return common_pb2.PromptIdsInRegion(
+        region_name=ref.region_name, offset_bytes=ref.offset_bytes, num_ids=ref.num_ids, key=ref.key,
+        valid_for_ms=int(ref.valid_for_s * 1000),
+    )
+
+
+def region_ids_from_pb(pb: common_pb2.PromptIdsInRegion) -> RegionIds:
+    return RegionIds(pb.region_name, pb.offset_bytes, pb.num_ids, pb.key, pb.valid_for_ms / 1000)
+
+
+def scope_to_pb(scope: SharedMemoryScope) -> common_pb2.SharedMemoryScope:
+    return common_pb2.SharedMemoryScope(boot_id=scope.boot_id, shm_device=scope.shm_device)
+
+
+def scope_from_pb(pb: common_pb2.SharedMemoryScope) -> SharedMemoryScope:
+    return SharedMemoryScope(pb.boot_id, pb.shm_device)

@@ -361,5 +361,6 @@ def test_bench_prompt_ids_carries_the_same_ids_every_way(tmp_path):
                        tmp_path)
     assert [row["tokens"] for row in report["rows"]] == [64, 512]  # each encoding's ids checked equal
     for row in report["rows"]:
-        assert set(row["us"]) == {"token_ids", "token_id_bytes", "shm"}
+        assert set(row["us"]) == {"token_ids", "token_id_bytes", "region"}
         assert row["us"]["token_id_bytes"]["request_bytes"] > 4 * row["tokens"]
+        assert row["us"]["region"]["request_bytes"] < 100  # a reference, whatever the prompt's length

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import os
 import signal
 import socket
@@ -31,6 +32,8 @@ from llmserve.inference.engine.types import EngineRequest
 from llmserve.inference.kv_event_log import KvEventLog
 from llmserve.inference.servicer import SERVICE_NAME, InferenceServicer
 from llmserve.message_limits import token_ids_request_bytes
+from llmserve.pb import region_ids_to_pb, scope_to_pb
+from llmserve.prompt_ids_region import PromptIdsRing, local_scope
 from llmserve.sampling import SamplingParams
 from llmserve.server import CHANNEL_OPTIONS, RunningServer, create_server
 from llmserve.v1 import common_pb2, inference_pb2, inference_pb2_grpc
@@ -284,6 +287,54 @@ async def test_prompt_token_id_bytes_generate_what_the_ids_do(service):
         assert message == f"{field}: {problem}"
 
 
+async def test_prompt_ids_in_a_ring_generate_what_the_ids_do_and_a_bad_reference_is_refused(service, vocab_size):
+    ring = PromptIdsRing(4096, lease_s=30.0)
+    try:
+        ref = ring.put(token_id_bytes.pack(PROMPT))
+        sampling = common_pb2.SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True, logprobs=1)
+        as_ids = await read_all(service.stub.GenerateTokens(generate_request("ids", **_fields(sampling))))
+        in_ring = await read_all(service.stub.GenerateTokens(region_request(ref, sampling=sampling)))
+        assert [t for r in in_ring for t in r.token_ids] == [t for r in as_ids for t in r.token_ids]
+        assert [lp.logprob for r in in_ring for lp in r.logprobs] == [lp.logprob for r in as_ids for lp in r.logprobs]
+        assert in_ring[-1].usage.prompt_tokens == len(PROMPT)
+        out_of_vocab = ring.put(token_id_bytes.pack([1, 2, vocab_size, 3]))
+        for request, code, message in _invalid_region_cases(ref, out_of_vocab, vocab_size):
+            with pytest.raises(grpc.aio.AioRpcError) as error:
+                await read_all(service.stub.GenerateTokens(request))
+            assert (error.value.code(), error.value.details()) == (code, message)
+    finally:
+        ring.close()
+
+
+def _fields(sampling: common_pb2.SamplingParams) -> dict:
+    return {name.name: value for name, value in sampling.ListFields()}
+
+
+def region_request(ref, **fields) -> inference_pb2.GenerateTokensRequest:
+    """The prompt as the gateway relays a long one: a reference into preprocess's ring."""
+    fields.setdefault("sampling", common_pb2.SamplingParams(max_tokens=4))
+    return inference_pb2.GenerateTokensRequest(request_id="x", prompt_token_ids_in_region=region_ids_to_pb(ref), **fields)
+
+
+def _invalid_region_cases(ref, out_of_vocab, vocab_size: int):
+    field, invalid = "prompt_token_ids_in_region", grpc.StatusCode.INVALID_ARGUMENT
+    return [
+        (region_request(ref, prompt_token_ids=PROMPT), invalid,
+         f"{field}: set either it, prompt_token_ids or prompt_token_id_bytes, not two"),
+        (region_request(dataclasses.replace(ref, region_name="../../etc/passwd")), invalid,
+         f"{field}: '../../etc/passwd' is not a prompt-ids ring's name (llmserve-ids-<pid>-<12 hex digits>)"),
+        (region_request(dataclasses.replace(ref, offset_bytes=4088)), invalid,
+         f"{field}: an entry of 8 ids at 4088 ends past the ring's 4096 bytes"),
+        (region_request(dataclasses.replace(ref, num_ids=CONTEXT_TOKENS)), invalid,
+         f"{field}: 256 tokens leave no room to generate: the context is 256 tokens, so at most 255"),
+        (region_request(out_of_vocab), invalid,
+         f"{field}[2]: token id {vocab_size} is not below the vocab size {vocab_size}"),
+        (region_request(dataclasses.replace(ref, key=ref.key ^ 1)), grpc.StatusCode.FAILED_PRECONDITION,
+         f"{field}: the entry at 16 of {ref.region_name} holds another prompt now (its lease ran out before it "
+         "was read)"),
+    ]
+
+
 def hashed_request(**fields) -> inference_pb2.GenerateTokensRequest:
     """A 20-token prompt (one full block of 16) with one block hash, as preprocess sends it."""
     request = inference_pb2.GenerateTokensRequest(
@@ -394,6 +445,8 @@ async def test_get_model_info(service, vocab_size, tiny_model_dir):
         ),
         replica_id="replica-under-test",
         takes_prompt_token_id_bytes=True,
+        takes_prompt_token_ids_in_region=True,
+        shared_memory=scope_to_pb(local_scope()),
     )
 
 

@@ -25,6 +25,8 @@ from llmserve.buckets import BucketConfig
 from llmserve.preprocess.__main__ import build_parser
 from llmserve.preprocess.config import PreprocessConfig
 from llmserve.preprocess.server import start_server
+from llmserve.pb import region_ids_from_pb, scope_to_pb
+from llmserve.prompt_ids_region import PromptIdsReader, local_scope
 from llmserve.server import CHANNEL_OPTIONS
 from llmserve.v1 import common_pb2, preprocess_pb2, preprocess_pb2_grpc
 from tests.rich_status import field_violation
@@ -170,6 +172,7 @@ async def test_get_info_fills_every_field(stub, reference, tiny_model_dir):
         has_chat_template=True,
         max_prompt_bytes=MAX_PROMPT_BYTES,
         chat_template_fingerprint=info.chat_template_fingerprint,
+        shared_memory=scope_to_pb(local_scope()),  # where its prompt ids ring can be mapped
     )
     # No field left at its proto3 default, of those preprocess fills.
     assert {field.name for field, _ in info.ListFields()} == {f.name for f in info.DESCRIPTOR.fields}
@@ -207,6 +210,22 @@ async def test_preprocess_prompt(stub, reference, namespace):
     )
     assert (list(as_bytes.token_ids), token_id_bytes.unpack(as_bytes.token_id_bytes)) == ([], expected_ids)
     assert (list(as_bytes.block_hashes), as_bytes.max_tokens) == (list(response.block_hashes), MAX_OUTPUT)
+
+    # A long prompt, as a gateway on this host asks: the ids in the ring, nothing else changed; a
+    # shorter one than asked for: bytes.
+    long_enough = len(expected_ids)
+    in_ring = await stub.Preprocess(preprocess_pb2.PreprocessRequest(
+        request_id="r-3", prompt=prompt, token_ids_as_bytes=True, token_ids_in_region_from=long_enough
+    ))
+    assert (list(in_ring.token_ids), in_ring.token_id_bytes) == ([], b"")
+    ref = region_ids_from_pb(in_ring.token_ids_in_region)
+    assert PromptIdsReader().read(ref).tolist() == expected_ids and ref.valid_for_s > 0
+    assert (list(in_ring.block_hashes), in_ring.max_tokens) == (list(response.block_hashes), MAX_OUTPUT)
+    too_short = await stub.Preprocess(preprocess_pb2.PreprocessRequest(
+        request_id="r-4", prompt=prompt, token_ids_as_bytes=True, token_ids_in_region_from=long_enough + 1
+    ))
+    assert not too_short.HasField("token_ids_in_region")
+    assert token_id_bytes.unpack(too_short.token_id_bytes) == expected_ids
 
 
 async def test_the_cache_salt_namespaces_the_block_hashes(stub, namespace):

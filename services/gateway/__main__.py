@@ -13,7 +13,9 @@ import argparse
 import sys
 from pathlib import Path
 
-from llmserve.gateway.config import DEFAULT_ACCEPT_LOOPS, DEFAULT_DOWNSTREAM_READY_TIMEOUT_S, GatewayConfig
+from llmserve.gateway.config import (
+    DEFAULT_ACCEPT_LOOPS, DEFAULT_DOWNSTREAM_READY_TIMEOUT_S, DEFAULT_PROMPT_IDS_REGION_FROM, GatewayConfig,
+)
 from llmserve.gateway.connection_age import DEFAULT_MAX_CONNECTION_AGE_S
 from llmserve.gateway.discovery import Target
 from llmserve.gateway.local_preprocess import add_local_preprocess_arguments, local_preprocess_config
@@ -88,6 +90,13 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="SECONDS",
         help="at start, how long to wait for preprocess and inference to report SERVING (default: %(default)s)",
     )
+    parser.add_argument(
+        "--prompt-ids-region-from", type=int, default=DEFAULT_PROMPT_IDS_REGION_FROM, metavar="TOKENS",
+        help="a prompt of at least this many tokens has its ids put in preprocess's shared-memory ring when "
+        "that preprocess shares /dev/shm with this gateway (one host, pod or container), and replicas that share "
+        "it too read them there: the messages carry a reference instead of 4 bytes per token; below it bytes "
+        "cost less (docs/transport.md); 0: never (default: %(default)s)",
+    )
     add_slow_reader_arguments(parser)
     add_stream_interval_arguments(parser)
     add_local_preprocess_arguments(parser)
@@ -113,6 +122,7 @@ def config_from_args(args: argparse.Namespace) -> GatewayConfig:
         slow_readers=slow_reader_bounds(args),
         stream_interval=stream_interval_from_args(args),
         local_preprocess=local_preprocess_config(args),
+        prompt_ids_region_from=args.prompt_ids_region_from,
         **routing_options(args),
     )
 

@@ -26,6 +26,13 @@ DEFAULT_DOWNSTREAM_READY_TIMEOUT_S = 600.0
 # stream's wait did not fall, and 8 loops at 5 ms slices were slower than one.
 DEFAULT_ACCEPT_LOOPS = 4
 
+# Prompts of at least this many tokens have their ids put in preprocess's shared-memory ring,
+# where preprocess shares /dev/shm with this gateway. Measured (docs/benchmarks.md, "Prompt
+# token ids"): the ring costs the three processes' own work 1.2x the bytes' at 2k tokens and
+# breaks even at ~16k, but saves both hops' gRPC copies of the bytes (~2.4 ns a byte each), so
+# in all it is cheaper from ~1k tokens on; twice that, to be clear of the crossover.
+DEFAULT_PROMPT_IDS_REGION_FROM = 2048
+
 
 @dataclass(frozen=True, slots=True)
 class GatewayConfig:
@@ -71,6 +78,9 @@ class GatewayConfig:
     redis: RedisIndexConfig | None = None
     # Seconds between sweeps of replicas whose liveness key expired (Redis only).
     sweep_interval_s: float = 1.0
+    # Prompts of at least this many tokens travel by reference in preprocess's shared-memory
+    # ring to replicas on its host, where it shares /dev/shm with this gateway; 0: never.
+    prompt_ids_region_from: int = DEFAULT_PROMPT_IDS_REGION_FROM
 
     def __post_init__(self) -> None:
         if not self.preprocess_targets:
@@ -78,6 +88,7 @@ class GatewayConfig:
         if not self.inference_targets:
             raise ValueError("at least one inference address is required")
         check_at_least("grace_period_s", self.grace_period_s, 0)
+        check_at_least("prompt_ids_region_from", self.prompt_ids_region_from, 0)
         check_at_least("num_workers", self.num_workers, 1)
         check_worker_ports(self.worker_base_port, self.num_workers, self.port, self.worker_ports_file)
         check_stream_interval(self.stream_interval, self.slow_readers.max_unread_s)

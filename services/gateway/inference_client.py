@@ -24,7 +24,8 @@ from llmserve.gateway.replica_stream import MultiplexedTokens, ReplicaStream
 from llmserve.gateway.slow_reader import SlowReaderBounds
 from llmserve.gateway.stream_interval import NO_INTERVAL, StreamInterval
 from llmserve.kv_events import KvEventBatch, batch_from_pb
-from llmserve.pb import sampling_to_pb
+from llmserve.pb import region_ids_to_pb, sampling_to_pb, scope_from_pb
+from llmserve.prompt_ids_region import local_scope
 from llmserve.sampling import SamplingParams
 from llmserve.server import CHANNEL_OPTIONS
 from llmserve.v1 import inference_pb2, inference_pb2_grpc
@@ -63,6 +64,9 @@ class InferenceClient:
         # Whether the replica reads prompt_token_id_bytes, from its model card (a release before
         # would ignore them, so until the card is read the ids go as prompt_token_ids).
         self._takes_token_id_bytes = False
+        # Whether it reads prompt ids from a ring this process can map (the same /dev/shm):
+        # then a prompt whose ids preprocess answered in its ring is relayed by reference.
+        self._reads_shared_ids = False
 
     async def wait_until_serving(self, timeout_s: float) -> None:
         await wait_until_serving(self._channel, f"inference at {self.address}", timeout_s)
@@ -73,6 +77,9 @@ class InferenceClient:
         )
         info = response.model
         self._takes_token_id_bytes = response.takes_prompt_token_id_bytes
+        self._reads_shared_ids = response.takes_prompt_token_ids_in_region and local_scope().shares_with(
+            scope_from_pb(response.shared_memory)
+        )
         return ModelCard(
             model_name=info.model_name,
             architecture=info.architecture,
@@ -104,10 +111,12 @@ class InferenceClient:
             priority=priority,
             timeout_ms=max(1, int(timeout_s * 1000)) if timeout_s is not None else 0,
         )
-        if self._takes_token_id_bytes:
-            request.prompt_token_id_bytes = prompt.token_id_bytes
+        if self._reads_shared_ids and prompt.can_relay_region():
+            request.prompt_token_ids_in_region.CopyFrom(region_ids_to_pb(prompt.ids_in_region))
+        elif self._takes_token_id_bytes:
+            request.prompt_token_id_bytes = prompt.inline_token_id_bytes()
         else:
-            request.prompt_token_ids.extend(token_id_bytes.unpack(prompt.token_id_bytes))
+            request.prompt_token_ids.extend(token_id_bytes.unpack(prompt.inline_token_id_bytes()))
         if kv_pull is not None:
             request.kv_pull.CopyFrom(inference_pb2.KvPullHint(source_address=kv_pull[0], num_blocks=kv_pull[1]))
         return self._replica_stream.generate(request)

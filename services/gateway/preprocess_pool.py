@@ -58,8 +58,12 @@ class _Server:
 class PreprocessPool:
     """`preprocess` like PreprocessClient's, over the servers `addresses()` names."""
 
-    def __init__(self, addresses: Callable[[], Sequence[str]], *, retry_after_s: float = DEFAULT_RETRY_AFTER_S):
+    def __init__(self, addresses: Callable[[], Sequence[str]], *, retry_after_s: float = DEFAULT_RETRY_AFTER_S,
+                 ids_in_region_from: Callable[[str], int] = lambda address: 0):
         self._addresses = addresses
+        # Per server: the least prompt tokens whose ids it answers in its shared-memory ring
+        # (0: none; only a server whose ring this gateway can map: preprocess_servers.py).
+        self._ids_in_region_from = ids_in_region_from
         self._retry_after_s = retry_after_s
         self._servers: dict[str, _Server] = {}
         self._synced: tuple[str, ...] = ()  # what addresses() said at the last sync
@@ -83,6 +87,7 @@ class PreprocessPool:
                 return await server.client.preprocess(
                     request_id, prompt_input, max_tokens=max_tokens, cache_salt=cache_salt,
                     timeout_s=None if deadline_s is None else deadline_s - time.monotonic(),
+                    ids_in_region_from=self._ids_in_region_from(server.client.address),
                 )
             except Unavailable:
                 self._skip(server)

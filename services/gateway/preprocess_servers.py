@@ -27,6 +27,7 @@ from llmserve.gateway.config import GatewayConfig
 from llmserve.gateway.discovery import AddressWatcher
 from llmserve.gateway.preprocess_client import PreprocessClient, PreprocessCard
 from llmserve.gateway.preprocess_pool import PreprocessPool
+from llmserve.prompt_ids_region import local_scope
 
 log = logging.getLogger(__name__)
 
@@ -46,7 +47,11 @@ class PreprocessServers:
         self._reference: tuple[str, PreprocessCard] | None = None  # the first admitted
         self._has_admitted = asyncio.Event()
         self._tasks: set[asyncio.Task] = set()
-        self.pool = PreprocessPool(lambda: self._admitted)
+        # Servers whose prompt ids ring this process can map (same host, same /dev/shm): they
+        # are asked to answer long prompts' ids there (--prompt-ids-region-from).
+        self._scope = local_scope()
+        self._sharing_memory: set[str] = set()
+        self.pool = PreprocessPool(lambda: self._admitted, ids_in_region_from=self._ids_in_region_from)
 
     async def start(self) -> PreprocessCard:
         """Resolve, wait for a first server to be admitted; its info."""
@@ -105,9 +110,17 @@ class PreprocessServers:
             )
             self._refused.add(address)
             return
-        log.info("preprocess at %s joined", address)
+        shares_memory = self._config.prompt_ids_region_from > 0 and self._scope.shares_with(info.shared_memory)
+        if shares_memory:
+            self._sharing_memory.add(address)
+        log.info("preprocess at %s joined%s", address,
+                 f" (prompts of {self._config.prompt_ids_region_from}+ tokens: ids in its shared-memory ring)"
+                 if shares_memory else "")
         self._admitted = (*self._admitted, address)
         self._has_admitted.set()
+
+    def _ids_in_region_from(self, address: str) -> int:
+        return self._config.prompt_ids_region_from if address in self._sharing_memory else 0
 
     async def _info_of(self, address: str) -> PreprocessCard:
         client = PreprocessClient(address)
@@ -133,4 +146,5 @@ def _differences(info: PreprocessCard, reference: PreprocessCard) -> list[str]:
 
 def _flat_fields(info: PreprocessCard) -> dict[str, object]:
     fields = dataclasses.asdict(info)
+    fields.pop("shared_memory")  # not compared: servers on other hosts serve alike
     return {**fields.pop("block_layout"), **fields}

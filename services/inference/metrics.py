@@ -40,13 +40,15 @@ _ADMISSIONS_REFUSED = Counter(
     "llmserve_inference_admissions_refused", "Requests refused at admission, by status code", ["reason"]
 )
 # How prompts arrive (GenerateTokensRequest): as token_id_bytes, which the gateway sends a
-# replica that takes them, or as token_ids (direct callers, a gateway before the field). A
-# gateway that should send bytes and does not shows here.
+# replica that takes them; in preprocess's shared-memory ring ("region": long prompts, replica
+# on preprocess's host); or as token_ids (direct callers, a gateway before the field). A gateway
+# that should send bytes and does not shows here.
 _PROMPTS_RECEIVED = Counter(
     "llmserve_inference_prompts_received", "Prompts received, by how their token ids were encoded", ["encoding"]
 )
 PROMPTS_AS_TOKEN_ID_BYTES = _PROMPTS_RECEIVED.labels(encoding="token_id_bytes")
 PROMPTS_AS_TOKEN_IDS = _PROMPTS_RECEIVED.labels(encoding="token_ids")
+PROMPTS_IN_REGION = _PROMPTS_RECEIVED.labels(encoding="region")
 _REFUSED_BY_CODE = {
     error.code: _ADMISSIONS_REFUSED.labels(reason=error.code.name)
     for error in (ResourceExhausted, DeadlineExceeded, InvalidArgument)

@@ -15,8 +15,10 @@ import numpy as np
 
 from llmserve import pb, token_id_bytes
 from llmserve.block_hash import HASH_VERSION
-from llmserve.errors import DeadlineExceeded, InvalidArgument
+from llmserve.errors import DeadlineExceeded, FailedPrecondition, InvalidArgument
 from llmserve.block_hash import check_cache_salt
+from llmserve.pb import region_ids_from_pb
+from llmserve.prompt_ids_region import BadReference, EntryGone, shared_reader
 from llmserve.request_context import check_request_id
 from llmserve.response_format import FIELD as RESPONSE_FORMAT_FIELD
 from llmserve.response_format import require_grammar_library
@@ -78,6 +80,8 @@ def request_from_pb(
 
 def _prompt_token_ids(pb_request: inference_pb2.GenerateTokensRequest, info: ModelInfo) -> list[int]:
     """The prompt's ids, from whichever field carries them, checked against the model."""
+    if pb_request.HasField("prompt_token_ids_in_region"):
+        return _prompt_token_ids_in_region(pb_request, info)
     if not pb_request.prompt_token_id_bytes:
         metrics.PROMPTS_AS_TOKEN_IDS.inc()
         prompt_token_ids = list(pb_request.prompt_token_ids)
@@ -93,20 +97,42 @@ def _prompt_token_ids(pb_request: inference_pb2.GenerateTokensRequest, info: Mod
     return ids.tolist()
 
 
+def _prompt_token_ids_in_region(pb_request: inference_pb2.GenerateTokensRequest, info: ModelInfo) -> list[int]:
+    """The ids copied out of preprocess's shared-memory ring (llmserve.prompt_ids_region)."""
+    metrics.PROMPTS_IN_REGION.inc()
+    field = "prompt_token_ids_in_region"
+    if pb_request.prompt_token_ids or pb_request.prompt_token_id_bytes:
+        raise InvalidArgument(field, "set either it, prompt_token_ids or prompt_token_id_bytes, not two")
+    ref = region_ids_from_pb(pb_request.prompt_token_ids_in_region)
+    _check_prompt_length(field, ref.num_ids, info)  # before any copy
+    try:
+        ids = shared_reader().read(ref)
+    except BadReference as error:
+        raise InvalidArgument(field, str(error)) from None
+    except EntryGone as error:
+        raise FailedPrecondition(f"{field}: {error} (its lease ran out before it was read)") from None
+    _check_prompt(field, ids, info)
+    return ids.tolist()
+
+
 def _check_prompt(field: str, ids: Sequence[int] | np.ndarray, info: ModelInfo) -> None:
-    if not len(ids):
-        raise InvalidArgument(field, "must not be empty")
-    if len(ids) >= info.max_context_tokens:
-        raise InvalidArgument(
-            field,
-            f"{len(ids)} tokens leave no room to generate: the context is "
-            f"{info.max_context_tokens} tokens, so at most {info.max_context_tokens - 1}",
-        )
+    _check_prompt_length(field, len(ids), info)
     largest = int(ids.max()) if isinstance(ids, np.ndarray) else max(ids)  # one C-speed pass
     if largest >= info.vocab_size:  # find the index only on error
         i = next(i for i, token_id in enumerate(ids) if token_id >= info.vocab_size)
         raise InvalidArgument(
             f"{field}[{i}]", f"token id {int(ids[i])} is not below the vocab size {info.vocab_size}"
+        )
+
+
+def _check_prompt_length(field: str, num_ids: int, info: ModelInfo) -> None:
+    if not num_ids:
+        raise InvalidArgument(field, "must not be empty")
+    if num_ids >= info.max_context_tokens:
+        raise InvalidArgument(
+            field,
+            f"{num_ids} tokens leave no room to generate: the context is "
+            f"{info.max_context_tokens} tokens, so at most {info.max_context_tokens - 1}",
         )
 
 

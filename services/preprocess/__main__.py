@@ -21,6 +21,8 @@ from llmserve.preprocess.config import (
     DEFAULT_MAX_IN_FLIGHT_PROMPT_BYTES,
     DEFAULT_MAX_OUTPUT_TOKENS,
     DEFAULT_PROMPT_CACHE_BYTES,
+    DEFAULT_PROMPT_IDS_LEASE_S,
+    DEFAULT_PROMPT_IDS_REGION_MIB,
     DEFAULT_REDIS_TIMEOUT_MS,
     DEFAULT_REDIS_TTL_S,
     PreprocessConfig,
@@ -113,6 +115,18 @@ def build_parser() -> argparse.ArgumentParser:
         help="tokenized chat prefixes kept in process (an LRU), so that a chat's next turn and "
         "conversations with a known system prompt tokenize only their new text; 0 turns it off "
         "(default: %(default)s)",
+    )
+    parser.add_argument(
+        "--prompt-ids-region-mib", type=int, default=DEFAULT_PROMPT_IDS_REGION_MIB, metavar="MIB",
+        help="a shared-memory ring in /dev/shm of this size for the ids of long prompts: a gateway "
+        "on the same host asks for them there (its --prompt-ids-region-from), and relays a reference "
+        "instead of the ids to replicas on the same host; made at the first such request; 0: none, "
+        "ids always travel in the messages (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--prompt-ids-lease-s", type=float, default=DEFAULT_PROMPT_IDS_LEASE_S, metavar="SECONDS",
+        help="an entry of that ring is reused no sooner than this after it was written (a ring full "
+        "of younger entries answers the ids inline) (default: %(default)s)",
     )
     parser.add_argument(
         "--redis-url", metavar="URL",

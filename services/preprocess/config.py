@@ -24,6 +24,13 @@ DEFAULT_REDIS_TTL_S = 3600
 # Prompt bytes preprocess holds at once (waiting for a tokenizer thread or being tokenized): a bound on its
 # memory under a flood; a request that does not fit gets RESOURCE_EXHAUSTED with a retry delay.
 DEFAULT_MAX_IN_FLIGHT_PROMPT_BYTES = 256 * 1024 * 1024
+# The shared-memory ring for long prompts' ids (llmserve.prompt_ids_region): 8M ids of prompts
+# at least as long as the gateway asks (2k tokens by default) live in it at once; made at the
+# first request that asks, so a preprocess no gateway shares memory with never makes it.
+DEFAULT_PROMPT_IDS_REGION_MIB = 32
+# An entry is reused no sooner than this after it was written; the gateway relays a reference
+# for half of it. Well above a request's time between preprocess and inference (milliseconds).
+DEFAULT_PROMPT_IDS_LEASE_S = 30.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -54,15 +61,19 @@ class PreprocessConfig:
     redis_url: str | None = None  # None: system prompts are cached in process only
     redis_timeout_ms: int = DEFAULT_REDIS_TIMEOUT_MS  # a slower Redis call counts as a miss
     redis_ttl_s: int = DEFAULT_REDIS_TTL_S
+    prompt_ids_region_mib: int = DEFAULT_PROMPT_IDS_REGION_MIB  # 0: no ring, ids always inline
+    prompt_ids_lease_s: float = DEFAULT_PROMPT_IDS_LEASE_S
 
     def __post_init__(self) -> None:
         for name in ("block_size_tokens", "max_output_tokens", "num_tokenizer_threads", "max_in_flight_prompt_bytes",
                      "max_text_pieces", "max_batch_prompts", "redis_timeout_ms", "redis_ttl_s"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
-        for name in ("prompt_cache_bytes", "inline_max_prompt_bytes"):
+        for name in ("prompt_cache_bytes", "inline_max_prompt_bytes", "prompt_ids_region_mib"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must not be negative, got {getattr(self, name)}")
+        if self.prompt_ids_lease_s <= 0:
+            raise ValueError(f"prompt_ids_lease_s must be positive, got {self.prompt_ids_lease_s}")
         if self.max_context_tokens is not None and self.max_context_tokens < 2:
             raise ValueError(f"max_context_tokens must be at least 2, got {self.max_context_tokens}")
 

@@ -26,6 +26,12 @@ _BY_BUCKET = Counter(
 _PROMPT_CACHE_HITS = Counter(
     "llmserve_preprocess_prompt_cache_hits", "Chats that found a tokenized prefix, by where it was found", ["tier"]
 )
+_PROMPT_IDS_IN_REGION = Counter(
+    "llmserve_preprocess_prompt_ids_in_region",
+    "Prompts long enough for the shared-memory ring that the gateway asked for there, by outcome: "
+    "written, or inline (the ring full of entries younger than their lease, or none could be made)",
+    ["outcome"],
+)
 
 _OK = _REQUESTS.labels(code="OK")
 _by_code: dict[grpc.StatusCode, Counter] = {}
@@ -67,3 +73,7 @@ def _bucket_child(bucket: LengthBucket) -> Counter:
     if child is None:
         child = _by_bucket[bucket.max_prompt_tokens] = _BY_BUCKET.labels(bucket=str(bucket.max_prompt_tokens))
     return child
+
+
+IDS_WRITTEN_TO_REGION = _PROMPT_IDS_IN_REGION.labels(outcome="written")
+IDS_INLINE_RING_FULL = _PROMPT_IDS_IN_REGION.labels(outcome="inline")

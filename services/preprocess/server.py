@@ -17,6 +17,7 @@ from llmserve.preprocess.config import PreprocessConfig
 from llmserve.preprocess.pipeline import PreprocessPipeline
 from llmserve.preprocessing.preprocessor import Preprocessor
 from llmserve.preprocess.servicer import SERVICE_NAME, PreprocessServicer
+from llmserve.prompt_ids_region import RingOnDemand
 from llmserve.server import RunningServer, create_server, write_port_file
 from llmserve.v1 import preprocess_pb2_grpc
 
@@ -29,21 +30,25 @@ class PreprocessServer:
 
     running: RunningServer
     pipeline: PreprocessPipeline
+    prompt_ids_ring: RingOnDemand
 
     @property
     def port(self) -> int:
         return self.running.port
 
     async def close(self) -> None:
-        """Stop the tokenizer threads and the Redis client (after the gRPC server has stopped)."""
+        """Stop the tokenizer threads and the Redis client, unlink the prompt ids ring (after the
+        gRPC server has stopped)."""
         await self.pipeline.close()
+        self.prompt_ids_ring.close()
 
 
 async def start_server(config: PreprocessConfig) -> PreprocessServer:
     """Load, bind `config.address`, set health SERVING and only then write the port file."""
     preprocessor = await asyncio.to_thread(Preprocessor.load, config.model_path, config.preprocessor_settings)
     pipeline = PreprocessPipeline.build(preprocessor, config)
-    servicer = PreprocessServicer(pipeline)
+    prompt_ids_ring = RingOnDemand(config.prompt_ids_region_mib * 1024 * 1024, config.prompt_ids_lease_s)
+    servicer = PreprocessServicer(pipeline, prompt_ids_ring)
     info = preprocessor.info
     metrics.expose_buckets(info.buckets)
     max_receive_bytes = prompt_request_bytes(info.max_prompt_bytes, info.max_context_tokens)
@@ -75,4 +80,4 @@ async def start_server(config: PreprocessConfig) -> PreprocessServer:
         f"on ({config.prompt_cache_bytes} bytes in process)" if pipeline.is_reusing_prefixes else "off",
         config.redis_url if config.redis_url and pipeline.is_reusing_prefixes else "none",
     )
-    return PreprocessServer(running=running, pipeline=pipeline)
+    return PreprocessServer(running=running, pipeline=pipeline, prompt_ids_ring=prompt_ids_ring)

@@ -19,10 +19,11 @@ from llmserve import token_id_bytes
 from llmserve.bidi_stream import served
 from llmserve.buckets import LengthBucket
 from llmserve.errors import ServiceError
-from llmserve.pb import model_info_to_pb, prompt_input_from_pb
+from llmserve.pb import model_info_to_pb, prompt_input_from_pb, region_ids_to_pb, scope_to_pb
 from llmserve.preprocess import metrics
 from llmserve.preprocess.pipeline import PreprocessPipeline
 from llmserve.preprocess.preprocess_stream import PreprocessStream
+from llmserve.prompt_ids_region import RingOnDemand, local_scope
 from llmserve.block_hash import check_cache_salt
 from llmserve.request_context import bind_request_id, check_request_id
 from llmserve.v1 import common_pb2, preprocess_pb2, preprocess_pb2_grpc
@@ -37,9 +38,11 @@ def _bucket_to_pb(bucket: LengthBucket) -> common_pb2.LengthBucket:
 
 
 class PreprocessServicer(preprocess_pb2_grpc.PreprocessServiceServicer):
-    def __init__(self, pipeline: PreprocessPipeline):
+    def __init__(self, pipeline: PreprocessPipeline, prompt_ids_ring: RingOnDemand | None = None):
         self._pipeline = pipeline
         self._preprocessor = pipeline.preprocessor
+        self._prompt_ids_ring = prompt_ids_ring if prompt_ids_ring is not None else RingOnDemand(0, 1.0)
+        self._scope = local_scope() if self._prompt_ids_ring.is_enabled else None
 
     async def Preprocess(
         self, request: preprocess_pb2.PreprocessRequest, context: grpc.aio.ServicerContext
@@ -90,11 +93,28 @@ class PreprocessServicer(preprocess_pb2_grpc.PreprocessServiceServicer):
             max_tokens=result.max_tokens,
             preprocess_time_ns=elapsed_ns,
         )
-        if request.token_ids_as_bytes:
-            response.token_id_bytes = token_id_bytes.pack(result.token_ids)
-        else:
-            response.token_ids.extend(result.token_ids)
+        self._set_token_ids(response, request, result.token_ids)
         return response
+
+    def _set_token_ids(self, response: preprocess_pb2.PreprocessResponse, request: preprocess_pb2.PreprocessRequest,
+                       token_ids: list[int]) -> None:
+        """The ids as the request asked: in the ring for a long prompt (when it has room), else
+        as bytes or as a list."""
+        if 0 < request.token_ids_in_region_from <= len(token_ids) and self._prompt_ids_ring.is_enabled:
+            packed = token_id_bytes.pack(token_ids)
+            ref = self._prompt_ids_ring.put(packed)
+            if ref is not None:
+                metrics.IDS_WRITTEN_TO_REGION.inc()
+                response.token_ids_in_region.CopyFrom(region_ids_to_pb(ref))
+                return
+            metrics.IDS_INLINE_RING_FULL.inc()
+            if request.token_ids_as_bytes:
+                response.token_id_bytes = packed
+                return
+        if request.token_ids_as_bytes:
+            response.token_id_bytes = token_id_bytes.pack(token_ids)
+        else:
+            response.token_ids.extend(token_ids)
 
     async def Tokenize(
         self, request: preprocess_pb2.TokenizeRequest, context: grpc.aio.ServicerContext
@@ -134,4 +154,5 @@ class PreprocessServicer(preprocess_pb2_grpc.PreprocessServiceServicer):
             has_chat_template=info.has_chat_template,
             max_prompt_bytes=info.max_prompt_bytes,
             chat_template_fingerprint=info.chat_template_fingerprint,
+            shared_memory=scope_to_pb(self._scope) if self._scope is not None else None,
         )
