@@ -284,15 +284,29 @@ def test_bench_transport_measures_every_cpu_path(tmp_path):
     assert report["ping_ms"]["repeats"] == 2 * 3  # pooled over the two paths that use the pipe
 
 
-def test_bench_block_copy_checks_and_times_the_kv_pull_kernel(tmp_path):
+@pytest.mark.parametrize("ipc", [False, True], ids=["local", "ipc"])
+def test_bench_block_copy_checks_and_times_the_kv_pull_kernel(tmp_path, ipc):
     pytest.importorskip("triton")
-    report = run_bench("bench_block_copy.py", ["--smoke", "--sweep", "--out-dir", str(tmp_path)], tmp_path)
-    assert [(row["shape"], row["blocks"]) for row in report["rows"]] == [("tiny", 4), ("tiny", 8)]
+    # --ipc on CPU: the source pool is a child process's /dev/shm segment (TensorProducer's host path)
+    report = run_bench("bench_block_copy.py", ["--smoke", "--sweep", *(["--ipc", "--idle-ms", "1"] if ipc else []),
+                                               "--out-dir", str(tmp_path)], tmp_path)
+    sources = ["local", "ipc"] if ipc else ["local"]
+    assert [(row["shape"], row["blocks"], row["source"]) for row in report["rows"]] == [
+        ("tiny", blocks, source) for blocks in (4, 8) for source in sources
+    ]
     for row in report["rows"]:  # the bench exits 1 if a copy differs from its source
-        for name in ("roofline", "kernel", "import"):
+        names = ("roofline", "kernel", "import") + (("copy_phase",) if row["source"] == "ipc" else ())
+        for name in names:
             low, median, high = row[f"{name}_ms"]
             assert 0 < low <= median <= high and row[f"{name}_gb_per_s"] > 0
-        assert len(row["sweep_gb_per_s"]) == 15
+        if row["source"] == "ipc":
+            assert min(row["copy_phase_kernel_ms"]) > 0 and "copy_phase_over_its_kernel_ms" in row
+        else:
+            assert len(row["sweep_gb_per_s"]) == 15
+    if ipc:  # the child exited by itself and left nothing behind (on CUDA: we gave its IPC reference back)
+        (source,) = report["ipc_sources"]
+        assert source["path"] in ("shm", "cuda_ipc") and source["child_exit_code"] == 0
+        assert not source["references_held_at_close"] and source["left_in_dev_shm"] == []
 
 
 def test_bench_tensor_parallel_compares_sizes_on_cpu(tmp_path):
