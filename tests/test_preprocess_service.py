@@ -77,17 +77,18 @@ def _variant(model_dir: Path, path: Path, chat_template: str | None) -> Path:
 
 @pytest_asyncio.fixture(scope="module", loop_scope="session")
 async def stubs(tiny_model_dir, tmp_path_factory):
-    """Stubs of three servers on the tiny model: its ChatML template, no template, and a
-    template that raises on roles that do not alternate."""
+    """Stubs of four servers on the tiny model: its ChatML template, no template, a template
+    that raises on roles that do not alternate, and its template without a prompt ids ring."""
     root = tmp_path_factory.mktemp("preprocess-variants")
     model_dirs = {
-        "main": tiny_model_dir,
-        "no_template": _variant(tiny_model_dir, root / "no-template", None),
-        "strict": _variant(tiny_model_dir, root / "strict", STRICT_TEMPLATE),
+        "main": (tiny_model_dir, {}),
+        "no_template": (_variant(tiny_model_dir, root / "no-template", None), {}),
+        "strict": (_variant(tiny_model_dir, root / "strict", STRICT_TEMPLATE), {}),
+        "no_ring": (tiny_model_dir, {"prompt_ids_region_mib": 0}),
     }
     servers, channels, result = [], [], {}
-    for name, model_dir in model_dirs.items():
-        server = await start_server(_config(model_dir))
+    for name, (model_dir, overrides) in model_dirs.items():
+        server = await start_server(_config(model_dir, **overrides))
         channel = grpc.aio.insecure_channel(f"127.0.0.1:{server.port}", options=CHANNEL_OPTIONS)
         servers.append(server)
         channels.append(channel)
@@ -98,6 +99,7 @@ async def stubs(tiny_model_dir, tmp_path_factory):
         await channel.close()
     for server in servers:
         await server.running.server.stop(1.0)
+        await server.close()
         await server.close()
 
 
@@ -226,6 +228,20 @@ async def test_preprocess_prompt(stub, reference, namespace):
     ))
     assert not too_short.HasField("token_ids_in_region")
     assert token_id_bytes.unpack(too_short.token_id_bytes) == expected_ids
+
+
+async def test_a_server_without_a_ring_says_so_and_answers_the_ids_as_asked_otherwise(stubs):
+    no_ring = stubs["no_ring"]
+    assert not (await no_ring.GetPreprocessInfo(preprocess_pb2.GetPreprocessInfoRequest())).HasField("shared_memory")
+    token_ids = list(range(3, 3 + 2 * BLOCK_SIZE))
+    request = preprocess_pb2.PreprocessRequest(
+        prompt_token_ids=common_pb2.TokenIdsInput(token_ids=token_ids), max_tokens=4, token_ids_in_region_from=1
+    )
+    as_list = await no_ring.Preprocess(request)
+    request.token_ids_as_bytes = True
+    as_bytes = await no_ring.Preprocess(request)
+    assert not as_list.HasField("token_ids_in_region") and not as_bytes.HasField("token_ids_in_region")
+    assert (list(as_list.token_ids), token_id_bytes.unpack(as_bytes.token_id_bytes)) == (token_ids, token_ids)
 
 
 async def test_the_cache_salt_namespaces_the_block_hashes(stub, namespace):
