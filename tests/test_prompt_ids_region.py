@@ -3,6 +3,7 @@ the ring's own rules, then the real stack relaying a reference from preprocess t
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import re
 import signal
@@ -14,6 +15,8 @@ import grpc
 import numpy as np
 import pytest
 
+from llmserve.errors import Unavailable
+from llmserve.gateway.preprocess_client import PreparedPrompt
 from llmserve.prompt_ids_region import (
     BadReference, EntryGone, PromptIdsReader, PromptIdsRing, RegionIds, RingOnDemand, SharedMemoryScope, local_scope,
 )
@@ -156,6 +159,22 @@ def test_a_ring_on_demand_is_made_at_its_first_entry_and_never_with_size_0():
     on_demand.close()
     assert made == {ref.region_name}
     assert not os.path.exists(os.path.join(SHM_DIR, ref.region_name))
+
+
+def test_a_gateway_s_prompt_in_the_ring_reads_it_relays_it_while_young_and_fails_unavailable_once_gone(ring, clock):
+    prompt_ids = ids(10, 12)
+    ref = ring.put(prompt_ids.tobytes())
+    prepared = PreparedPrompt(b"", [], 16, 1, "", 4, 0, ids_in_region=ref, answered_s=time.monotonic())
+    assert prepared.num_tokens == 12 and prepared.last_token_ids(5) == prompt_ids[-5:].tolist()
+    assert prepared.inline_token_id_bytes() == prompt_ids.tobytes()
+    assert prepared.can_relay_region()
+    answered_long_ago = dataclasses.replace(prepared, answered_s=time.monotonic() - ref.valid_for_s / 2)
+    assert not answered_long_ago.can_relay_region()  # sent as bytes from here on
+    clock.now_s = LEASE_S
+    ring.put(packed(900, 240))  # reuses the entry, its lease over
+    for read in (lambda: prepared.last_token_ids(5), prepared.inline_token_id_bytes):
+        with pytest.raises(Unavailable, match="no longer in preprocess's ring"):
+            read()
 
 
 def test_scopes_share_only_when_both_are_known_and_equal():

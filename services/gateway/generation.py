@@ -191,6 +191,9 @@ class GenerationPipeline:
         """The request on the route's replica, counted in flight there (its prefill queued until
         its first token). One generator for both: every layer of `async for ... yield` between
         the replica's buffer and the client's stream is paid per message."""
+        # Read before the request goes out: for ids in preprocess's ring, an entry gone fails
+        # here (UNAVAILABLE), with nothing started on the replica.
+        prompt_context = prompt.last_token_ids(NUM_PROMPT_CONTEXT_TOKENS)
         with route.replica.dispatched(route.prefill_blocks) as dispatch:
             stream = route.replica.client.generate(
                 request.request_id,
@@ -199,7 +202,6 @@ class GenerationPipeline:
                 timeout_s=time_remaining(),
                 kv_pull=(route.pull_from.address, route.pull_blocks) if route.pull_from is not None else None,
             )
-            prompt_context = prompt.last_token_ids(NUM_PROMPT_CONTEXT_TOKENS)
             state = _RequestState(prompt=prompt, route=route, sequences=[
                 _SequenceState(self._detokenizer.new_stream(prompt_context), StopStringMatcher(request.sampling.stop))
                 for _ in range(request.sampling.n)
