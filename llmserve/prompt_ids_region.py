@@ -19,7 +19,9 @@ inline), and the gateway relays a reference only while less than half of the lea
 gateway that dies between the hops leaks nothing. Each entry holds a random 64-bit key that the
 reference carries: a reader copies the ids out and checks the key before and after, and refuses
 an entry reused since (or a guessed reference) instead of reading another prompt's ids. The lease
-is what keeps entries intact; the key check is the second line.
+is what keeps entries intact; the key check is the second line (exact where stores become
+visible in program order, as on x86; with weaker ordering, a reader racing a reuse could miss
+it, which the lease already rules out).
 
 Only the ring's owner writes and unlinks (its reaper unlinks the segment if it dies:
 tensor_transport/shm_reaper.py); readers map it read-only, once per segment.
