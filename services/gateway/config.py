@@ -29,9 +29,10 @@ DEFAULT_ACCEPT_LOOPS = 4
 # Prompts of at least this many tokens have their ids put in preprocess's shared-memory ring,
 # where preprocess shares /dev/shm with this gateway. Measured (docs/benchmarks.md, "Prompt
 # token ids"): the ring costs the three processes' own work 1.2x the bytes' at 2k tokens and
-# breaks even at ~16k, but saves both hops' gRPC copies of the bytes (~2.4 ns a byte each), so
-# in all it is cheaper from ~1k tokens on; twice that, to be clear of the crossover.
-DEFAULT_PROMPT_IDS_REGION_FROM = 2048
+# breaks even at ~16k, but spares both hops' gRPC the bytes (~0.65 ns a byte a hop on loopback
+# by the fastest round trips, more at the medians), so in all it breaks even at 2k tokens or
+# below; twice that, to be clear of it.
+DEFAULT_PROMPT_IDS_REGION_FROM = 4096
 
 
 @dataclass(frozen=True, slots=True)

@@ -25,7 +25,7 @@ DEFAULT_REDIS_TTL_S = 3600
 # memory under a flood; a request that does not fit gets RESOURCE_EXHAUSTED with a retry delay.
 DEFAULT_MAX_IN_FLIGHT_PROMPT_BYTES = 256 * 1024 * 1024
 # The shared-memory ring for long prompts' ids (llmserve.prompt_ids_region): 8M ids of prompts
-# at least as long as the gateway asks (2k tokens by default) live in it at once; made at the
+# at least as long as the gateway asks (4k tokens by default) live in it at once; made at the
 # first request that asks, so a preprocess no gateway shares memory with never makes it.
 DEFAULT_PROMPT_IDS_REGION_MIB = 32
 # An entry is reused no sooner than this after it was written; the gateway relays a reference
