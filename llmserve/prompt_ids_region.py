@@ -43,9 +43,10 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from llmserve import token_id_bytes
 from llmserve.tensor_transport.identity import SHM_DIR, boot_id, shm_device
 from llmserve.tensor_transport.shm_reaper import process_reaper
-from llmserve.tensor_transport.shm_segment import create_mapping
+from llmserve.tensor_transport.shm_segment import create_mapping, unlink_segment
 
 _MAGIC = b"LLMSIDS1"
 _HEADER_BYTES = 16  # magic, capacity
@@ -53,7 +54,6 @@ _ENTRY_HEADER_BYTES = 16  # key, num_ids, zero
 _ALIGN = 8
 log = logging.getLogger(__name__)
 
-_IDS = np.dtype("<u4")
 _KEY = struct.Struct("<Q")
 _ENTRY_HEADER = struct.Struct("<QII")  # key, num_ids, zero
 _RING_HEADER = struct.Struct("<8sQ")  # magic, capacity
@@ -132,7 +132,7 @@ class PromptIdsRing:
         """Copy the ids, packed as llmserve.token_id_bytes packs them (little-endian uint32s),
         into a new entry; None when it cannot take them now (live entries younger than the lease
         fill the place it needs, or they exceed the ring)."""
-        num_ids = len(packed_ids) // 4
+        num_ids = token_id_bytes.count(packed_ids)
         size = _entry_size(num_ids)
         with self._lock:
             if self._closed:
@@ -152,11 +152,7 @@ class PromptIdsRing:
             if self._closed:
                 return
             self._closed = True
-            try:
-                os.unlink(os.path.join(SHM_DIR, self.name))
-            except FileNotFoundError:
-                pass
-            self._reaper.unregister(self.name)
+            unlink_segment(self.name, self._reaper)
 
     def _place(self, size: int) -> int | None:
         while True:
@@ -171,7 +167,6 @@ class PromptIdsRing:
         """Where `size` bytes fit between the live entries, the newest's end first."""
         end = self.capacity_bytes
         if not self._live:
-            self._head = _HEADER_BYTES
             return _HEADER_BYTES if _HEADER_BYTES + size <= end else None
         tail = self._live[0].offset
         if tail < self._head:  # live entries in [tail, head): room after head, or from the start
@@ -199,7 +194,8 @@ class PromptIdsReader:
         self._mapped: collections.OrderedDict[str, mmap.mmap] = collections.OrderedDict()
 
     def read(self, ref: RegionIds) -> np.ndarray:
-        """The entry's ids, copied (little-endian uint32). BadReference or EntryGone."""
+        """The entry's ids, copied out (a read-only view of the copy, as
+        token_id_bytes.as_array gives). BadReference or EntryGone."""
         return self._copy(ref, 0)
 
     def last(self, ref: RegionIds, num_ids: int) -> list[int]:
@@ -213,14 +209,10 @@ class PromptIdsReader:
         key, num_ids, _ = _ENTRY_HEADER.unpack_from(ring, ref.offset_bytes)
         if ref.key == 0 or key != ref.key or num_ids != ref.num_ids:
             raise EntryGone(f"the entry at {ref.offset_bytes} of {ref.region_name} holds another prompt now")
-        ids = np.frombuffer(ring, dtype=_IDS, count=ref.num_ids - first, offset=start + 4 * first).copy()
+        ids = token_id_bytes.as_array(ring[start + _ids_bytes(first) : start + _ids_bytes(ref.num_ids)])
         if _KEY.unpack_from(ring, ref.offset_bytes)[0] != ref.key:
             raise EntryGone(f"the entry at {ref.offset_bytes} of {ref.region_name} was reused while it was read")
         return ids
-
-    def close(self) -> None:
-        with self._lock:
-            self._mapped.clear()
 
     def _ring(self, name: str) -> mmap.mmap:
         with self._lock:
@@ -235,21 +227,20 @@ class PromptIdsReader:
             return data
 
 
-_shared_reader: PromptIdsReader | None = None
-_shared_reader_lock = threading.Lock()
+_SHARED_READER = PromptIdsReader()  # maps nothing until it reads
 
 
 def shared_reader() -> PromptIdsReader:
     """This process's reader: its mappings serve every request."""
-    global _shared_reader
-    with _shared_reader_lock:
-        if _shared_reader is None:
-            _shared_reader = PromptIdsReader()
-        return _shared_reader
+    return _SHARED_READER
+
+
+def _ids_bytes(num_ids: int) -> int:
+    return token_id_bytes.BYTES_PER_ID * num_ids
 
 
 def _entry_size(num_ids: int) -> int:
-    size = _ENTRY_HEADER_BYTES + 4 * num_ids
+    size = _ENTRY_HEADER_BYTES + _ids_bytes(num_ids)
     return size + (-size) % _ALIGN
 
 

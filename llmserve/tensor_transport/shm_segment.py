@@ -46,6 +46,16 @@ def create_mapping(name: str, num_bytes: int, reaper: ShmReaper) -> mmap.mmap:
         os.close(fd)
 
 
+def unlink_segment(name: str, reaper: ShmReaper) -> None:
+    """Remove segment `name` made by create_mapping (gone already is fine) and stop its reaper
+    from unlinking it again."""
+    try:
+        os.unlink(os.path.join(SHM_DIR, name))
+    except FileNotFoundError:
+        pass
+    reaper.unregister(name)
+
+
 class ShmSegment:
     def __init__(self, name: str, mapping: mmap.mmap, reaper: ShmReaper | None):
         import torch  # here: create_mapping serves the CPU-only services too (llmserve.prompt_ids_region)
@@ -81,9 +91,5 @@ class ShmSegment:
         """The producer's: remove the name (idempotent); mappings stay valid until dropped."""
         if self._is_unlinked:
             return
-        try:
-            os.unlink(os.path.join(SHM_DIR, self.name))
-        except FileNotFoundError:
-            pass
-        self._reaper.unregister(self.name)
+        unlink_segment(self.name, self._reaper)
         self._is_unlinked = True

@@ -38,8 +38,8 @@ from llmserve.inference.multiplex import MultiplexedStream
 from llmserve.inference.output_stream import OutputStream
 from llmserve.inference.wire import deadline_ns, hint_from_pb, pin_request_from_pb, request_from_pb, split_at_deadline
 from llmserve.kv_events import batch_to_pb
+from llmserve.pb import MULTIPLEX_COLUMNS_METADATA, model_info_to_pb, output_to_pb, scope_to_pb
 from llmserve.prompt_ids_region import local_scope
-from llmserve.pb import scope_to_pb, MULTIPLEX_COLUMNS_METADATA, model_info_to_pb, output_to_pb
 from llmserve.request_context import bind_request_id
 from llmserve.v1 import inference_pb2, inference_pb2_grpc
 

@@ -111,12 +111,16 @@ def _prompt_token_ids_in_region(pb_request: inference_pb2.GenerateTokensRequest,
         raise InvalidArgument(field, str(error)) from None
     except EntryGone as error:
         raise FailedPrecondition(f"{field}: {error} (its lease ran out before it was read)") from None
-    _check_prompt(field, ids, info)
+    _check_in_vocabulary(field, ids, info)
     return ids.tolist()
 
 
 def _check_prompt(field: str, ids: Sequence[int] | np.ndarray, info: ModelInfo) -> None:
     _check_prompt_length(field, len(ids), info)
+    _check_in_vocabulary(field, ids, info)
+
+
+def _check_in_vocabulary(field: str, ids: Sequence[int] | np.ndarray, info: ModelInfo) -> None:
     largest = int(ids.max()) if isinstance(ids, np.ndarray) else max(ids)  # one C-speed pass
     if largest >= info.vocab_size:  # find the index only on error
         i = next(i for i, token_id in enumerate(ids) if token_id >= info.vocab_size)
