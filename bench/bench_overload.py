@@ -58,11 +58,7 @@ WORDS = ("river", "mountain", "quiet", "engine", "orange", "letter", "window", "
 
 def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", type=Path, help="HF checkpoint directory (default: the default model, SmolLM2-135M)")
-    parser.add_argument("--shape", choices=bench_stack.SHAPES,
-                        help="serve random weights of this shape instead (bench_stack.py's shapes, built once per run)")
-    parser.add_argument("--tokenizer", type=Path, help="tokenizer directory for --shape (default: the Qwen one)")
-    parser.add_argument("--device", default="cpu", help="the inference engine's device (default: %(default)s)")
+    bench_stack.add_served_model_arguments(parser)
     parser.add_argument("--streams", type=int, default=500, help="requests sent at once (default: %(default)s)")
     parser.add_argument("--deadline-s", type=float, default=30.0, help="each request's deadline (default: %(default)s)")
     parser.add_argument("--max-tokens", type=int, default=16, help="(default: %(default)s)")
@@ -346,13 +342,7 @@ def main(argv=None) -> None:
     args.out_dir.mkdir(parents=True, exist_ok=True)
     results = {}
     with tempfile.TemporaryDirectory(prefix="bench-overload-") as log_dir:
-        if args.shape:
-            args.seed = 0
-            args.model = bench_stack.build_model(args, Path(log_dir) / f"random-{args.shape}")
-        elif args.model is None:
-            from llmserve.tools.model_store import resolve_model
-
-            args.model = resolve_model(None)
+        args.model = bench_stack.served_model(args, Path(log_dir))
         for run in range(1, args.runs + 1):
             for config in args.configs:
                 result = run_config(config, args, args.model, Path(log_dir))

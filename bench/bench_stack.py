@@ -221,6 +221,28 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seed", type=int, default=0)
 
 
+def add_served_model_arguments(parser: argparse.ArgumentParser) -> None:
+    """What a bench that starts the stack serves: a checkpoint, the default model, or random
+    weights of a shape (served_model)."""
+    parser.add_argument("--model", type=Path, help="HF checkpoint directory (default: the default model, SmolLM2-135M)")
+    parser.add_argument("--shape", choices=SHAPES, help="serve random weights of this shape instead (built once per run)")
+    parser.add_argument("--tokenizer", type=Path, help="tokenizer directory for --shape (default: the Qwen one)")
+    parser.add_argument("--device", default="cpu", help="the inference engine's device (default: %(default)s)")
+
+
+def served_model(args, work_dir: Path) -> Path:
+    """The checkpoint add_served_model_arguments' flags name: random weights of --shape built
+    under `work_dir` (seed 0), --model, or the default model."""
+    if args.shape:
+        args.seed = 0
+        return build_model(args, work_dir / f"random-{args.shape}")
+    if args.model is not None:
+        return args.model
+    from llmserve.tools.model_store import resolve_model
+
+    return resolve_model(None)
+
+
 def build_model(args, out_dir: Path) -> Path:
     """A checkpoint of --shape with random weights (see the module docstring), from args.shape,
     args.tokenizer, args.device and args.seed."""

@@ -11,6 +11,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.long_streams import long_context_model_dir  # noqa: F401 (a fixture)
+
 REPO_ROOT = Path(__file__).resolve().parent.parent
 
 
@@ -378,3 +380,20 @@ def test_bench_prompt_ids_carries_the_same_ids_every_way(tmp_path):
         assert set(row["us"]) == {"token_ids", "token_id_bytes", "region"}
         assert row["us"]["token_id_bytes"]["request_bytes"] > 4 * row["tokens"]
         assert row["us"]["region"]["request_bytes"] < 100  # a reference, whatever the prompt's length
+
+
+def test_bench_slow_reader_holds_each_client_against_a_reader(long_context_model_dir, tmp_path):
+    # A tokens bound of 64 aborts the 1 KiB window's stream within a few hundred tokens, on any
+    # machine; the other clients' windows may or may not fill before 600 tokens are made.
+    report = run_bench("bench_slow_reader.py", ["--model", str(long_context_model_dir), "--max-tokens", "600",
+                                                "--clients", "grpc-1k-window,http-sse", "--linger-s", "0.2",
+                                                "--gateway-arg", "--max-unsent-tokens 64", "--out-dir", str(tmp_path)],
+                       tmp_path)
+    by_client = {row["client"]: row for row in report["holdings"]}
+    assert list(by_client) == ["reads", "grpc-1k-window", "http-sse"]
+    reader, stalled = by_client["reads"], by_client["grpc-1k-window"]
+    assert (reader["ended"], reader["tokens_read"], reader["how_it_ended"], reader["ratio_to_reader"]) == ("finished", 600, "OK", 1.0)
+    assert stalled["ended"] == "aborted"
+    assert stalled["how_it_ended"].startswith("RESOURCE_EXHAUSTED: client is not reading: "), stalled["how_it_ended"]
+    assert stalled["tokens_read"] < 600  # what its window held before the abort
+    assert by_client["http-sse"]["ended"] in ("finished", "aborted") and by_client["http-sse"]["bytes_read"] > 0
