@@ -94,6 +94,9 @@ class Caps:
     max_output_tokens: int
     max_prompt_bytes: int
     receive_limit_bytes: Mapping[str, int]  # by service
+    # Entries of the stack's own prompt ids ring (preprocess wrote them): a valid reference, and
+    # a real segment name for the perturbed ones to reach the bounds and key checks behind it.
+    prompt_ids_in_region: tuple[common_pb2.PromptIdsInRegion, ...] = ()
 
     def edge_lengths(self, service: str) -> list[int]:
         """String and bytes lengths worth trying: each cap a value may meet, ±1."""
@@ -314,7 +317,13 @@ _HINTS: dict[str, Callable[[Caps], st.SearchStrategy]] = {
     "llmserve.v1.GenerateTokensRequest.prompt_token_id_bytes": lambda caps: _prompt_ids(caps).map(token_id_bytes.pack),
     "llmserve.v1.DetokenizeRequest.token_ids": _token_ids,
     "llmserve.v1.SamplingParams.stop_token_ids": _token_ids,
+    "llmserve.v1.GenerateTokensRequest.prompt_token_ids_in_region": lambda caps: _region_refs(caps),
+    "llmserve.v1.PromptIdsInRegion.region_name": lambda caps: _region_refs(caps).map(lambda ref: ref.region_name),
 }
+
+
+def _region_refs(caps: Caps) -> st.SearchStrategy[common_pb2.PromptIdsInRegion]:
+    return st.sampled_from(caps.prompt_ids_in_region) if caps.prompt_ids_in_region else st.nothing()
 
 
 # --- valid requests, and valid ones with a few fields changed --------------------------------
@@ -393,8 +402,14 @@ def _generate_tokens(draw, caps: Caps):
         sampling=draw(_sampling(caps, max_n=2)), priority=draw(st.integers(-2, 2)),
         cache_salt=draw(st.sampled_from(["", "tenant-a"])),
     )
+    # As the gateway sends them (bytes, or a reference into preprocess's ring), or as a direct
+    # caller may.
+    form = draw(st.sampled_from(["bytes", "ids", *(["region"] if caps.prompt_ids_in_region else [])]))
+    if form == "region":
+        request.prompt_token_ids_in_region.CopyFrom(draw(_region_refs(caps)))
+        return request
     ids = draw(_prompt_ids(caps))
-    if draw(st.booleans()):  # as the gateway sends them, or as a direct caller may
+    if form == "bytes":
         request.prompt_token_id_bytes = token_id_bytes.pack(ids)
     else:
         request.prompt_token_ids.extend(ids)

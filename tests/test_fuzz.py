@@ -82,6 +82,12 @@ def caps(channels) -> Caps:
         inference_pb2.GetModelInfoRequest(), timeout=HANG_GUARD_S
     ).model
     prompt_limit = prompt_request_bytes(info.max_prompt_bytes, info.model.max_context_tokens)
+    preprocess = preprocess_pb2_grpc.PreprocessServiceStub(channels["preprocess"])
+    ring_entries = [
+        preprocess.Preprocess(preprocess_pb2.PreprocessRequest(prompt=prompt, token_ids_in_region_from=1),
+                              timeout=HANG_GUARD_S).token_ids_in_region
+        for prompt in ("hello", "a prompt whose ids go through the ring")
+    ]
     return Caps(
         model_name=info.model.model_name, vocab_size=model.vocab_size, context_tokens=info.model.max_context_tokens,
         max_output_tokens=info.max_output_tokens, max_prompt_bytes=info.max_prompt_bytes,
@@ -89,6 +95,7 @@ def caps(channels) -> Caps:
             "gateway": prompt_limit, "preprocess": prompt_limit,
             "inference": token_ids_request_bytes(model.max_context_tokens, model.block_size_tokens),
         },
+        prompt_ids_in_region=tuple(entry for entry in ring_entries if entry.region_name),  # none without /dev/shm
     )
 
 
