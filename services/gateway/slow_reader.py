@@ -13,7 +13,10 @@ What the gateway cannot see: messages that are inside the window. The window is 
 (its SETTINGS and WINDOW_UPDATEs); no option of the gateway's server changes it. grpc's C-core
 clients start at 64 KiB and, with BDP probing on (their default), grow it as data arrives, to
 about 4 MiB measured, whether or not the application reads (docs/reliability.md, "Slow readers").
-A client that never reads is bounded from the moment its window is full, not before.
+A client that never reads is bounded from the moment its window is full, not before; until
+then it costs the replica what a reader of the same request does (bench/bench_slow_reader.py:
+0.95-1.01x of a reader's time on an H100 and a CPU), and its request ends at its own max_tokens
+or deadline.
 """
 
 from __future__ import annotations
