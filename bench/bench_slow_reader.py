@@ -17,6 +17,8 @@ a completion of --max-tokens tokens (ignore_eos), from each client:
   grpc-no-bdp      the same with `grpc.http2.bdp_probe` 0: the window stays 64 KiB
   grpc-1k-window   `grpc.http2.lookahead_bytes` 1024 and no BDP: a window of ~1 KiB
   http-sse         a TCP client that sends a streamed POST /v1/completions and never reads
+  node-grpc-js     a Node.js client (@grpc/grpc-js, tests/node/never_read.js) that attaches no
+                   `data` listener; run where node and tests/node's packages are (`make setup`)
 
 For each: the seconds until the replica no longer ran the request and held none of its KV blocks
 (polled with GetLoad), whether it was aborted (a bound fired) or finished, the most KV blocks it
@@ -34,8 +36,10 @@ import argparse
 import json
 import re
 import shlex
+import shutil
 import socket
 import statistics
+import subprocess
 import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -58,7 +62,8 @@ GRPC_OPTIONS = {
     "grpc-no-bdp": (("grpc.http2.bdp_probe", 0),),
     "grpc-1k-window": (("grpc.http2.lookahead_bytes", 1024), ("grpc.http2.bdp_probe", 0)),
 }
-CLIENTS = ("reads", *GRPC_OPTIONS, "http-sse")
+CLIENTS = ("reads", *GRPC_OPTIONS, "http-sse", "node-grpc-js")
+NODE_CLIENT = Path(__file__).resolve().parent.parent / "tests" / "node" / "never_read.js"
 READ_BACK_TIMEOUT_S = 30.0  # reading what a window or socket held, once the replica freed it
 IN_FLIGHT = "llmserve_gateway_streams_in_flight"
 
@@ -67,7 +72,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     bench_stack.add_served_model_arguments(parser)
     parser.add_argument("--max-tokens", type=int, default=1024, help="tokens each request asks for (default: %(default)s)")
-    parser.add_argument("--clients", default=",".join(CLIENTS), help="(default: %(default)s)")
+    parser.add_argument("--clients", help=f"comma-separated, of {', '.join(CLIENTS)} (default: all; node-grpc-js only "
+                                          "where node and tests/node's packages are installed)")
     parser.add_argument("--runs", type=int, default=1,
                         help="every client this many times on one stack; with 3 or more the summary gives "
                              "min/median/max per client (default: %(default)s)")
@@ -84,10 +90,16 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--out-dir", type=Path, default=Path(__file__).resolve().parent / "results")
     parser.add_argument("--startup-timeout-s", type=float, default=300.0)
     args = parser.parse_args(argv)
-    args.clients = args.clients.split(",")
+    node = node_client()
+    if args.clients is None:
+        args.clients = [c for c in CLIENTS if node or c != "node-grpc-js"]
+    else:
+        args.clients = args.clients.split(",")
     unknown = [c for c in args.clients if c not in CLIENTS]
     if unknown:
         parser.error(f"unknown client(s) {unknown}; choose from {', '.join(CLIENTS)}")
+    if "node-grpc-js" in args.clients and not node:
+        parser.error("node-grpc-js needs node and tests/node's packages (`make setup` installs them where npm is)")
     if "reads" not in args.clients:
         args.clients.insert(0, "reads")  # the baseline of every ratio
     args.inference_arg = [flag for value in args.inference_arg for flag in shlex.split(value)]
@@ -106,7 +118,7 @@ class Holding:
     max_kv_blocks: int
     gateway_calls_after: int  # calls the gateway served --linger-s after the replica freed this one
     messages_read: int  # what the client read: gRPC messages, or SSE events with text
-    bytes_read: int  # gRPC messages' bytes, or the HTTP response's
+    bytes_read: int  # gRPC messages' bytes (0 from the Node client, which does not count them), or the HTTP response's
     tokens_read: int  # gRPC only (token ids); the SSE events carry text
     how_it_ended: str  # the status (gRPC) or the last event (SSE), cut short
     ratio_to_reader: float | None = None
@@ -193,6 +205,31 @@ def run_grpc(client: str, run: int, args, gateway: str, watch: ReplicaWatch, met
     return Holding(client, run, held_s, ended, max_blocks, calls_after, messages, num_bytes, tokens, status)
 
 
+def node_client() -> str | None:
+    """The node executable, where tests/node's @grpc/grpc-js is installed beside it."""
+    node = shutil.which("node")
+    installed = (NODE_CLIENT.parent / "node_modules" / "@grpc" / "grpc-js" / "package.json").is_file()
+    return node if node and installed else None
+
+
+def run_node(run: int, args, gateway: str, watch: ReplicaWatch, metrics_port: int) -> Holding:
+    before = watch.load()
+    started_s = time.monotonic()
+    client = subprocess.Popen([node_client(), str(NODE_CLIENT), gateway, str(args.max_tokens), PROMPT],
+                              stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    first_line = client.stdout.readline().strip()
+    if first_line != "started":
+        client.kill()
+        raise RuntimeError(f"the Node client did not start its call: {first_line!r}")
+    held_s, ended, max_blocks = watch.until_freed(before, started_s, args.give_up_s, client.kill)
+    time.sleep(args.linger_s)
+    calls_after = gateway_calls(metrics_port)
+    out, _ = client.communicate("read\n", timeout=READ_BACK_TIMEOUT_S)  # now it reads, then prints what it got
+    read = json.loads(out.strip().splitlines()[-1]) if out.strip() else {"messages": 0, "tokens": 0, "status": "killed"}
+    return Holding("node-grpc-js", run, held_s, ended, max_blocks, calls_after, read["messages"], 0, read["tokens"],
+                   read["status"][:160])
+
+
 def http_request(max_tokens: int, port: int) -> bytes:
     body = json.dumps({"prompt": PROMPT, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True,
                        "stream": True}).encode()
@@ -262,6 +299,8 @@ def run_all(args, model_dir: Path, log_dir: Path) -> list[Holding]:
                 print(f"[run {run}] {client}: {args.max_tokens} tokens asked", flush=True)
                 if client == "http-sse":
                     holding = run_http(run, args, http_port, watch, metrics_port)
+                elif client == "node-grpc-js":
+                    holding = run_node(run, args, services["gateway"].address, watch, metrics_port)
                 else:
                     holding = run_grpc(client, run, args, services["gateway"].address, watch, metrics_port)
                 reader_s = holding.held_s if client == "reads" else reader_s

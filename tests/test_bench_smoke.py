@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from tests.long_streams import long_context_model_dir  # noqa: F401 (a fixture)
+from tests.node_env import node_with
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 
@@ -397,3 +398,14 @@ def test_bench_slow_reader_holds_each_client_against_a_reader(long_context_model
     assert stalled["how_it_ended"].startswith("RESOURCE_EXHAUSTED: client is not reading: "), stalled["how_it_ended"]
     assert stalled["tokens_read"] < 600  # what its window held before the abort
     assert by_client["http-sse"]["ended"] in ("finished", "aborted") and by_client["http-sse"]["bytes_read"] > 0
+
+
+def test_bench_slow_reader_drives_the_node_client(long_context_model_dir, tmp_path):
+    node_with("@grpc/grpc-js")
+    report = run_bench("bench_slow_reader.py", ["--model", str(long_context_model_dir), "--max-tokens", "50",
+                                                "--clients", "node-grpc-js", "--linger-s", "0.2", "--out-dir", str(tmp_path)],
+                       tmp_path)
+    node = report["holdings"][-1]
+    assert node["client"] == "node-grpc-js"
+    # 50 one-token messages fit any window: the request finishes, and the client reads them all once told to.
+    assert (node["ended"], node["tokens_read"], node["how_it_ended"]) == ("finished", 50, "OK")

@@ -15,7 +15,7 @@ clients start at 64 KiB and, with BDP probing on (their default), grow it as dat
 about 4 MiB measured, whether or not the application reads (docs/reliability.md, "Slow readers").
 A client that never reads is bounded from the moment its window is full, not before; until
 then it costs the replica what a reader of the same request does (bench/bench_slow_reader.py:
-0.95-1.01x of a reader's time on an H100 and a CPU), and its request ends at its own max_tokens
+0.95-1.02x of a reader's time on an H100 and a CPU), and its request ends at its own max_tokens
 or deadline.
 """
 
