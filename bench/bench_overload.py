@@ -43,7 +43,6 @@ from google.rpc import error_details_pb2, status_pb2
 import bench_stack
 from metrics_scrape import sample_totals
 import stack_services
-from llmserve.tools.service_process import start_service, stop_service
 from llmserve.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -125,26 +124,9 @@ class ConfigResult:
 
 
 def start_stack(args, model_dir: Path, inference_flags: list[str], log_dir: Path, metrics_port: int) -> dict:
-    model = ["--model", str(model_dir)]
-    services = {}
-    try:
-        services["preprocess"] = start_service("preprocess", model, log_dir, timeout_s=args.startup_timeout_s)
-        services["inference"] = start_service(
-            "inference", [*model, "--device", args.device, "--metrics-port", str(metrics_port), *inference_flags,
-                          *args.inference_arg],
-            log_dir, timeout_s=args.startup_timeout_s)
-        services["gateway"] = start_service(
-            "gateway", [*model, "--preprocess", services["preprocess"].address,
-                        "--inference", services["inference"].address], log_dir, timeout_s=args.startup_timeout_s)
-    except BaseException:
-        stop_stack(services)
-        raise
-    return services
-
-
-def stop_stack(services: dict) -> None:
-    for service in reversed(list(services.values())):
-        stop_service(service)
+    return stack_services.start_stack(
+        model_dir, log_dir, timeout_s=args.startup_timeout_s,
+        inference_flags=["--device", args.device, "--metrics-port", str(metrics_port), *inference_flags, *args.inference_arg])
 
 
 def step_seconds(metrics_port: int) -> float:
@@ -275,7 +257,7 @@ def run_config(config: str, args, model_dir: Path, log_dir: Path) -> ConfigResul
         window_s = time.monotonic() - start if args.follow_hints else max(args.deadline_s, time.monotonic() - start)
         busy_fraction = (step_seconds(metrics_port) - before_s) / window_s
     finally:
-        stop_stack(services)
+        stack_services.stop_services(services)
     result = summarize(config, outcomes, busy_fraction)
     result.window_s = window_s
     print(f"[{config}] {result.num_ok} OK ({result.num_ok_after_retry} after a retry), {result.num_refused} refused, "

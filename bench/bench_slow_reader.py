@@ -51,8 +51,7 @@ import grpc
 import bench_stack
 from metrics_scrape import sample_totals
 from results_file import write_results
-from stack_services import free_port
-from llmserve.tools.service_process import start_service, stop_service
+import stack_services
 from llmserve.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc, inference_pb2, inference_pb2_grpc
 
 PROMPT = "Tell me a long story about a lighthouse keeper."
@@ -181,27 +180,40 @@ def gateway_calls(metrics_port: int) -> int:
     return round(sample_totals(metrics_port).get(IN_FLIGHT, 0.0))
 
 
-def run_grpc(client: str, run: int, args, gateway: str, watch: ReplicaWatch, metrics_port: int) -> Holding:
-    reads = client == "reads"
-    channel = grpc.insecure_channel(gateway, options=() if reads else GRPC_OPTIONS[client])
-    stub = gateway_pb2_grpc.GatewayServiceStub(channel)
-    before = watch.load()
-    started_s = time.monotonic()
-    stream = stub.GenerateStream(grpc_request(args.max_tokens), timeout=args.give_up_s + 120)
-    with ThreadPoolExecutor(1) as reader:
-        if reads:  # on its own thread, while the replica is polled here
-            read = reader.submit(read_grpc, stream)
-        else:
-            stream.initial_metadata()  # sent and started; from here on the client takes nothing
+def wait_unread(watch: ReplicaWatch, before: inference_pb2.GetLoadResponse, started_s: float, args,
+                metrics_port: int, give_up) -> tuple[float, str, int, int]:
+    """For a client that has read nothing yet: until_freed's seconds, ending and blocks, then the
+    calls the gateway still serves --linger-s later."""
+    held_s, ended, max_blocks = watch.until_freed(before, started_s, args.give_up_s, give_up)
+    time.sleep(args.linger_s)
+    return held_s, ended, max_blocks, gateway_calls(metrics_port)
+
+
+def run_reader(run: int, args, gateway: str, watch: ReplicaWatch, metrics_port: int) -> Holding:
+    """The baseline: a gRPC client that reads every message (on its own thread, while the replica
+    is polled here)."""
+    with grpc.insecure_channel(gateway) as channel, ThreadPoolExecutor(1) as reader:
+        before = watch.load()
+        started_s = time.monotonic()
+        stream = gateway_pb2_grpc.GatewayServiceStub(channel).GenerateStream(
+            grpc_request(args.max_tokens), timeout=args.give_up_s + 120)
+        read = reader.submit(read_grpc, stream)
         held_s, ended, max_blocks = watch.until_freed(before, started_s, args.give_up_s, stream.cancel)
-        if reads:
-            messages, num_bytes, tokens, status = read.result()
-    if not reads:
-        time.sleep(args.linger_s)
-    calls_after = gateway_calls(metrics_port)
-    if not reads:
+        messages, num_bytes, tokens, status = read.result()
+    return Holding("reads", run, held_s, ended, max_blocks, gateway_calls(metrics_port), messages, num_bytes, tokens,
+                   status)
+
+
+def run_grpc(client: str, run: int, args, gateway: str, watch: ReplicaWatch, metrics_port: int) -> Holding:
+    """A Python gRPC client with GRPC_OPTIONS[client] that reads nothing until the replica is done."""
+    with grpc.insecure_channel(gateway, options=GRPC_OPTIONS[client]) as channel:
+        before = watch.load()
+        started_s = time.monotonic()
+        stream = gateway_pb2_grpc.GatewayServiceStub(channel).GenerateStream(
+            grpc_request(args.max_tokens), timeout=args.give_up_s + 120)
+        stream.initial_metadata()  # sent and started; from here on the client takes nothing
+        held_s, ended, max_blocks, calls_after = wait_unread(watch, before, started_s, args, metrics_port, stream.cancel)
         messages, num_bytes, tokens, status = read_grpc(stream)
-    channel.close()
     return Holding(client, run, held_s, ended, max_blocks, calls_after, messages, num_bytes, tokens, status)
 
 
@@ -221,9 +233,7 @@ def run_node(run: int, args, gateway: str, watch: ReplicaWatch, metrics_port: in
     if first_line != "started":
         client.kill()
         raise RuntimeError(f"the Node client did not start its call: {first_line!r}")
-    held_s, ended, max_blocks = watch.until_freed(before, started_s, args.give_up_s, client.kill)
-    time.sleep(args.linger_s)
-    calls_after = gateway_calls(metrics_port)
+    held_s, ended, max_blocks, calls_after = wait_unread(watch, before, started_s, args, metrics_port, client.kill)
     out, _ = client.communicate("read\n", timeout=READ_BACK_TIMEOUT_S)  # now it reads, then prints what it got
     read = json.loads(out.strip().splitlines()[-1]) if out.strip() else {"messages": 0, "tokens": 0, "status": "killed"}
     return Holding("node-grpc-js", run, held_s, ended, max_blocks, calls_after, read["messages"], 0, read["tokens"],
@@ -260,36 +270,18 @@ def run_http(run: int, args, port: int, watch: ReplicaWatch, metrics_port: int) 
     before = watch.load()
     started_s = time.monotonic()
     sock.sendall(http_request(args.max_tokens, port))
-    held_s, ended, max_blocks = watch.until_freed(before, started_s, args.give_up_s, lambda: sock.shutdown(socket.SHUT_RDWR))
-    time.sleep(args.linger_s)
-    calls_after = gateway_calls(metrics_port)
+    held_s, ended, max_blocks, calls_after = wait_unread(watch, before, started_s, args, metrics_port,
+                                                         lambda: sock.shutdown(socket.SHUT_RDWR))
     messages, num_bytes, last = read_sse(sock)
     sock.close()
     return Holding("http-sse", run, held_s, ended, max_blocks, calls_after, messages, num_bytes, 0, last)
 
 
-def start_stack(args, model_dir: Path, log_dir: Path, http_port: int, metrics_port: int) -> dict:
-    model = ["--model", str(model_dir)]
-    services: dict = {}
-    try:
-        services["preprocess"] = start_service("preprocess", model, log_dir, timeout_s=args.startup_timeout_s)
-        services["inference"] = start_service(
-            "inference", [*model, "--device", args.device, *args.inference_arg], log_dir, timeout_s=args.startup_timeout_s)
-        services["gateway"] = start_service(
-            "gateway", [*model, "--preprocess", services["preprocess"].address, "--inference",
-                        services["inference"].address, "--http-port", str(http_port),
-                        "--metrics-port", str(metrics_port), *args.gateway_arg],
-            log_dir, timeout_s=args.startup_timeout_s)
-    except BaseException:
-        for service in reversed(list(services.values())):
-            stop_service(service)
-        raise
-    return services
-
-
 def run_all(args, model_dir: Path, log_dir: Path) -> list[Holding]:
-    http_port, metrics_port = free_port(), free_port()
-    services = start_stack(args, model_dir, log_dir, http_port, metrics_port)
+    http_port, metrics_port = stack_services.free_port(), stack_services.free_port()
+    services = stack_services.start_stack(
+        model_dir, log_dir, timeout_s=args.startup_timeout_s, inference_flags=["--device", args.device, *args.inference_arg],
+        gateway_flags=["--http-port", str(http_port), "--metrics-port", str(metrics_port), *args.gateway_arg])
     watch = ReplicaWatch(services["inference"].address)
     holdings = []
     try:
@@ -297,7 +289,9 @@ def run_all(args, model_dir: Path, log_dir: Path) -> list[Holding]:
             reader_s = None
             for client in args.clients:
                 print(f"[run {run}] {client}: {args.max_tokens} tokens asked", flush=True)
-                if client == "http-sse":
+                if client == "reads":
+                    holding = run_reader(run, args, services["gateway"].address, watch, metrics_port)
+                elif client == "http-sse":
                     holding = run_http(run, args, http_port, watch, metrics_port)
                 elif client == "node-grpc-js":
                     holding = run_node(run, args, services["gateway"].address, watch, metrics_port)
@@ -312,8 +306,7 @@ def run_all(args, model_dir: Path, log_dir: Path) -> list[Holding]:
                 holdings.append(holding)
     finally:
         watch.close()
-        for service in reversed(list(services.values())):
-            stop_service(service)
+        stack_services.stop_services(services)
     return holdings
 
 

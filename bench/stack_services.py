@@ -67,6 +67,23 @@ def start_services(path: str, args, options, model_dir: Path, log_dir: Path, htt
     return started
 
 
+def start_stack(model_dir: Path, log_dir: Path, *, inference_flags=(), gateway_flags=(), timeout_s: float) -> dict:
+    """Preprocess, inference and a gateway in front of them, on one model, started in order
+    (role → ServiceProcess; stop_services stops them)."""
+    model = ["--model", str(model_dir)]
+    started: dict = {}
+    try:
+        started["preprocess"] = start_service("preprocess", model, log_dir, timeout_s=timeout_s)
+        started["inference"] = start_service("inference", [*model, *inference_flags], log_dir, timeout_s=timeout_s)
+        started["gateway"] = start_service(
+            "gateway", [*model, "--preprocess", started["preprocess"].address, "--inference",
+                        started["inference"].address, *gateway_flags], log_dir, timeout_s=timeout_s)
+    except BaseException:
+        stop_services(started)
+        raise
+    return started
+
+
 def gateway_target(gateway, args, log_dir: Path) -> str:
     """The clients' target: the gateway's port, or with --balance-calls every worker's own port."""
     if not args.balance_calls:
