@@ -227,14 +227,17 @@ def node_client() -> str | None:
 def run_node(run: int, args, gateway: str, watch: ReplicaWatch, metrics_port: int) -> Holding:
     before = watch.load()
     started_s = time.monotonic()
-    client = subprocess.Popen([node_client(), str(NODE_CLIENT), gateway, str(args.max_tokens), PROMPT],
-                              stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
-    first_line = client.stdout.readline().strip()
-    if first_line != "started":
-        client.kill()
-        raise RuntimeError(f"the Node client did not start its call: {first_line!r}")
-    held_s, ended, max_blocks, calls_after = wait_unread(watch, before, started_s, args, metrics_port, client.kill)
-    out, _ = client.communicate("read\n", timeout=READ_BACK_TIMEOUT_S)  # now it reads, then prints what it got
+    with subprocess.Popen([node_client(), str(NODE_CLIENT), gateway, str(args.max_tokens), PROMPT],
+                          stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True) as client:
+        try:
+            first_line = client.stdout.readline().strip()
+            if first_line != "started":
+                raise RuntimeError(f"the Node client did not start its call: {first_line!r}")
+            held_s, ended, max_blocks, calls_after = wait_unread(watch, before, started_s, args, metrics_port, client.kill)
+            out, _ = client.communicate("read\n", timeout=READ_BACK_TIMEOUT_S)  # now it reads, then prints what it got
+        finally:
+            if client.poll() is None:  # a failure above: no client left behind
+                client.kill()
     read = json.loads(out.strip().splitlines()[-1]) if out.strip() else {"messages": 0, "tokens": 0, "status": "killed"}
     return Holding("node-grpc-js", run, held_s, ended, max_blocks, calls_after, read["messages"], 0, read["tokens"],
                    read["status"][:160])
@@ -266,14 +269,13 @@ def read_sse(sock: socket.socket) -> tuple[int, int, str]:
 
 
 def run_http(run: int, args, port: int, watch: ReplicaWatch, metrics_port: int) -> Holding:
-    sock = socket.create_connection(("127.0.0.1", port))
-    before = watch.load()
-    started_s = time.monotonic()
-    sock.sendall(http_request(args.max_tokens, port))
-    held_s, ended, max_blocks, calls_after = wait_unread(watch, before, started_s, args, metrics_port,
-                                                         lambda: sock.shutdown(socket.SHUT_RDWR))
-    messages, num_bytes, last = read_sse(sock)
-    sock.close()
+    with socket.create_connection(("127.0.0.1", port)) as sock:
+        before = watch.load()
+        started_s = time.monotonic()
+        sock.sendall(http_request(args.max_tokens, port))
+        held_s, ended, max_blocks, calls_after = wait_unread(watch, before, started_s, args, metrics_port,
+                                                             lambda: sock.shutdown(socket.SHUT_RDWR))
+        messages, num_bytes, last = read_sse(sock)
     return Holding("http-sse", run, held_s, ended, max_blocks, calls_after, messages, num_bytes, 0, last)
 
 
